@@ -1,0 +1,201 @@
+"""vitlab.record against independent eager computations, on random-initialised real
+architectures (timm with fused attention on, DeiT-distilled, DINOv2 with registers, and
+Hugging Face ViT / Dinov2 under SDPA)."""
+import copy
+import types
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+import vitlab
+from vitlab.models import load_model
+
+
+def model_state(model):
+    """Everything record() must leave untouched."""
+    hooks = []
+    for name, m in model.named_modules():
+        hooks.append((name, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
+                      len(getattr(m, "_forward_hooks_with_kwargs", {}))))
+    flags = [(n, m.fused_attn) for n, m in model.named_modules() if hasattr(m, "fused_attn")]
+    configs = sorted({(id(m.config), m.config._attn_implementation) for m in model.modules()
+                      if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")})
+    grads = [(n, p.requires_grad) for n, p in model.named_parameters()]
+    modes = [(n, m.training) for n, m in model.named_modules()]
+    return hooks, flags, configs, grads, modes
+
+
+# ----------------------------------------------------------------------------- timm
+def eager_reference(model, x):
+    """Independent eager forward of a timm ViT: a deep copy whose attention modules run a
+    hand-written softmax attention that keeps the attention tensors (with their grads)."""
+    ref = copy.deepcopy(model)
+    kept = []
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        a = torch.softmax((q * self.scale) @ k.transpose(-2, -1), dim=-1)
+        if a.requires_grad:
+            a.retain_grad()
+        kept.append((a, q, k, v))
+        out = (a @ v).transpose(1, 2).reshape(B, N, -1)
+        return self.proj(self.norm(out))
+
+    for blk in ref.blocks:
+        blk.attn.forward = types.MethodType(forward, blk.attn)
+    return ref, kept
+
+
+TIMM_CASES = [
+    ("deit_tiny_patch16_224", {}, 1, (14, 14)),
+    ("deit_tiny_distilled_patch16_224", {}, 2, (14, 14)),
+    ("vit_small_patch14_reg4_dinov2", {"img_size": 126}, 5, (9, 9)),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,prefix,grid", TIMM_CASES)
+def test_timm_attention_and_gradients_equal_eager(name, kwargs, prefix, grid):
+    model = timm.create_model(name, pretrained=False, **kwargs).eval()
+    assert all(blk.attn.fused_attn for blk in model.blocks)  # the hard case: fused on
+    before = model_state(model)
+    x = torch.randn(2, 3, *model.patch_embed.img_size)
+    with torch.no_grad():
+        plain = model(x)
+
+    with vitlab.record(model, gradients=True) as rec:
+        logits = model(x)
+        logits[:, 1].sum().backward()
+    model.zero_grad(set_to_none=True)
+
+    ref, kept = eager_reference(model, x)
+    ref_logits = ref(x)
+    ref_logits[:, 1].sum().backward()
+
+    layout = vitlab.token_layout(model)
+    assert (layout.num_prefix, layout.grid) == (prefix, grid)
+    assert rec.layout == layout
+    n = layout.num_tokens
+    assert len(rec.attentions) == len(model.blocks) == len(rec.attention_grads) == len(rec.hidden_states)
+    torch.testing.assert_close(logits.detach(), plain, atol=1e-5, rtol=0)
+    for l, (a, q, k, v) in enumerate(kept):
+        assert rec.attentions[l].shape == (2, model.blocks[l].attn.num_heads, n, n)
+        torch.testing.assert_close(rec.attentions[l].detach(), a.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(rec.queries[l].detach(), q.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(rec.keys[l].detach(), k.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(rec.values[l].detach(), v.detach(), atol=1e-5, rtol=0)
+        # gradients in the same (forward) order as the attentions
+        torch.testing.assert_close(rec.attention_grads[l], a.grad, atol=1e-6, rtol=1e-4)
+    # rows are probability distributions
+    torch.testing.assert_close(rec.attentions[0].sum(-1), torch.ones(2, model.blocks[0].attn.num_heads, n))
+    # the residual stream after the last block is what the final norm sees
+    torch.testing.assert_close(model.norm(rec.hidden_states[-1]).detach(),
+                               model.forward_features(x).detach(), atol=1e-5, rtol=0)
+    assert model_state(model) == before
+
+
+def test_batch_equals_items_one_by_one():
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+    x = torch.randn(3, 3, 224, 224)
+    with torch.no_grad(), vitlab.record(model) as rec:
+        model(x)
+    for i in range(3):
+        with torch.no_grad(), vitlab.record(model) as one:
+            model(x[i:i + 1])
+        for l in (0, 5, 11):
+            torch.testing.assert_close(rec.attentions[l][i:i + 1], one.attentions[l], atol=1e-5, rtol=0)
+
+
+def test_mlp_activations_are_gelu_of_fc1():
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad(), vitlab.record(model, mlp=True) as rec:
+        model(x)
+    blk = model.blocks[3]
+    h = rec.hidden_states[2]
+    h = h + blk.ls1(blk.attn(blk.norm1(h)))
+    expect = F.gelu(F.linear(blk.norm2(h), blk.mlp.fc1.weight, blk.mlp.fc1.bias))
+    assert rec.mlp_activations[3].shape == (1, 197, 768)
+    torch.testing.assert_close(rec.mlp_activations[3], expect, atol=1e-5, rtol=0)
+
+
+def test_state_restored_after_exception_in_forward_and_in_block():
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    before = model_state(model)
+    with pytest.raises(Exception):
+        with vitlab.record(model, gradients=True):
+            model(torch.randn(1, 3, 100, 100))  # wrong size: timm raises inside the forward
+    assert model_state(model) == before
+    with pytest.raises(KeyError):
+        with vitlab.record(model):
+            model(torch.randn(1, 3, 224, 224))
+            raise KeyError("user code failed")
+    assert model_state(model) == before
+    model.train()
+    before = model_state(model)
+    with vitlab.record(model):
+        model(torch.randn(1, 3, 224, 224))
+    assert model_state(model) == before
+
+
+def test_non_vit_model_gets_type_error():
+    resnet = timm.create_model("resnet18", pretrained=False)
+    with pytest.raises(TypeError, match="timm VisionTransformer"):
+        with vitlab.record(resnet):
+            pass
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        with vitlab.record("deit_tiny_patch16_224"):
+            pass
+
+
+def test_missing_gradients_are_explained():
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+    with torch.no_grad(), vitlab.record(model) as rec:
+        model(torch.randn(1, 3, 224, 224))
+    with pytest.raises(RuntimeError, match="gradients=True"):
+        rec.attention_grads
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+@pytest.mark.parametrize("repo", ["google/vit-base-patch16-224", "facebook/dinov2-small"])
+def test_hf_sdpa_attention_and_gradients_equal_eager(repo):
+    model = load_model(repo, pretrained=False)
+    if repo.startswith("google"):  # a smaller copy of the same architecture keeps the test fast
+        model = type(model)(model.config.__class__(**{**model.config.to_dict(), "num_hidden_layers": 4})).eval()
+    assert model.config._attn_implementation == "sdpa"
+    before = model_state(model)
+    x = torch.randn(2, 3, 224, 224)
+
+    def out_of(o):
+        return o.logits if hasattr(o, "logits") else o.last_hidden_state[:, 0]
+
+    with torch.no_grad():
+        plain = out_of(model(x))
+    with vitlab.record(model, gradients=True) as rec:
+        y = out_of(model(x))
+        y[:, 0].sum().backward()
+    model.zero_grad(set_to_none=True)
+    assert model_state(model) == before
+    torch.testing.assert_close(y.detach(), plain, atol=1e-5, rtol=0)
+
+    # independent: Hugging Face's own eager path with output_attentions on a copy
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    out = ref(x, output_attentions=True, output_hidden_states=True)
+    for a in out.attentions:
+        a.retain_grad()
+    out_of(out)[:, 0].sum().backward()
+    assert len(rec.attentions) == len(out.attentions) == model.config.num_hidden_layers
+    grid = (224 // model.config.patch_size,) * 2
+    assert rec.layout.grid == grid and rec.layout.num_prefix == 1
+    for l, a in enumerate(out.attentions):
+        torch.testing.assert_close(rec.attentions[l].detach(), a.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(rec.attention_grads[l], a.grad, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(rec.hidden_states[l].detach(), out.hidden_states[l + 1].detach(),
+                                   atol=1e-5, rtol=0)

@@ -1,0 +1,49 @@
+"""vitlab: look inside Vision Transformers.
+
+The public API (names are fixed; the notebooks and chapters use them):
+
+- :func:`load_model`, :func:`preprocess`, :func:`load_image` — models and inputs
+- :func:`token_layout` — prefix tokens and patch grid of a model
+- :func:`record` — the true attention (and its gradient), queries, keys, values and
+  hidden states of every block, without changing the model
+- :mod:`vitlab.plot` — overlays and grids of maps
+
+Attributes are imported on first use, so ``import vitlab`` stays quick.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# Imported eagerly: these are light, and ``vitlab.record`` must stay the function even after
+# someone imports the module ``vitlab.record`` directly.
+from vitlab.layout import TokenLayout, token_layout
+from vitlab.record import Recording, record
+from vitlab.models import EMBEDDED_MODELS, ModelUnavailableError, load_model, preprocess
+
+# public name -> module that defines it
+_EXPORTS = {
+    "load_image": "vitlab.images",
+}
+_SUBMODULES = {"plot", "images", "shapes", "imgfocus"}
+
+__all__ = [
+    "__version__", "TokenLayout", "token_layout", "Recording", "record", "EMBEDDED_MODELS",
+    "ModelUnavailableError", "load_model", "preprocess", *_EXPORTS, *sorted(_SUBMODULES),
+]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"vitlab.{name}")
+    else:
+        raise AttributeError(f"module 'vitlab' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

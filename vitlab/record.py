@@ -1,0 +1,339 @@
+"""Record what a Vision Transformer computes: attention (and its gradient), queries, keys,
+values, hidden states and MLP activations of every block, without changing the model.
+
+This is the only module in vitlab that registers hooks or flips a model's flags. Methods
+(rollout, relevance, projection, ...) read a :class:`Recording`.
+
+Why it is needed: timm's ``Attention`` computes attention with
+``F.scaled_dot_product_attention`` when ``attn.fused_attn`` is True (the default), and
+Hugging Face ViTs run SDPA by default; in both the softmax matrix is never materialised, so
+a hook sees nothing. While recording, vitlab switches every attention module to its eager
+path (mathematically the same computation), hooks the post-softmax matrix the model
+really multiplies with the values, and on exit — also when the forward raises — puts every
+flag back and removes every hook.
+
+Usage::
+
+    with vitlab.record(model, gradients=True) as rec:
+        logits = model(x)
+        logits[:, 3].sum().backward()
+    rec.attentions[l]       # B x heads x N x N, post-softmax
+    rec.attention_grads[l]  # B x heads x N x N, d(output)/d(attention), same order
+
+Each attention module feeds one *stream* of captures. ViTs have a single stream,
+``"self"``; chapter 5's LXMERT and DETR adapters add streams for language, vision and
+cross-attention through the same :class:`Recording`.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from vitlab.layout import TokenLayout, is_hf_model, is_timm_vit, token_layout
+
+SUPPORTED = (
+    "timm VisionTransformer models (ViT, DeiT, DeiT-distilled, DINOv2, DINOv2 with registers, "
+    "and vitlab's embedded models) and Hugging Face ViT, DeiT and Dinov2 models"
+)
+
+
+@dataclass
+class AttentionCapture:
+    """What one attention module computed in one forward pass."""
+
+    name: str                                  # module path in the model
+    attention: torch.Tensor | None = None      # B x heads x Nq x Nk, post-softmax
+    query: torch.Tensor | None = None          # B x heads x Nq x head_dim
+    key: torch.Tensor | None = None            # B x heads x Nk x head_dim
+    value: torch.Tensor | None = None          # B x heads x Nk x head_dim
+    grad: torch.Tensor | None = None           # d(output)/d(attention), filled by backward
+
+
+@dataclass
+class Recording:
+    """Everything recorded inside one ``with vitlab.record(model)`` block.
+
+    Lists are in the order the modules ran (block order for a ViT). Tensors stay attached
+    to the autograd graph when ``gradients=True`` (or ``detach=False``), so they can be
+    differentiated; otherwise they are detached.
+    """
+
+    layout: TokenLayout | None = None
+    streams: dict[str, list[AttentionCapture]] = field(default_factory=dict)
+    hidden_states: list[torch.Tensor] = field(default_factory=list)
+    mlp_activations: list[torch.Tensor] = field(default_factory=list)
+    default_stream: str = "self"
+
+    def stream(self, name: str | None = None) -> list[AttentionCapture]:
+        name = self.default_stream if name is None else name
+        if name not in self.streams:
+            raise KeyError(f"no attention stream {name!r} was recorded; recorded: {sorted(self.streams)}")
+        return self.streams[name]
+
+    def _field(self, attr: str) -> list[torch.Tensor]:
+        return [getattr(c, attr) for c in self.streams.get(self.default_stream, [])]
+
+    @property
+    def attentions(self) -> list[torch.Tensor]:
+        return self._field("attention")
+
+    @property
+    def queries(self) -> list[torch.Tensor]:
+        return self._field("query")
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return self._field("key")
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return self._field("value")
+
+    @property
+    def attention_grads(self) -> list[torch.Tensor]:
+        grads = self._field("grad")
+        if any(g is None for g in grads):
+            raise RuntimeError(
+                "attention gradients are missing: use vitlab.record(model, gradients=True) and call "
+                "backward() on the output inside the with-block"
+            )
+        return grads
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.streams.get(self.default_stream, []))
+
+
+# --------------------------------------------------------------------------------------
+# Adapters: each knows one family's modules. They return the restore actions they need.
+# --------------------------------------------------------------------------------------
+class _Session:
+    """Hooks and flag changes of one recording; ``close()`` undoes all of them."""
+
+    def __init__(self, rec: Recording, gradients: bool, detach: bool):
+        self.rec = rec
+        self.gradients = gradients
+        self.detach = detach
+        self._undo: list[Callable[[], None]] = []
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach() if self.detach else t
+
+    def hook(self, module: nn.Module, fn, pre: bool = False) -> None:
+        handle = module.register_forward_pre_hook(fn) if pre else module.register_forward_hook(fn)
+        self._undo.append(handle.remove)
+
+    def set_attr(self, obj, name: str, value) -> None:
+        old = obj.__dict__[name] if name in obj.__dict__ else getattr(obj, name)
+        had_own = name in obj.__dict__
+        setattr(obj, name, value)
+
+        def restore(obj=obj, name=name, old=old, had_own=had_own):
+            if had_own:
+                obj.__dict__[name] = old
+            else:
+                setattr(obj, name, old)
+
+        self._undo.append(restore)
+
+    def capture_attention(self, cap: AttentionCapture, probs: torch.Tensor, used: torch.Tensor) -> None:
+        """``probs``: the post-softmax matrix; ``used``: the tensor multiplied with V."""
+        cap.attention = self.keep(probs)
+        if self.gradients and used.requires_grad:
+            def on_grad(g, cap=cap):
+                cap.grad = g.detach()
+            used.register_hook(on_grad)
+
+    def close(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def _split_heads(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    B, N, D = t.shape
+    return t.reshape(B, N, num_heads, D // num_heads).transpose(1, 2)
+
+
+def _timm_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(block name, block, attention module) for every timm Attention-like block."""
+    found = []
+    for name, block in model.named_modules():
+        attn = getattr(block, "attn", None)
+        if (
+            isinstance(attn, nn.Module)
+            and hasattr(attn, "fused_attn")
+            and isinstance(getattr(attn, "attn_drop", None), nn.Module)
+            and hasattr(attn, "qkv")
+            and hasattr(attn, "num_heads")
+        ):
+            found.append((name, block, attn))
+    return found
+
+
+def _mlp_activation_module(block: nn.Module) -> nn.Module | None:
+    mlp = getattr(block, "mlp", None)
+    if mlp is None:
+        return None
+    for attr in ("act", "activation", "activation_fn", "intermediate_act_fn"):
+        m = getattr(mlp, attr, None)
+        if isinstance(m, nn.Module):
+            return m
+    return None
+
+
+def _attach_timm(model: nn.Module, s: _Session, mlp: bool) -> None:
+    blocks = _timm_attention_modules(model)
+    stream = s.rec.streams.setdefault("self", [])
+    for block_name, block, attn in blocks:
+        s.set_attr(attn, "fused_attn", False)
+        current: dict[str, AttentionCapture] = {}
+        H = attn.num_heads
+
+        def on_qkv(mod, inp, out, current=current, block_name=block_name, H=H, attn=attn):
+            cap = AttentionCapture(name=f"{block_name}.attn")
+            current["cap"] = cap
+            stream.append(cap)
+            B, N, _ = out.shape
+            # qkv: B x N x (3 * heads * head_dim) -> V is the third slice (no norm on V)
+            cap.value = s.keep(out.reshape(B, N, 3, H, -1)[:, :, 2].transpose(1, 2))
+
+        def on_q(mod, inp, out, current=current):
+            current["cap"].query = s.keep(out)
+
+        def on_k(mod, inp, out, current=current):
+            current["cap"].key = s.keep(out)
+
+        def on_drop(mod, inp, out, current=current):
+            s.capture_attention(current["cap"], inp[0], out)
+
+        s.hook(attn.qkv, on_qkv)
+        s.hook(attn.q_norm, on_q)
+        s.hook(attn.k_norm, on_k)
+        s.hook(attn.attn_drop, on_drop)
+        s.hook(block, lambda mod, inp, out: s.rec.hidden_states.append(s.keep(out)))
+        if mlp:
+            act = _mlp_activation_module(block)
+            if act is None:
+                raise TypeError(f"block {block_name} has no MLP activation module to record")
+            s.hook(act, lambda mod, inp, out: s.rec.mlp_activations.append(s.keep(out)))
+
+
+def _hf_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(layer name, layer, attention) for HF ViT-family layers (q_proj/k_proj/v_proj style)."""
+    found = []
+    for name, layer in model.named_modules():
+        attn = getattr(layer, "attention", None)
+        if isinstance(attn, nn.Module) and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj")):
+            found.append((name, layer, attn))
+    return found
+
+
+def _hf_configs(model: nn.Module) -> list:
+    seen, configs = set(), []
+    todo = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        configs.append(c)
+        for key in getattr(c, "sub_configs", {}) or {}:
+            sub = getattr(c, key, None)
+            if sub is not None:
+                todo.append(sub)
+    return configs
+
+
+def _attach_hf(model: nn.Module, s: _Session, mlp: bool) -> None:
+    layers = _hf_attention_modules(model)
+    for config in _hf_configs(model):
+        # set the internal attribute directly: no recursion, exact restore
+        s.set_attr(config, "_attn_implementation_internal", "eager")
+    stream = s.rec.streams.setdefault("self", [])
+    for layer_name, layer, attn in layers:
+        H = attn.num_attention_heads if hasattr(attn, "num_attention_heads") else attn.config.num_attention_heads
+        current: dict[str, AttentionCapture] = {}
+
+        def on_q(mod, inp, out, current=current, layer_name=layer_name, H=H):
+            cap = AttentionCapture(name=f"{layer_name}.attention")
+            current["cap"] = cap
+            stream.append(cap)
+            cap.query = s.keep(_split_heads(out, H))
+
+        def on_k(mod, inp, out, current=current, H=H):
+            current["cap"].key = s.keep(_split_heads(out, H))
+
+        def on_v(mod, inp, out, current=current, H=H):
+            current["cap"].value = s.keep(_split_heads(out, H))
+
+        def on_attn(mod, inp, out, current=current):
+            weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if weights is None:
+                raise RuntimeError(f"{type(mod).__name__} returned no attention weights in eager mode")
+            # eager_attention_forward returns the (post-dropout) matrix it multiplied with V;
+            # in eval mode that is the post-softmax attention itself.
+            s.capture_attention(current["cap"], weights, weights)
+
+        s.hook(attn.q_proj, on_q)
+        s.hook(attn.k_proj, on_k)
+        s.hook(attn.v_proj, on_v)
+        s.hook(attn, on_attn)
+        s.hook(layer, lambda mod, inp, out: s.rec.hidden_states.append(s.keep(out[0] if isinstance(out, tuple) else out)))
+        if mlp:
+            act = _mlp_activation_module(layer)
+            if act is None:
+                raise TypeError(f"layer {layer_name} has no MLP activation module to record")
+            s.hook(act, lambda mod, inp, out: s.rec.mlp_activations.append(s.keep(out)))
+
+
+def _adapter_for(model: nn.Module):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"vitlab.record expects a torch.nn.Module, got {type(model).__name__}")
+    if is_timm_vit(model) and _timm_attention_modules(model):
+        return _attach_timm
+    if is_hf_model(model) and _hf_attention_modules(model):
+        return _attach_hf
+    raise TypeError(
+        f"{type(model).__name__} has no attention blocks vitlab can record. Supported: {SUPPORTED}."
+    )
+
+
+@contextlib.contextmanager
+def record(
+    model: nn.Module, gradients: bool = False, mlp: bool = False, detach: bool | None = None
+) -> Iterator[Recording]:
+    """Record every attention block of ``model`` during the forward passes in the block.
+
+    Args:
+        model: a supported ViT (see ``SUPPORTED``); left exactly as it was on exit.
+        gradients: also record ``d(output)/d(attention)`` per layer; call ``backward()``
+            inside the with-block.
+        mlp: also record each block's MLP hidden activation (after the non-linearity),
+            ``rec.mlp_activations[l]`` of shape B x N x hidden.
+        detach: store detached tensors (default: detached unless ``gradients``).
+
+    Raises:
+        TypeError: the model has no attention blocks of a supported family.
+    """
+    attach = _adapter_for(model)
+    rec = Recording(layout=None)
+    session = _Session(rec, gradients=gradients, detach=(not gradients) if detach is None else detach)
+
+    def on_input(mod, args, kwargs):
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(x, torch.Tensor) and x.ndim == 4:
+            rec.layout = token_layout(model, x)
+
+    try:
+        handle = model.register_forward_pre_hook(on_input, with_kwargs=True)
+        session._undo.append(handle.remove)
+        attach(model, session, mlp)
+        if rec.layout is None:
+            rec.layout = token_layout(model)
+        yield rec
+    finally:
+        session.close()
