@@ -1,0 +1,107 @@
+"""load_model, preprocess and token_layout: offline behaviour, shapes, and the model's own
+preprocessing, checked on random-initialised real architectures."""
+import time
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+
+import vitlab
+from vitlab import models
+
+
+def test_unknown_name_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown model 'deit_tinny_patch16_224'"):
+        vitlab.load_model("deit_tinny_patch16_224")
+    with pytest.raises(ValueError, match="non-empty string"):
+        vitlab.load_model("")
+
+
+@pytest.mark.parametrize("offline", [True, False])
+@pytest.mark.parametrize("name", ["deit_tiny_patch16_224", "google/vit-base-patch16-224"])
+def test_missing_weights_fail_fast_with_instructions(monkeypatch, name, offline):
+    monkeypatch.setattr(models, "_hf_cached", lambda repo, files: False)
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:  # online mode, but the hub does not answer: a closed local port stands in for it
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(models, "_hf_endpoint", lambda: "http://127.0.0.1:9")
+    t0 = time.perf_counter()
+    with pytest.raises(vitlab.ModelUnavailableError) as info:
+        vitlab.load_model(name)
+    assert time.perf_counter() - t0 < 5.0
+    msg = str(info.value)
+    assert repr(name) in msg and "pre-download" in msg
+    for embedded in vitlab.EMBEDDED_MODELS:
+        assert embedded in msg
+
+
+@pytest.mark.parametrize("name,cls,prefix,grid", [
+    ("deit_tiny_patch16_224", "VisionTransformer", 1, (14, 14)),
+    ("deit_tiny_distilled_patch16_224", "VisionTransformerDistilled", 2, (14, 14)),
+    ("vit_small_patch14_reg4_dinov2", "VisionTransformer", 5, (37, 37)),
+    ("facebook/deit-tiny-patch16-224", "ViTForImageClassification", 1, (14, 14)),
+    ("facebook/dinov2-small", "Dinov2Model", 1, (37, 37)),
+])
+def test_random_weights_same_architecture_in_eval_mode(name, cls, prefix, grid):
+    model = vitlab.load_model(name, pretrained=False)
+    assert type(model).__name__ == cls
+    assert not model.training
+    layout = vitlab.token_layout(model)
+    assert (layout.num_prefix, layout.grid) == (prefix, grid)
+    assert layout.num_tokens == prefix + grid[0] * grid[1]
+
+
+def test_layout_follows_the_input_for_resizable_models():
+    model = vitlab.load_model("facebook/dinov2-small", pretrained=False)
+    assert vitlab.token_layout(model, torch.zeros(1, 3, 224, 224)).grid == (16, 16)
+    assert vitlab.token_layout(model, (112, 140)).grid == (8, 10)
+    vit = timm.create_model("deit_tiny_patch16_224", pretrained=False)
+    with pytest.raises(ValueError, match="224 x 224"):
+        vitlab.token_layout(vit, (112, 112))
+
+
+def test_layout_maps_tokens_to_grid():
+    layout = vitlab.TokenLayout(num_prefix=2, grid=(2, 3))
+    tokens = torch.arange(8.0)
+    assert layout.patches_to_grid(tokens).tolist() == [[2, 3, 4], [5, 6, 7]]
+    assert layout.patches_to_grid(tokens[2:]).tolist() == [[2, 3, 4], [5, 6, 7]]
+    with pytest.raises(ValueError, match="8 .* or 6"):
+        layout.patches_to_grid(torch.zeros(5))
+
+
+def test_token_layout_rejects_non_vits():
+    with pytest.raises(TypeError, match="not a supported Vision Transformer"):
+        vitlab.token_layout(timm.create_model("resnet18", pretrained=False))
+
+
+def _solid(h, w, rgb):
+    return Image.fromarray(np.full((h, w, 3), rgb, dtype=np.uint8))
+
+
+def test_preprocess_uses_the_timm_data_config():
+    model = vitlab.load_model("deit_tiny_patch16_224", pretrained=False)
+    x = vitlab.preprocess(_solid(300, 200, (255, 128, 0)), model)
+    assert x.shape == (1, 3, 224, 224)
+    mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+    expect = (np.array([255, 128, 0]) / 255.0 - mean) / std
+    np.testing.assert_allclose(x[0, :, 100, 100].numpy(), expect, atol=1e-5)
+
+
+def test_preprocess_uses_the_hf_processor_settings():
+    model = vitlab.load_model("google/vit-base-patch16-224", pretrained=False)
+    # a left/right split image: the squash resize of ViT's processor keeps both halves
+    arr = np.zeros((100, 400, 3), dtype=np.uint8)
+    arr[:, 200:] = 255
+    x = vitlab.preprocess(Image.fromarray(arr), model)
+    assert x.shape == (1, 3, 224, 224)
+    np.testing.assert_allclose(x[0, :, 112, 5].numpy(), [-1.0] * 3, atol=1e-5)   # (0 - .5) / .5
+    np.testing.assert_allclose(x[0, :, 112, 218].numpy(), [1.0] * 3, atol=1e-5)  # (1 - .5) / .5
+
+
+def test_preprocess_lands_on_the_models_device():
+    model = vitlab.load_model("deit_tiny_patch16_224", pretrained=False)
+    x = vitlab.preprocess(np.zeros((32, 32, 3), dtype=np.uint8), model)
+    assert x.device == next(model.parameters()).device

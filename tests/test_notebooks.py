@@ -1,0 +1,39 @@
+"""The notebook runner, and what every notebook must hold for nbval and the figures."""
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from vitlab import notebooks as runner
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_runner_executes_and_writes_figures(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+                                  "%matplotlib inline"),
+        nbformat.v4.new_code_cell("plt.plot([1, 2, 3]); plt.show()"),
+        nbformat.v4.new_code_cell("print(6 * 7)"),
+        nbformat.v4.new_code_cell("fig, ax = plt.subplots(); ax.imshow([[0, 1]]); plt.show()"),
+    ]
+    src = tmp_path / "nb"
+    src.mkdir()
+    nbformat.write(nb, src / "01_demo.ipynb")
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 / 0")]), src / "02_broken.ipynb")
+    figs = tmp_path / "figs"
+    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--only", "demo"]) == 0
+    written = sorted(p.name for p in (figs / "01_demo").glob("*.png"))
+    assert written == ["01_cell01.png", "02_cell03.png"]
+    assert (figs / "01_demo" / "01_cell01.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert runner.main(["--notebooks", str(src), "--figures", str(figs)]) == 1
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_has_a_checked_output_cell(path):
+    nb = json.loads(path.read_text())
+    checked = [c for c in nb["cells"] if c["cell_type"] == "code"
+               and "# NBVAL_CHECK_OUTPUT" in "".join(c["source"]) and c.get("outputs")]
+    assert checked, f"{path.name}: no cell marked '# NBVAL_CHECK_OUTPUT' with a stored output for nbval to check"
