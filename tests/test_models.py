@@ -105,3 +105,32 @@ def test_preprocess_lands_on_the_models_device():
     model = vitlab.load_model("deit_tiny_patch16_224", pretrained=False)
     x = vitlab.preprocess(np.zeros((32, 32, 3), dtype=np.uint8), model)
     assert x.device == next(model.parameters()).device
+
+
+def test_fallback_only_on_unavailable_weights(monkeypatch, capsys):
+    calls = []
+
+    def fake_load(name, pretrained=True, **kw):
+        calls.append((name, kw))
+        if name == "deit_tiny_patch16_224":
+            raise vitlab.ModelUnavailableError("no weights here")
+        return timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+
+    monkeypatch.setattr(models, "load_model", fake_load)
+    model, ran = models.load_model_or_fallback("deit_tiny_patch16_224", "shapes-vit-tiny",
+                                               fallback_kwargs={"x": 1})
+    assert ran == "shapes-vit-tiny" and calls[-1] == ("shapes-vit-tiny", {"x": 1})
+    assert "Running on shapes-vit-tiny" in capsys.readouterr().out
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (_ for _ in ()).throw(ValueError("typo")))
+    with pytest.raises(ValueError, match="typo"):
+        models.load_model_or_fallback("deit_tinny", "shapes-vit-tiny")
+
+
+def test_preprocess_batch_equals_items():
+    model = vitlab.load_model("deit_tiny_patch16_224", pretrained=False)
+    imgs = np.random.default_rng(0).integers(0, 256, size=(3, 64, 64, 3), dtype=np.uint8)
+    xb = vitlab.preprocess_batch(imgs, model)
+    assert xb.shape == (3, 3, 224, 224)
+    torch.testing.assert_close(xb[1:2], vitlab.preprocess(imgs[1], model))
+    with pytest.raises(ValueError, match="one image"):
+        vitlab.preprocess_batch(imgs[0], model)

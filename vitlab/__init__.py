@@ -20,7 +20,9 @@ __version__ = "0.1.0"
 # someone imports the module ``vitlab.record`` directly.
 from vitlab.layout import TokenLayout, token_layout
 from vitlab.record import Recording, record
-from vitlab.models import EMBEDDED_MODELS, ModelUnavailableError, load_model, preprocess
+from vitlab.models import (
+    EMBEDDED_MODELS, ModelUnavailableError, load_model, load_model_or_fallback, preprocess, preprocess_batch,
+)
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -30,7 +32,7 @@ _SUBMODULES = {"plot", "images", "shapes", "imgfocus"}
 
 __all__ = [
     "__version__", "TokenLayout", "token_layout", "Recording", "record", "EMBEDDED_MODELS",
-    "ModelUnavailableError", "load_model", "preprocess", *_EXPORTS, *sorted(_SUBMODULES),
+    "ModelUnavailableError", "load_model", "load_model_or_fallback", "preprocess", "preprocess_batch", *_EXPORTS, *sorted(_SUBMODULES),
 ]
 
 

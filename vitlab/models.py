@@ -13,6 +13,7 @@ import socket
 import urllib.parse
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -275,3 +276,31 @@ def preprocess(image, model: nn.Module) -> torch.Tensor:
     x = transform(img).unsqueeze(0)
     param = next(model.parameters(), None)
     return x.to(param.device) if param is not None else x
+
+
+def load_model_or_fallback(preferred: str, fallback: str, pretrained: bool = True,
+                           fallback_kwargs: dict | None = None, **kwargs) -> tuple[nn.Module, str]:
+    """Load ``preferred``; if its weights cannot be had here, load the embedded ``fallback``.
+
+    Returns ``(model, name_that_ran)`` and prints one line saying which model runs, so a
+    notebook states it. Only :class:`ModelUnavailableError` triggers the fallback; any other
+    error (a typo in a name, say) is raised.
+    """
+    try:
+        model = load_model(preferred, pretrained=pretrained, **kwargs)
+        print(f"Running on {preferred}.")
+        return model, preferred
+    except ModelUnavailableError:
+        model = load_model(fallback, pretrained=pretrained, **(fallback_kwargs or {}))
+        print(f"Running on {fallback} ({preferred} is not downloadable here).")
+        return model, fallback
+
+
+def preprocess_batch(images, model: nn.Module) -> torch.Tensor:
+    """A batch of images (``N x H x W x 3`` uint8 array, or a sequence of images) ->
+    ``N x 3 x H' x W'``, each through :func:`preprocess`."""
+    if isinstance(images, np.ndarray) and images.ndim == 3:
+        raise ValueError(f"expected a batch N x H x W x 3, got one image of shape {images.shape}; use preprocess()")
+    if len(images) == 0:
+        raise ValueError("preprocess_batch got an empty batch")
+    return torch.cat([preprocess(img, model) for img in images])
