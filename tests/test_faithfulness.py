@@ -59,3 +59,148 @@ def test_bad_shapes_are_value_errors():
         fa.mass_on_object(torch.zeros(1, 2, 2), np.ones((1, 4, 4), bool))
     with pytest.raises(ValueError, match="min_coverage"):
         fa.pointing_game(torch.zeros(1, 2, 2), np.zeros((1, 4, 4), bool), min_coverage=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles and graded methods over many scenes
+# ---------------------------------------------------------------------------------------------
+from timm.models.vision_transformer import VisionTransformer  # noqa: E402
+
+from vitlab.attention import (  # noqa: E402
+    attention_gradcam, attention_gradients, cls_attention, raw_attention,
+)
+from vitlab.relevance import chefer_relevance  # noqa: E402
+from vitlab.rollout import grad_rollout, rollout  # noqa: E402
+
+
+def _tiny_vit(seed=0):
+    """A random timm ViT, 32 px, 4 x 4 patch grid, 5 classes, weights large enough to give
+    peaked attention (so maps differ from method to method)."""
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=5)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
+def _inputs(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 32, 32, generator=g)
+    masks = torch.zeros(n, 2, 32, 32, dtype=torch.bool)
+    for i in range(n):                       # two disjoint 8 x 16 objects at varying places
+        r = i % 3 * 8
+        masks[i, 0, r:r + 8, 0:16] = True
+        masks[i, 1, r:r + 8, 16:32] = True
+    labels = torch.tensor([[i % 5, (i + 2) % 5] for i in range(n)])
+    return x, masks, labels
+
+
+def test_attention_entropy_known_values():
+    uniform = torch.ones(2, 4, 4)
+    one_patch = torch.zeros(4, 4)
+    one_patch[1, 2] = 7.0
+    half = torch.zeros(4, 4)
+    half[:2] = 1.0                                                   # 8 of 16 patches
+    maps = torch.stack([uniform[0], one_patch, half])
+    np.testing.assert_allclose(fa.attention_entropy(maps).numpy(), [1.0, 0.0, 0.75], atol=1e-6)
+    np.testing.assert_allclose(fa.attention_entropy(half, normalized=False).numpy(), np.log(8), rtol=1e-6)
+    with pytest.raises(ValueError, match="no positive mass"):
+        fa.attention_entropy(torch.zeros(1, 2, 2))
+    with pytest.raises(ValueError, match="non-negative"):
+        fa.attention_entropy(-torch.ones(1, 2, 2))
+
+
+def test_layer_mass_on_object_equals_one_map_at_a_time():
+    g = torch.Generator().manual_seed(3)
+    maps = torch.rand(2, 3, 4, 2, 2, generator=g)                 # B x L x H x gh x gw
+    masks = np.stack([square_mask(), square_mask(rows=slice(4, 8))])
+    got = fa.layer_mass_on_object(maps, masks)
+    assert got.shape == (2, 3, 4)
+    for b in range(2):
+        for l in range(3):
+            np.testing.assert_allclose(got[b, l].numpy(), fa.mass_on_object(maps[b, l], np.stack([masks[b]] * 4)).numpy())
+
+
+def test_chance_pointing_is_the_share_of_hit_patches():
+    m = np.zeros((2, 4, 4), bool)
+    m[0, :2, :2] = True                                             # one of four 2 x 2 patches
+    m[1, :, :2] = True                                              # two of four
+    np.testing.assert_allclose(fa.chance_pointing(m, (2, 2)).numpy(), [0.25, 0.5])
+
+
+def test_cls_attention_profile_matches_cls_attention():
+    model = _tiny_vit()
+    x, masks, _ = _inputs(5)
+    prof = fa.cls_attention_profile(model, x, masks[:, 0], batch_size=2)   # batches of 2, 2, 1
+    cls = cls_attention(model, x)
+    assert prof.mass.shape == prof.entropy.shape == (5, 3, 3)
+    torch.testing.assert_close(prof.mass, fa.layer_mass_on_object(cls, masks[:, 0]))
+    torch.testing.assert_close(prof.entropy, fa.attention_entropy(cls))
+    torch.testing.assert_close(prof.area, fa.object_area(masks[:, 0]))
+
+
+@pytest.mark.parametrize("fusion,ratio", [("mean", 0.0), ("min", 0.5), ("max", 0.9)])
+def test_rollout_from_attentions_equals_rollout(fusion, ratio):
+    model = _tiny_vit()
+    x, _, _ = _inputs(3)
+    from vitlab.attention import _recorded_attentions
+    attentions, layout = _recorded_attentions(model, x)
+    torch.testing.assert_close(fa.rollout_from_attentions(attentions, layout, fusion, ratio),
+                               rollout(model, x, head_fusion=fusion, discard_ratio=ratio))
+
+
+def test_grade_rollout_settings_equals_per_setting_grading():
+    model = _tiny_vit()
+    x, masks, _ = _inputs(7)
+    settings = [("mean", 0.0), ("max", 0.9)]
+    rows = fa.grade_rollout_settings(model, x, masks[:, 0], settings, batch_size=3)
+    assert [(r["head_fusion"], r["discard_ratio"], r["n"]) for r in rows] == [("mean", 0.0, 7), ("max", 0.9, 7)]
+    for r, (f, d) in zip(rows, settings):
+        maps = rollout(model, x, head_fusion=f, discard_ratio=d)
+        assert r["pointing"] == pytest.approx(float(fa.pointing_game(maps, masks[:, 0]).float().mean()))
+        assert r["mass"] == pytest.approx(float(fa.mass_on_object(maps, masks[:, 0]).mean()), rel=1e-5)
+    with pytest.raises(ValueError, match="head_fusion"):
+        fa.grade_rollout_settings(model, x, masks[:, 0], [("median", 0.0)])
+    with pytest.raises(ValueError, match="one B x H x W mask per input"):
+        fa.grade_rollout_settings(model, x, masks[:3, 0], settings)
+
+
+def test_maps_from_gradients_equal_the_methods():
+    model = _tiny_vit()
+    x, _, labels = _inputs(4)
+    target = labels[:, 1]
+    maps = fa.maps_from_gradients(attention_gradients(model, x, target), ("max", 0.5), grad_discard_ratio=0.3)
+    assert tuple(maps) == fa.CLASS_METHODS
+    torch.testing.assert_close(maps["raw attention"], raw_attention(model, x))
+    torch.testing.assert_close(maps["rollout"], rollout(model, x, "max", 0.5))
+    torch.testing.assert_close(maps["GradCAM"], attention_gradcam(model, x, target))
+    torch.testing.assert_close(maps["gradient rollout"], grad_rollout(model, x, target, discard_ratio=0.3))
+    torch.testing.assert_close(maps["Chefer relevance"], chefer_relevance(model, x, target))
+
+
+def test_grade_asked_object_equals_asking_one_object_at_a_time():
+    model = _tiny_vit()
+    x, masks, labels = _inputs(5)
+    rows = {r["method"]: r for r in fa.grade_asked_object(model, x, labels, masks, batch_size=2)}
+    assert list(rows) == list(fa.CLASS_METHODS)
+    per_ask = {m: [] for m in fa.CLASS_METHODS}
+    per_other = {m: [] for m in fa.CLASS_METHODS}
+    for k in range(2):
+        maps = fa.maps_from_gradients(attention_gradients(model, x, labels[:, k]))
+        for m in fa.CLASS_METHODS:
+            per_ask[m].append(fa.pointing_game(maps[m], masks[:, k]))
+            per_other[m].append(fa.pointing_game(maps[m], masks[:, 1 - k]))
+    for m in fa.CLASS_METHODS:
+        hits = torch.stack(per_ask[m], 1)                            # B x 2
+        assert rows[m]["asked"] == pytest.approx(float(hits.float().mean()))
+        assert rows[m]["all_asks"] == pytest.approx(float(hits.all(1).float().mean()))
+        assert rows[m]["other"] == pytest.approx(float(torch.stack(per_other[m], 1).float().mean()))
+        assert rows[m]["n"] == 5
+    # a class-agnostic map is the same for both asks: it cannot hit both disjoint objects
+    assert rows["raw attention"]["all_asks"] == 0.0 and rows["rollout"]["all_asks"] == 0.0
+    one = fa.grade_asked_object(model, x, labels[:, :1], masks[:, :1])
+    assert "other" not in one[0] and one[0]["asked"] == pytest.approx(
+        float(torch.stack(per_ask["raw attention"], 1)[:, 0].float().mean()))
+    with pytest.raises(ValueError, match="labels B x K"):
+        fa.grade_asked_object(model, x, labels, masks[:, :1])

@@ -23,16 +23,25 @@ from vitlab.record import Recording, record
 from vitlab.models import (
     EMBEDDED_MODELS, ModelUnavailableError, load_model, load_model_or_fallback, preprocess, preprocess_batch,
 )
+# explanation methods: every one is (model, x, ...) -> B x gh x gw (cls_attention: per layer/head)
+from vitlab.attention import (
+    attention_gradcam, attention_gradients, cls_attention, qk_channel_scores, qk_maps, rank_qk_channels,
+    raw_attention,
+)
+from vitlab.rollout import grad_rollout, rollout
+from vitlab.relevance import chefer_relevance
 
 # public name -> module that defines it
 _EXPORTS = {
     "load_image": "vitlab.images",
 }
-_SUBMODULES = {"plot", "images", "shapes", "imgfocus"}
+_SUBMODULES = {"plot", "images", "shapes", "imgfocus", "faithfulness", "actmax", "widgets"}
 
 __all__ = [
     "__version__", "TokenLayout", "token_layout", "Recording", "record", "EMBEDDED_MODELS",
-    "ModelUnavailableError", "load_model", "load_model_or_fallback", "preprocess", "preprocess_batch", *_EXPORTS, *sorted(_SUBMODULES),
+    "ModelUnavailableError", "load_model", "load_model_or_fallback", "preprocess", "preprocess_batch",
+    "cls_attention", "qk_maps", "qk_channel_scores", "rank_qk_channels", "raw_attention", "attention_gradcam",
+    "attention_gradients", "rollout", "grad_rollout", "chefer_relevance", *_EXPORTS, *sorted(_SUBMODULES),
 ]
 
 

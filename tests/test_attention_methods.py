@@ -1,0 +1,401 @@
+"""vitlab.attention and vitlab.targets: attention + gradients, CLS attention, Q/K maps, baselines.
+
+The reference here is independent of vitlab.record: it re-runs a timm ViT's forward from
+its modules' weights with the attention written out (softmax(q k^T * scale) @ v), and
+Hugging Face models are checked against their own eager ``output_attentions``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from timm.models.deit import VisionTransformerDistilled
+from timm.models.vision_transformer import VisionTransformer
+
+from vitlab.attention import (
+    QKChannel,
+    attention_gradcam,
+    attention_gradients,
+    cls_attention,
+    one_way_score,
+    qk_channel_scores,
+    qk_maps,
+    rank_qk_channels,
+    raw_attention,
+    two_way_score,
+)
+from vitlab.relevance import chefer_relevance
+from vitlab.rollout import grad_rollout, rollout
+from vitlab.targets import _logits, check_target, resolve_target
+
+TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=5)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights large enough for peaked attention and distinct logits (timm's init is tiny)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
+def tiny_vit(seed: int = 0, **kw) -> VisionTransformer:
+    return _randomize(VisionTransformer(**{**TINY, **kw}), seed)
+
+
+def tiny_distilled(seed: int = 1) -> VisionTransformerDistilled:
+    return _randomize(VisionTransformerDistilled(**TINY), seed)
+
+
+def tiny_hf_vit(seed: int = 2):
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(image_size=32, patch_size=8, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
+                    intermediate_size=96, num_labels=5)
+    torch.manual_seed(seed)
+    model = _randomize(ViTForImageClassification(cfg), seed)
+    eager = ViTForImageClassification._from_config(cfg, attn_implementation="eager")
+    eager.load_state_dict(model.state_dict())
+    return model, eager.eval()
+
+
+def reference_forward(model, x, deltas=None):
+    """Eager forward of a timm ViT written out from its weights: (logits, attentions, q, k).
+
+    ``deltas[l]`` (optional) is added to block l's post-softmax attention, for finite
+    differences with respect to the attention.
+    """
+    h = model.norm_pre(model._pos_embed(model.patch_embed(x)))
+    attentions, queries, keys = [], [], []
+    for l, blk in enumerate(model.blocks):
+        a = blk.attn
+        y = blk.norm1(h)
+        B, N, _ = y.shape
+        qkv = F.linear(y, a.qkv.weight, a.qkv.bias).reshape(B, N, 3, a.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = a.q_norm(qkv[0]), a.k_norm(qkv[1]), qkv[2]  # B x H x N x D
+        A = ((q @ k.transpose(-1, -2)) * a.scale).softmax(dim=-1)  # B x H x N x N
+        if deltas is not None:
+            A = A + deltas[l]
+        attentions.append(A)
+        queries.append(q)
+        keys.append(k)
+        o = (A @ v).transpose(1, 2).reshape(B, N, -1)
+        h = h + blk.ls1(a.proj(a.norm(o)))
+        h = h + blk.ls2(blk.mlp(blk.norm2(h)))
+    return model.forward_head(model.norm(h)), attentions, queries, keys
+
+
+def reference_gradients(model, x, target):
+    """Attentions and d(sum_b logit[b, target_b])/dA per block, from :func:`reference_forward`."""
+    with torch.enable_grad():
+        logits, attentions, _, _ = reference_forward(model, x)
+        score = logits.gather(1, torch.as_tensor(target)[:, None]).sum()
+        grads = torch.autograd.grad(score, attentions)
+    return [a.detach() for a in attentions], [g.detach() for g in grads], logits.detach()
+
+
+def model_state(model):
+    return {
+        "training": [(n, m.training) for n, m in model.named_modules()],
+        "requires_grad": [(n, p.requires_grad) for n, p in model.named_parameters()],
+        "grad": [(n, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()],
+        "fused": [(n, m.fused_attn) for n, m in model.named_modules() if hasattr(m, "fused_attn")],
+        "hooks": sum(
+            len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+            + len(m._backward_pre_hooks) for m in model.modules()
+        ),
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def assert_same_state(before, after):
+    for key in ("training", "requires_grad", "fused"):
+        assert before[key] == after[key], key
+    assert before["hooks"] == after["hooks"] == 0
+    for (n, g0), (_, g1) in zip(before["grad"], after["grad"]):
+        assert (g0 is None and g1 is None) or torch.equal(g0, g1), f"{n}.grad changed"
+    assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and a busy machine makes them spin-wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def vit():
+    return tiny_vit()
+
+
+@pytest.fixture(scope="module")
+def x():
+    return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+
+
+# --- the reference itself --------------------------------------------------------------
+@pytest.mark.parametrize("make", [tiny_vit, tiny_distilled, lambda: tiny_vit(3, reg_tokens=2, img_size=(32, 48))])
+def test_reference_forward_reproduces_the_model(make):
+    model = make()
+    x = torch.randn(2, 3, *model.patch_embed.img_size)
+    with torch.no_grad():
+        assert torch.allclose(reference_forward(model, x)[0], model(x), atol=1e-4)
+
+
+# --- attention_gradients ------------------------------------------------------------------
+@pytest.mark.parametrize("make", [tiny_vit, tiny_distilled, lambda: tiny_vit(3, reg_tokens=2, img_size=(32, 48))])
+def test_attention_gradients_equal_the_reference_layer_by_layer(make):
+    model = make()
+    x = torch.randn(3, 3, *model.patch_embed.img_size, generator=torch.Generator().manual_seed(1))
+    target = [4, 0, 2]
+    ag = attention_gradients(model, x, target)
+    ref_A, ref_G, ref_logits = reference_gradients(model, x, target)
+    assert ag.target.tolist() == target
+    assert torch.allclose(ag.logits, ref_logits, atol=1e-4)
+    assert len(ag.attentions) == len(ag.gradients) == len(model.blocks)
+    for l in range(len(model.blocks)):  # layer l's gradient belongs to layer l's attention
+        assert torch.allclose(ag.attentions[l], ref_A[l], atol=1e-5)
+        assert torch.allclose(ag.gradients[l], ref_G[l], rtol=1e-3, atol=1e-5), l
+    # the layers really differ, so a reversed order could not pass
+    assert not torch.allclose(ag.gradients[0], ag.gradients[-1], rtol=1e-2, atol=1e-4)
+
+
+def test_attention_gradients_equal_finite_differences():
+    model = tiny_vit(seed=5).double()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    target = torch.tensor([1, 3])
+    ag = attention_gradients(model, x, target)
+    shape = ag.attentions[0].shape
+    g = torch.Generator().manual_seed(0)
+    eps = 1e-6
+    for _ in range(6):
+        l = int(torch.randint(len(model.blocks), (1,), generator=g))
+        b, h, i, j = (int(torch.randint(s, (1,), generator=g)) for s in shape)
+        deltas = [torch.zeros(shape, dtype=torch.float64) for _ in model.blocks]
+        deltas[l][b, h, i, j] = eps
+        with torch.no_grad():
+            up = reference_forward(model, x, deltas)[0][b, target[b]]
+            deltas[l][b, h, i, j] = -eps
+            down = reference_forward(model, x, deltas)[0][b, target[b]]
+        fd = float((up - down) / (2 * eps))
+        assert ag.gradients[l][b, h, i, j].item() == pytest.approx(fd, rel=1e-5, abs=1e-8)
+
+
+def test_attention_gradients_of_a_hugging_face_vit_equal_its_eager_attentions():
+    model, eager = tiny_hf_vit()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    ag = attention_gradients(model, x, target=[2, 4])
+    out = eager(x, output_attentions=True)
+    grads = torch.autograd.grad(out.logits[0, 2] + out.logits[1, 4], out.attentions)
+    assert ag.layout.num_prefix == 1 and ag.layout.grid == (4, 4)
+    for l, (A, G) in enumerate(zip(out.attentions, grads)):
+        assert torch.allclose(ag.attentions[l], A, atol=1e-5)
+        assert torch.allclose(ag.gradients[l], G, rtol=1e-3, atol=1e-5)
+
+
+def test_attention_gradients_batch_equals_items_and_none_is_argmax(vit, x):
+    batch = attention_gradients(vit, x, target=[1, 2, 3])
+    for b, t in enumerate([1, 2, 3]):
+        item = attention_gradients(vit, x[b : b + 1], target=t)
+        for l in range(len(vit.blocks)):
+            assert torch.allclose(batch.gradients[l][b], item.gradients[l][0], rtol=1e-4, atol=1e-6)
+    predicted = attention_gradients(vit, x)
+    with torch.no_grad():
+        argmax = vit(x).argmax(-1)
+    explicit = attention_gradients(vit, x, target=argmax)
+    assert torch.equal(predicted.target, argmax)
+    assert all(torch.equal(a, b) for a, b in zip(predicted.gradients, explicit.gradients))
+
+
+# --- class-token attention and the raw-attention / GradCAM baselines ----------------------------
+@pytest.mark.parametrize("make, prefix", [(tiny_vit, 1), (tiny_distilled, 2),
+                                          (lambda: tiny_vit(3, reg_tokens=2, img_size=(32, 48)), 3)])
+def test_cls_attention_is_the_cls_row_over_patches_on_the_grid(make, prefix):
+    model = make()
+    H, W = model.patch_embed.img_size
+    x = torch.randn(2, 3, H, W)
+    out = cls_attention(model, x)
+    gh, gw = H // 8, W // 8
+    assert out.shape == (2, len(model.blocks), 3, gh, gw)
+    with torch.no_grad():
+        ref = torch.stack(reference_forward(model, x)[1], dim=1)  # B x L x H x N x N
+    assert torch.allclose(out, ref[:, :, :, 0, prefix:].reshape(2, len(model.blocks), 3, gh, gw), atol=1e-5)
+    # row-major grid: patch (r, c) is token prefix + r * gw + c
+    assert out[1, 2, 1, 2, 3].item() == pytest.approx(ref[1, 2, 1, 0, prefix + 2 * gw + 3].item(), abs=1e-5)
+
+
+def test_raw_attention_is_the_last_layer_cls_row_mean_over_heads(vit, x):
+    with torch.no_grad():
+        last = reference_forward(vit, x)[1][-1]  # B x H x N x N
+    expected = last[:, :, 0, 1:].mean(dim=1).reshape(3, 4, 4)
+    assert torch.allclose(raw_attention(vit, x), expected, atol=1e-6)
+
+
+def test_attention_gradcam_matches_a_numpy_reimplementation(vit, x):
+    target = [0, 4, 1]
+    A, G, _ = reference_gradients(vit, x, target)
+    a = A[-1][:, :, 0, 1:].double().numpy()  # B x H x P
+    g = G[-1][:, :, 0, 1:].double().numpy()
+    expected = np.zeros((3, 16))
+    for b in range(3):
+        for h in range(3):
+            expected[b] += g[b, h].mean() * a[b, h] / 3
+    expected = np.maximum(expected, 0).reshape(3, 4, 4)
+    out = attention_gradcam(vit, x, target)
+    assert out.shape == (3, 4, 4)
+    assert np.allclose(out.numpy(), expected, rtol=1e-4, atol=1e-7)
+    assert (out > 0).any() and (out == 0).any()  # the clamp is exercised
+
+
+# --- Q/K sign maps ---------------------------------------------------------------------
+def test_qk_maps_are_sigmoids_of_the_patch_queries_and_keys(vit, x):
+    with torch.no_grad():
+        _, _, Q, K = reference_forward(vit, x)
+    maps = qk_maps(vit, x, layer=1, head=2, channel=5)
+    assert maps.query.shape == maps.key.shape == (3, 4, 4)
+    assert torch.allclose(maps.query, Q[1][:, 2, 1:, 5].sigmoid().reshape(3, 4, 4), atol=1e-5)
+    assert torch.allclose(maps.key, K[1][:, 2, 1:, 5].sigmoid().reshape(3, 4, 4), atol=1e-5)
+    every = qk_maps(vit, x, layer=-1, head=0)  # all 16 channels of the last layer
+    assert every.query.shape == (3, 16, 4, 4)
+    assert torch.allclose(every.key[:, 7], K[2][:, 0, 1:, 7].sigmoid().reshape(3, 4, 4), atol=1e-5)
+
+
+def test_pattern_scores_on_hand_built_channels():
+    # 4 patches x 5 channels
+    q = torch.tensor([[1.0, 1, 1, -2, 1], [-1, 2, 1, -1, -1], [1, 3, 1, -3, 1], [-1, 4, 1, -1, -1]])
+    k = torch.tensor([[1.0, -1, 1, -1, 2], [-1, -2, -1, 1, -2], [1, -3, -1, 1, 2], [-1, -4, -1, 1, -2]])
+    two = two_way_score(q, k)
+    assert two[0].item() == pytest.approx(1.0)  # identical sign maps
+    assert two[1].item() == pytest.approx(-1.0)  # key = -query
+    assert two[2].item() == pytest.approx(0.0)  # constant query: no correlation defined -> 0
+    one = one_way_score(q, k)
+    assert one[2].item() == pytest.approx(0.75)  # query +1 everywhere, key + on 1 of 4 patches
+    assert one[3].item() == pytest.approx(0.75)  # both signs flipped: the same pattern
+    assert one[0].item() == pytest.approx(0.0)  # query half +, half -: no agreement
+    assert one[1].item() == pytest.approx(0.0)  # the key favours no patch
+    # u_q = |sum q| / sum |q| = 0 for channel 4 (alternating query)
+    assert one[4].item() == pytest.approx(0.0)
+    # a query that mostly agrees: u_q = (1+1+1-0.5)/(3.5) , key favours 2 of 4 patches
+    q2 = torch.tensor([[1.0], [1], [1], [-0.5]])
+    k2 = torch.tensor([[1.0], [1], [-1], [-1]])
+    assert one_way_score(q2, k2).item() == pytest.approx((2.5 / 3.5) * 0.5)
+
+
+def test_rank_qk_channels_returns_the_best_scores_in_order(vit, x):
+    scores = qk_channel_scores(vit, x, "two_way")
+    assert scores.shape == (3, 3, 16)
+    with torch.no_grad():
+        _, _, Q, K = reference_forward(vit, x)
+    assert torch.allclose(scores[1], two_way_score(Q[1][:, :, 1:], K[1][:, :, 1:]).mean(0), atol=1e-5)
+    ranked = rank_qk_channels(vit, x, "two_way", top=5)
+    assert len(ranked) == 5 and all(isinstance(r, QKChannel) for r in ranked)
+    assert ranked[0].score == pytest.approx(scores.max().item())
+    for r in ranked:
+        assert scores[r.layer, r.head, r.channel].item() == pytest.approx(r.score)
+    assert [r.score for r in ranked] == sorted((r.score for r in ranked), reverse=True)
+    one = rank_qk_channels(vit, x, "one_way", top=3)
+    assert one[0].score == pytest.approx(qk_channel_scores(vit, x, "one_way").max().item())
+
+
+# --- targets ---------------------------------------------------------------------------
+def test_target_forms_agree():
+    logits = torch.tensor([[0.0, 3, 1], [2, 0, 1]])
+    for form in (1, [1, 1], (1, 1), np.array([1, 1]), torch.tensor([1, 1]), torch.tensor(1), np.int64(1)):
+        assert resolve_target(form, logits).tolist() == [1, 1]
+    assert resolve_target(None, logits).tolist() == [1, 0]
+    assert _logits(logits) is logits
+    assert _logits(type("Out", (), {"logits": logits})()) is logits
+
+
+@pytest.mark.parametrize("target, message", [
+    (3, r"target 3 is outside the model's classes: allowed 0 .. 2 \(3 classes\)"),
+    (-1, "outside the model's classes"),
+    ([0, 1, 2], "target has 3 classes but the batch has 2 samples"),
+    (True, "got a bool"),
+    ([0.5, 1.0], "integer class indices"),
+    (torch.zeros(2, 1, dtype=torch.long), r"got shape \(2, 1\)"),
+    ("cat", "got str"),
+])
+def test_bad_targets_raise_value_errors(target, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_target(target, torch.zeros(2, 3))
+
+
+def test_length_mismatch_is_caught_before_the_forward():
+    assert check_target(None, 4) is None
+    with pytest.raises(ValueError, match="batch has 2 samples"):
+        check_target([1, 2, 3], 2)
+
+
+@pytest.mark.parametrize("method", [attention_gradients, attention_gradcam, grad_rollout, chefer_relevance])
+def test_class_specific_methods_reject_bad_targets(vit, x, method):
+    with pytest.raises(ValueError, match=r"allowed 0 .. 4 \(5 classes\)"):
+        method(vit, x, target=5)
+    with pytest.raises(ValueError, match="target has 2 classes but the batch has 3 samples"):
+        method(vit, x, target=[0, 1])
+
+
+def test_bad_indices_and_patterns_raise_value_errors(vit, x):
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 3\)"):
+        qk_maps(vit, x, layer=3, head=0)
+    with pytest.raises(ValueError, match=r"channel must be an int in \[0, 16\)"):
+        qk_maps(vit, x, layer=0, head=0, channel=16)
+    with pytest.raises(ValueError, match=r"pattern must be one of \('one_way', 'two_way'\)"):
+        qk_channel_scores(vit, x, "three_way")
+
+
+def test_a_model_without_class_token_is_refused():
+    model = tiny_vit(class_token=False, global_pool="avg")
+    with pytest.raises(ValueError, match="no prefix tokens"):
+        cls_attention(model, torch.randn(1, 3, 32, 32))
+
+
+# --- the model is left as it was --------------------------------------------------------
+METHODS = {
+    "cls_attention": lambda m, x: cls_attention(m, x),
+    "raw_attention": lambda m, x: raw_attention(m, x),
+    "attention_gradcam": lambda m, x: attention_gradcam(m, x, target=[0, 1, 2]),
+    "qk_maps": lambda m, x: qk_maps(m, x, 0, 0, 0).query,
+    "rollout": lambda m, x: rollout(m, x, "max", 0.5),
+    "grad_rollout": lambda m, x: grad_rollout(m, x, discard_ratio=0.3),
+    "chefer_relevance": lambda m, x: chefer_relevance(m, x, target=4),
+}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_methods_leave_the_model_unchanged_and_return_plain_tensors(name, x):
+    model = tiny_vit(seed=11)
+    for p in model.blocks[0].parameters():  # a partly frozen model
+        p.requires_grad_(False)
+    model.head.weight.grad = torch.full_like(model.head.weight, 0.5)  # a grad the user holds
+    model.blocks[1].train()  # an odd mix of modes must survive too
+    before = model_state(model)
+    with torch.no_grad():  # gradient methods must work under the caller's no_grad
+        out = METHODS[name](model, x)
+        assert not torch.is_grad_enabled()
+    assert not out.requires_grad and out.grad_fn is None
+    assert_same_state(before, model_state(model))
+    assert torch.is_grad_enabled()
+
+
+def test_gradient_methods_work_when_every_parameter_is_frozen(x):
+    model = tiny_vit(seed=12).requires_grad_(False)
+    unfrozen = tiny_vit(seed=12)
+    assert torch.allclose(chefer_relevance(model, x, 1), chefer_relevance(unfrozen, x, 1), atol=1e-6)
+    assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_methods_run_on_the_gpu_and_match_the_cpu(vit, x):
+    gpu = tiny_vit().cuda()
+    for name, fn in METHODS.items():
+        if name == "rollout":  # discard ranks ties differently across devices; compare without it
+            fn = lambda m, x: rollout(m, x, "max")  # noqa: E731
+        cpu_out, gpu_out = fn(vit, x), fn(gpu, x.cuda())
+        assert gpu_out.device.type == "cuda"
+        assert torch.allclose(gpu_out.cpu(), cpu_out, rtol=1e-3, atol=1e-5), name

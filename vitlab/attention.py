@@ -1,0 +1,284 @@
+"""What the attention itself shows: class-token attention, Q/K sign patterns, two baselines.
+
+- :func:`cls_attention` -- row 0 (CLS) of the post-softmax attention, patch columns, for
+  every layer and head (chapter 2 of the notebooks; Gildenblat 2020, "Exploring
+  Explainability for Vision Transformers").
+- :func:`qk_maps`, :func:`qk_channel_scores`, :func:`rank_qk_channels` -- the Q/K sign
+  images of the same blog: the attention logit between tokens i and j is
+  ``sum_c q_ic k_jc``, so where channel c of the query (at i) and of the key (at j) share a
+  sign, that channel raises i's attention to j. Shown through a sigmoid (bright = positive).
+- :func:`raw_attention` and :func:`attention_gradcam` -- the "raw attention" and "GradCAM on
+  the last attention map" baselines of Chefer, Gur & Wolf (ICCV 2021, "Generic
+  Attention-model Explainability", Sec. 4) and Chefer et al. (CVPR 2021).
+- :func:`attention_gradients` -- every layer's attention with d(target logit)/d(attention),
+  from one forward and one backward for the whole batch; the gradient methods of
+  :mod:`vitlab.rollout` and :mod:`vitlab.relevance` build on it.
+
+Every map is per sample, on the patch grid read from :func:`vitlab.token_layout`, and
+nothing here hooks or patches the model: :func:`vitlab.record` does that and restores it.
+The model should be in eval mode (``model.eval()``); vitlab never changes the mode itself.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from vitlab.layout import TokenLayout, token_layout
+from vitlab.record import record
+from vitlab.targets import _logits, check_target, resolve_target
+
+QK_PATTERNS = ("one_way", "two_way")
+
+
+class AttentionGradients(NamedTuple):
+    """Attention of every block and its gradient, from :func:`attention_gradients`.
+
+    Attributes:
+        attentions: one ``B x heads x N x N`` post-softmax tensor per block, in order.
+        gradients: d(sum over samples of the target logit)/d(attention), same order and
+            shapes; since samples are independent in eval mode, ``gradients[l][b]`` is the
+            gradient of sample b's own target logit.
+        target: ``(B,)`` the class explained for each sample.
+        logits: ``B x num_classes`` the model's logits.
+        layout: the model's :class:`~vitlab.layout.TokenLayout`.
+    """
+
+    attentions: list[torch.Tensor]
+    gradients: list[torch.Tensor]
+    target: torch.Tensor
+    logits: torch.Tensor
+    layout: TokenLayout
+
+
+class QKMaps(NamedTuple):
+    """Sigmoid images of the query and key of one head, from :func:`qk_maps`.
+
+    ``query`` and ``key`` are ``B x gh x gw`` for one channel, ``B x head_dim x gh x gw``
+    for all channels; values in (0, 1), above 0.5 where the channel is positive.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+
+
+class QKChannel(NamedTuple):
+    """One ranked channel: ``layer``, ``head``, ``channel`` and its pattern ``score``."""
+
+    layer: int
+    head: int
+    channel: int
+    score: float
+
+
+def require_cls(layout: TokenLayout, method: str) -> None:
+    """Raise ``ValueError`` when the layout has no CLS token to read a map from.
+
+    Methods call it with ``token_layout(model, x)`` before any forward pass.
+    """
+    if layout.num_prefix < 1:
+        raise ValueError(
+            f"{method} reads the class-token (CLS) row of the attention, but this model has no "
+            "prefix tokens; use a ViT with a class token"
+        )
+
+
+def _recorded_attentions(model, x: torch.Tensor) -> tuple[list[torch.Tensor], TokenLayout]:
+    """Attention of every block (``B x heads x N x N`` each), one forward without gradients."""
+    with torch.no_grad(), record(model) as rec:
+        model(x)
+    return list(rec.attentions), rec.layout
+
+
+def _attention_gradients(model, x: torch.Tensor, target, layers: list[int] | None) -> AttentionGradients:
+    """:func:`attention_gradients`, with gradients only for block indices ``layers``
+    (None: all); the other entries of ``gradients`` are None. Fewer blocks, shorter backward."""
+    target = check_target(target, x.shape[0])
+    with torch.enable_grad():
+        # A leaf that requires grad keeps the graph alive even if every parameter is frozen.
+        x_in = x.detach().requires_grad_(True)
+        with record(model, detach=False) as rec:  # graph-attached attentions
+            logits = _logits(model(x_in))
+            t = resolve_target(target, logits)
+            score = logits.gather(1, t[:, None]).sum()
+            attentions = list(rec.attentions)
+            wanted = range(len(attentions)) if layers is None else layers
+            grads = torch.autograd.grad(score, [attentions[l] for l in wanted])
+    gradients: list[torch.Tensor | None] = [None] * len(attentions)
+    for l, g in zip(wanted, grads):
+        gradients[l] = g.detach()
+    return AttentionGradients(
+        attentions=[a.detach() for a in attentions],
+        gradients=gradients,
+        target=t,
+        logits=logits.detach(),
+        layout=rec.layout,
+    )
+
+
+def attention_gradients(model, x: torch.Tensor, target=None) -> AttentionGradients:
+    """Every block's attention and d(target logit)/d(attention): one forward, one backward.
+
+    The score is the sum over the batch of each sample's target logit; ViT samples do not
+    interact in eval mode, so each sample's gradient is that of its own logit, exactly.
+    Gradients are taken with :func:`torch.autograd.grad` with respect to the recorded
+    attention tensors only, so no parameter's ``.grad`` is touched and no weight gradients
+    are computed. Works under a caller's ``torch.no_grad()``; ``x`` needs no gradient.
+
+    Args:
+        model: a timm or Hugging Face ViT classifier (in eval mode).
+        x: ``B x 3 x H x W`` input batch.
+        target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
+    """
+    return _attention_gradients(model, x, target, layers=None)
+
+
+def cls_attention(model, x: torch.Tensor) -> torch.Tensor:
+    """Class-token attention to every patch, per layer and head (Gildenblat 2020).
+
+    Returns ``B x L x heads x gh x gw``: entry ``[b, l, h]`` is row 0 (CLS) of block l's
+    post-softmax attention for head h, patch columns only, on the patch grid. Prefix
+    columns (CLS, distillation, registers) are left out, so a map need not sum to 1.
+    """
+    require_cls(token_layout(model, x), "cls_attention")
+    attentions, layout = _recorded_attentions(model, x)
+    cls_rows = torch.stack([A[:, :, 0, :] for A in attentions], dim=1)  # B x L x H x N
+    return layout.patches_to_grid(cls_rows)  # B x L x H x gh x gw
+
+
+def raw_attention(model, x: torch.Tensor) -> torch.Tensor:
+    """Raw-attention baseline (Chefer et al. 2021): last block, CLS row, mean over heads.
+
+    Returns ``B x gh x gw``: ``mean_h A_L[h, CLS, patches]``.
+    """
+    require_cls(token_layout(model, x), "raw_attention")
+    attentions, layout = _recorded_attentions(model, x)
+    A = attentions[-1]  # B x H x N x N
+    return layout.patches_to_grid(A[:, :, 0, :].mean(dim=1))  # B x gh x gw
+
+
+def gradcam_cls_row(attn_row: torch.Tensor, grad_row: torch.Tensor) -> torch.Tensor:
+    """GradCAM on one attention row: ``(mean_h w_h * A_h)^+`` with ``w_h = mean_j grad_h[j]``.
+
+    ``attn_row``, ``grad_row``: ``B x heads x P`` (CLS row, patch columns). Per head the
+    weight is the gradient averaged over the patches (GradCAM's spatial average), as in
+    the reference implementation of Chefer et al.'s baseline. Returns ``B x P``.
+    """
+    w = grad_row.mean(dim=-1, keepdim=True)  # B x H x 1
+    return (w * attn_row).mean(dim=1).clamp(min=0)  # B x P
+
+
+def attention_gradcam(model, x: torch.Tensor, target=None) -> torch.Tensor:
+    """GradCAM on the last attention map: the baseline of Chefer, Gur & Wolf (ICCV 2021).
+
+    With A = the last block's attention and G = d(target logit)/dA, restricted to the CLS
+    row and patch columns: per head ``w_h = mean_j G[h, CLS, j]``, map
+    ``= (mean_h w_h * A[h, CLS, patches])^+``. Returns ``B x gh x gw`` (not rescaled).
+    """
+    require_cls(token_layout(model, x), "attention_gradcam")
+    ag = _attention_gradients(model, x, target, layers=[-1])  # backward through the last block only
+    layout = ag.layout
+    P = layout.num_prefix
+    A = ag.attentions[-1][:, :, 0, P:]  # B x H x num_patches
+    G = ag.gradients[-1][:, :, 0, P:]  # B x H x num_patches
+    return layout.patches_to_grid(gradcam_cls_row(A, G))  # B x gh x gw
+
+
+def _check_index(name: str, value: int, size: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not -size <= value < size:
+        raise ValueError(f"{name} must be an int in [0, {size}) (or negative from the end), got {value!r}")
+    return value % size
+
+
+def qk_maps(model, x: torch.Tensor, layer: int, head: int, channel: int | None = None) -> QKMaps:
+    """Sigmoid images of the query and key of one head over the patch grid (Gildenblat 2020).
+
+    ``q[b, head, patch, channel]`` and ``k[...]`` of block ``layer`` (after any q/k norm,
+    before the 1/sqrt(d) scale), patch tokens only, through a sigmoid: bright (> 0.5) where
+    positive, dark where negative. Returns :class:`QKMaps` with ``B x gh x gw`` images for
+    one ``channel``, ``B x head_dim x gh x gw`` when ``channel`` is None (all channels).
+    """
+    with torch.no_grad(), record(model) as rec:
+        model(x)
+    layout = rec.layout
+    L = len(rec.queries)
+    layer = _check_index("layer", layer, L)
+    q, k = rec.queries[layer], rec.keys[layer]  # B x H x N x D
+    head = _check_index("head", head, q.shape[1])
+    q, k = q[:, head], k[:, head]  # B x N x D
+    if channel is not None:
+        channel = _check_index("channel", channel, q.shape[-1])
+        q, k = q[..., channel], k[..., channel]  # B x N
+    else:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # B x D x N
+    return QKMaps(layout.patches_to_grid(q).sigmoid(), layout.patches_to_grid(k).sigmoid())
+
+
+def two_way_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Two-way pattern score per channel: Pearson correlation of the q and k maps.
+
+    ``q``, ``k``: ``... x P x D`` (patch tokens x channels). Returns ``... x D`` in [-1, 1].
+    Near 1: query and key are positive on the same patches and negative on the same
+    others, so each region attends to itself -- information flows both ways within it.
+    A constant map (zero variance) scores 0.
+    """
+    qc = q - q.mean(dim=-2, keepdim=True)
+    kc = k - k.mean(dim=-2, keepdim=True)
+    cov = (qc * kc).sum(dim=-2)
+    norm = (qc.square().sum(dim=-2) * kc.square().sum(dim=-2)).sqrt()
+    return torch.where(norm > 0, cov / norm.clamp_min(torch.finfo(norm.dtype).tiny), torch.zeros_like(cov))
+
+
+def one_way_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """One-way pattern score per channel: broad query times selective key.
+
+    ``q``, ``k``: ``... x P x D`` (patch tokens x channels). With ``s = sign(sum_i q_i)``,
+    the sign most queries share:
+
+    - query agreement ``u_q = |sum_i q_i| / sum_i |q_i|`` in [0, 1] (1: every patch's query
+      has sign s, so every patch listens to the same keys);
+    - key fraction ``f_k`` = share of patches whose key has sign s (the patches every query
+      is drawn to);
+    - score ``= u_q * (1 - f_k)`` if ``f_k > 0``, else 0 (a key that picks no patch).
+
+    Near 1: queries agree everywhere and the key picks out few patches -- "found the
+    object, tell everyone". Returns ``... x D`` in [0, 1).
+    """
+    q_sum = q.sum(dim=-2)  # ... x D
+    u_q = q_sum.abs() / q.abs().sum(dim=-2).clamp_min(torch.finfo(q.dtype).tiny)
+    s = q_sum.sign().unsqueeze(-2)  # ... x 1 x D
+    f_k = (k * s > 0).to(q.dtype).mean(dim=-2)  # ... x D
+    return torch.where(f_k > 0, u_q * (1 - f_k), torch.zeros_like(u_q))
+
+
+_SCORES = {"one_way": one_way_score, "two_way": two_way_score}
+
+
+def qk_channel_scores(model, x: torch.Tensor, pattern: str = "one_way") -> torch.Tensor:
+    """Pattern score of every channel of every head and layer: ``L x heads x head_dim``.
+
+    Each sample's score (:func:`one_way_score` or :func:`two_way_score` over its patch
+    tokens) averaged over the batch. One forward pass.
+    """
+    if pattern not in _SCORES:
+        raise ValueError(f"pattern must be one of {QK_PATTERNS}, got {pattern!r}")
+    with torch.no_grad(), record(model) as rec:
+        model(x)
+    P = rec.layout.num_prefix
+    score = _SCORES[pattern]
+    return torch.stack(
+        [score(q[:, :, P:], k[:, :, P:]).mean(dim=0) for q, k in zip(rec.queries, rec.keys)]
+    )  # L x H x D
+
+
+def rank_qk_channels(model, x: torch.Tensor, pattern: str = "one_way", top: int = 10) -> list[QKChannel]:
+    """The ``top`` channels with the highest :func:`qk_channel_scores`, best first."""
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"top must be a positive int, got {top!r}")
+    scores = qk_channel_scores(model, x, pattern)  # L x H x D
+    L, H, D = scores.shape
+    values, flat = scores.flatten().topk(min(top, scores.numel()))
+    return [
+        QKChannel(int(i) // (H * D), int(i) // D % H, int(i) % D, float(v))
+        for v, i in zip(values.tolist(), flat.tolist())
+    ]

@@ -1,0 +1,86 @@
+"""Generic attention relevance: Chefer, Gur & Wolf, ICCV 2021, "Generic Attention-model
+Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers".
+
+For a self-attention-only model (a ViT) the method keeps one relevance map
+``R = R^{ss}`` (N x N), initialised to the identity (eq. 1: each token is at first only
+relevant to itself), and updates it block by block, first block first:
+
+- eq. 5: ``Abar = E_h[(grad_A ⊙ A)^+]`` -- the attention weighted by the gradient of the
+  target logit, negatives clamped per head, then averaged over heads;
+- eq. 6: ``R^{ss} <- R^{ss} + Abar · R^{ss}`` (eq. 7 is the same rule for ``R^{sq}``).
+
+The ViT explanation is the CLS row over the patches, ``R[0, prefix:]``, computed as a row
+vector (:func:`relevance_row`; the full matrix is :func:`relevance_matrix`). The rules are
+small pure functions over batched tensors (leading dimensions are batch dimensions) so the
+bi-modal and encoder-decoder rules (eq. 8-11) can be built on them.
+"""
+from __future__ import annotations
+
+import torch
+
+from vitlab.attention import attention_gradients, require_cls
+from vitlab.layout import token_layout
+
+
+def head_averaged_relevance(attn: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Eq. 5: ``Abar = mean_h (grad ⊙ A)^+``; ``... x heads x Nq x Nk`` -> ``... x Nq x Nk``.
+
+    Each head is clamped at 0 before the mean over heads (dimension -3).
+    """
+    return (grad * attn).clamp(min=0).mean(dim=-3)
+
+
+def self_attention_rule(R: torch.Tensor, Abar: torch.Tensor) -> torch.Tensor:
+    """Eq. 6 / 7: ``R + Abar · R``, for ``R^{ss}`` (``... x Ns x Ns``) or ``R^{sq}`` (``... x Ns x Nq``).
+
+    ``Abar``: ``... x Ns x Ns``, the head-averaged relevance of a self-attention layer over
+    the tokens s. Returns a new tensor.
+    """
+    return R + Abar @ R
+
+
+def relevance_matrix(attentions: list[torch.Tensor], gradients: list[torch.Tensor]) -> torch.Tensor:
+    """``R^{ss}`` after all blocks: start from I (eq. 1), apply eq. 5-6 per block in order.
+
+    ``attentions[l]``, ``gradients[l]``: ``B x heads x N x N`` of block l (first block
+    first). Returns ``B x N x N``.
+    """
+    B, _, N, _ = attentions[0].shape
+    R = torch.eye(N, dtype=attentions[0].dtype, device=attentions[0].device).expand(B, N, N)
+    for A, G in zip(attentions, gradients, strict=True):
+        R = self_attention_rule(R, head_averaged_relevance(A, G))
+    return R
+
+
+def relevance_row(attentions: list[torch.Tensor], gradients: list[torch.Tensor], index: int = 0) -> torch.Tensor:
+    """Row ``index`` of :func:`relevance_matrix`, without the N x N products: ``B x N``.
+
+    After all blocks ``R = (I + Abar_L) ... (I + Abar_1)``, so its row i is
+    ``e_i (I + Abar_L) ... (I + Abar_1)``: a row vector updated as ``r <- r + r · Abar``
+    from the last block down -- the same numbers for N times less work.
+    """
+    B, _, N, _ = attentions[0].shape
+    r = torch.zeros(B, N, dtype=attentions[0].dtype, device=attentions[0].device)
+    r[:, index] = 1
+    for A, G in zip(reversed(attentions), reversed(gradients), strict=True):
+        r = r + (r.unsqueeze(1) @ head_averaged_relevance(A, G)).squeeze(1)  # B x N
+    return r
+
+
+def chefer_relevance(model, x: torch.Tensor, target=None) -> torch.Tensor:
+    """Class-specific relevance of each patch (Chefer, Gur & Wolf 2021, eq. 5-6): ``B x gh x gw``.
+
+    ``R = I``; per block ``R += mean_h (dy_t/dA ⊙ A)^+ · R``, with y_t the sample's target
+    logit; the map is ``R[CLS, patches]`` on the patch grid, not rescaled (relevance
+    units; the CLS->CLS entry is left out with the other prefix tokens). One forward and
+    one backward for the whole batch.
+
+    Args:
+        model: a timm or Hugging Face ViT classifier (in eval mode).
+        x: ``B x 3 x H x W`` input batch.
+        target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
+    """
+    require_cls(token_layout(model, x), "chefer_relevance")
+    ag = attention_gradients(model, x, target)
+    row = relevance_row(ag.attentions, ag.gradients, index=0)  # R[CLS, :], B x N
+    return ag.layout.patches_to_grid(row)  # B x gh x gw

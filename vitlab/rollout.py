@@ -1,0 +1,192 @@
+"""Attention rollout (Abnar & Zuidema 2020) and gradient rollout (Gildenblat 2020), fixed.
+
+Attention rollout, "Quantifying Attention Flow in Transformers" (Abnar & Zuidema, ACL
+2020, Sec. 3): per block, the head-fused attention A plus the identity for the residual
+connection, ``a = (A + I) / 2``, row-normalised; the rollout is the product
+``R = a_L @ ... @ a_1`` and the map is R's CLS row over the patches.
+
+The variant of "Exploring Explainability for Vision Transformers" (Gildenblat 2020, code
+jacobgil/vit-explain) adds head fusion by mean / min / max and discards the lowest
+``discard_ratio`` of each layer's entries; its gradient rollout replaces head fusion by
+``mean_h (A * dy_t/dA)`` with negatives clamped to 0. vitlab fixes the reference code:
+
+- rows are normalised (vit-explain #16 divides by a sum without ``keepdim``: by columns);
+- layer l's gradient is paired with layer l's attention (vit-explain #6 reversed them);
+- the discard and the output are per sample (vit-explain zeroes batch item 0 only and
+  returns item 0 only), and the CLS->CLS entry is never discarded.
+
+Only the CLS row of R is needed, so it is propagated as a row vector,
+``r = e_cls @ a_L @ ... @ a_1`` (:func:`rollout_row`; :func:`fused_rollout_row` folds the
+normalisation in): the same numbers as the full product (:func:`rollout_matrix`) at a
+fraction of the cost.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from vitlab.attention import _recorded_attentions, attention_gradients, require_cls
+from vitlab.layout import TokenLayout, token_layout
+
+HEAD_FUSIONS = ("mean", "min", "max")
+
+
+def check_head_fusion(head_fusion: str) -> str:
+    """``head_fusion`` if it is one of :data:`HEAD_FUSIONS`, else ``ValueError``."""
+    if head_fusion not in HEAD_FUSIONS:
+        raise ValueError(f"head_fusion must be one of {HEAD_FUSIONS}, got {head_fusion!r}")
+    return head_fusion
+
+
+def check_discard_ratio(discard_ratio: float) -> float:
+    """``discard_ratio`` as a float if it is a number in [0, 1), else ``ValueError``."""
+    if isinstance(discard_ratio, bool) or not isinstance(discard_ratio, numbers.Real) or not (
+        0.0 <= float(discard_ratio) < 1.0
+    ):
+        raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio!r}")
+    return float(discard_ratio)
+
+
+def fuse_heads(attn: torch.Tensor, head_fusion: str = "mean") -> torch.Tensor:
+    """``B x heads x N x N`` -> ``B x N x N`` by the mean, min or max over heads."""
+    check_head_fusion(head_fusion)
+    if head_fusion == "mean":
+        return attn.mean(dim=1)
+    if head_fusion == "min":
+        return attn.amin(dim=1)
+    return attn.amax(dim=1)
+
+
+def grad_fuse_heads(attn: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Gradient rollout's head fusion: ``(mean_h A_h * dA_h)`` clamped at 0; ``B x N x N``.
+
+    The mean is taken before the clamp (Gildenblat 2020), unlike Chefer's eq. 5, which
+    clamps each head first (:func:`vitlab.relevance.head_averaged_relevance`).
+    """
+    return (attn * grad).mean(dim=1).clamp(min=0)
+
+
+def discard_lowest(a: torch.Tensor, discard_ratio: float) -> torch.Tensor:
+    """Zero each sample's lowest ``int(N*N * discard_ratio)`` entries, never CLS->CLS.
+
+    ``a``: ``B x N x N``. Each sample is ranked on its own; among entries tied with the
+    k-th lowest value, the lowest flat indices go first. When the CLS->CLS entry (flat
+    index 0) is among the lowest it is kept, so one entry fewer is zeroed. Returns a new
+    tensor (``a`` itself when nothing is discarded); ``a`` is not modified.
+    """
+    discard_ratio = check_discard_ratio(discard_ratio)
+    B, N, _ = a.shape
+    k = int(N * N * discard_ratio)
+    if k == 0:
+        return a
+    flat = a.reshape(B, N * N)
+    # k-th lowest value per sample (a selection, much cheaper than topk / sort for large k)
+    kth = flat.kthvalue(k, dim=-1, keepdim=True).values  # B x 1
+    below = flat < kth
+    tied = flat == kth
+    missing = k - below.sum(dim=-1, keepdim=True)  # B x 1, how many tied entries to drop
+    drop = below | (tied & (tied.cumsum(dim=-1) <= missing))
+    drop[:, 0] = False  # CLS->CLS
+    return flat.masked_fill(drop, 0).reshape(B, N, N)
+
+
+def residual_normalize(a: torch.Tensor) -> torch.Tensor:
+    """``(a + I) / 2`` divided by its row sums (``keepdim``: every row sums to 1)."""
+    N = a.shape[-1]
+    a = (a + torch.eye(N, dtype=a.dtype, device=a.device)) / 2
+    return a / a.sum(dim=-1, keepdim=True)
+
+
+def rollout_matrix(layers: list[torch.Tensor]) -> torch.Tensor:
+    """Full rollout ``R = a_L @ ... @ a_1`` of row-normalised ``B x N x N`` layer matrices.
+
+    ``layers[l]`` = :func:`residual_normalize` of block l's fused matrix, first block first.
+    """
+    R = torch.eye(layers[0].shape[-1], dtype=layers[0].dtype, device=layers[0].device).expand_as(layers[0])
+    for a in layers:  # first block first
+        R = a @ R
+    return R
+
+
+def rollout_row(layers: list[torch.Tensor], index: int = 0) -> torch.Tensor:
+    """Row ``index`` of :func:`rollout_matrix`, as ``e_index @ a_L @ ... @ a_1``: ``B x N``."""
+    r = layers[-1][:, index, :]  # B x N
+    for a in reversed(layers[:-1]):
+        r = (r.unsqueeze(1) @ a).squeeze(1)  # B x N
+    return r
+
+
+def fused_rollout_row(fused: list[torch.Tensor], index: int = 0) -> torch.Tensor:
+    """:func:`rollout_row` straight from the fused matrices, never forming an ``a_l``: ``B x N``.
+
+    ``fused[l]``: block l's head-fused (and discarded) ``B x N x N`` matrix A. With
+    ``d = ((A + I) / 2).sum(-1)`` its row sums, a row vector r times
+    ``a = diag(1/d) (A + I) / 2`` is ``((r / d) @ A + r / d) / 2``: one row-sum and one
+    vector-matrix product per block, from the last block down.
+    """
+    B, N, _ = fused[0].shape
+    r = torch.zeros(B, N, dtype=fused[0].dtype, device=fused[0].device)
+    r[:, index] = 1
+    for A in reversed(fused):
+        s = r / ((A.sum(dim=-1) + 1) / 2)  # B x N: r over the row sums of (A + I) / 2
+        r = ((s.unsqueeze(1) @ A).squeeze(1) + s) / 2  # B x N
+    return r
+
+
+def max_normalize(maps: torch.Tensor) -> torch.Tensor:
+    """Divide each sample's map (``B x ...``) by its maximum; an all-zero map stays zero."""
+    m = maps.flatten(1).amax(dim=1).clamp_min(torch.finfo(maps.dtype).tiny)
+    return maps / m.view(-1, *([1] * (maps.ndim - 1)))
+
+
+def _cls_readout(fused: list[torch.Tensor], layout: TokenLayout) -> torch.Tensor:
+    """CLS row of the rollout, patch columns, on the grid, over its max: ``B x gh x gw``."""
+    row = fused_rollout_row(fused, index=0)  # B x N
+    return max_normalize(layout.patches_to_grid(row))
+
+
+def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: float = 0.0) -> torch.Tensor:
+    """Attention rollout map of each sample: ``B x gh x gw``, maximum 1 per sample.
+
+    Abnar & Zuidema (2020) with the head fusion and discard of Gildenblat (2020): per
+    block, ``A = fuse(heads)``; discard each sample's lowest ``discard_ratio`` of entries
+    (never CLS->CLS); ``a = (A + I) / 2``, row-normalised; ``R = a_L @ ... @ a_1``; map =
+    ``R[CLS, patches]`` on the grid, divided by its maximum. One forward, no gradients.
+
+    Args:
+        model: a timm or Hugging Face ViT (in eval mode).
+        x: ``B x 3 x H x W`` input batch.
+        head_fusion: "mean", "min" or "max".
+        discard_ratio: fraction in [0, 1) of each layer's entries to zero.
+    """
+    check_head_fusion(head_fusion)
+    check_discard_ratio(discard_ratio)
+    require_cls(token_layout(model, x), "rollout")
+    attentions, layout = _recorded_attentions(model, x)
+    fused = [discard_lowest(fuse_heads(A, head_fusion), discard_ratio) for A in attentions]  # B x N x N each
+    return _cls_readout(fused, layout)
+
+
+def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0) -> torch.Tensor:
+    """Class-specific gradient rollout (Gildenblat 2020), per sample: ``B x gh x gw``.
+
+    Per block l: ``A = (mean_h A_l * dy_t/dA_l)`` clamped at 0, where y_t is the sample's
+    target logit; discard the lowest ``discard_ratio`` (never CLS->CLS); ``(A + I) / 2``,
+    row-normalised; multiply as in :func:`rollout`; map = CLS row over the patches,
+    divided by its maximum. One forward and one backward for the whole batch.
+
+    Args:
+        model: a timm or Hugging Face ViT classifier (in eval mode).
+        x: ``B x 3 x H x W`` input batch.
+        target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
+        discard_ratio: fraction in [0, 1) of each layer's entries to zero.
+    """
+    check_discard_ratio(discard_ratio)
+    require_cls(token_layout(model, x), "grad_rollout")
+    ag = attention_gradients(model, x, target)
+    fused = [
+        discard_lowest(grad_fuse_heads(A, G), discard_ratio)  # B x N x N
+        for A, G in zip(ag.attentions, ag.gradients)  # layer l with its own gradient
+    ]
+    return _cls_readout(fused, ag.layout)

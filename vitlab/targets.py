@@ -1,0 +1,88 @@
+"""Which class to explain: the ``target`` argument shared by every class-specific method.
+
+Every explanation method takes ``target`` in one of these forms:
+
+- ``None`` -- each sample's predicted class (argmax of its logits);
+- an ``int`` -- the same class for every sample of the batch;
+- a sequence, NumPy array or 1-D integer tensor -- one class per sample (length = batch size).
+
+:func:`check_target` validates the form before the model runs (so a batch/target length
+mismatch costs no forward pass); :func:`resolve_target` then fills in the predicted classes
+and checks the range against the model's number of classes, read from its logits.
+"""
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+_ALLOWED = "an int, one class per sample (a sequence or 1-D integer tensor), or None (predicted class)"
+
+
+def _logits(output) -> torch.Tensor:
+    """The ``B x num_classes`` logits of a model output (a tensor, or an object with ``.logits``).
+
+    timm classifiers return the logits tensor; Hugging Face classification models return an
+    output object whose ``.logits`` holds it.
+    """
+    logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(
+            f"the model returned {type(output).__name__}, which holds no logits: class-specific "
+            "methods need a classification model (one returning logits or an output with .logits)"
+        )
+    if logits.ndim != 2:
+        raise ValueError(f"expected logits of shape B x num_classes, got {tuple(logits.shape)}")
+    return logits
+
+
+def check_target(target, batch_size: int) -> torch.Tensor | None:
+    """Validate the form of ``target`` for a batch of ``batch_size``; no model needed.
+
+    Returns ``None`` (predicted class, decided later) or a ``(batch_size,)`` int64 CPU tensor.
+    Raises ``ValueError`` for booleans, non-integers, wrong dimensions and length mismatches.
+    """
+    if target is None:
+        return None
+    if isinstance(target, (bool, np.bool_)):
+        raise ValueError(f"target must be {_ALLOWED}, got a bool ({target})")
+    if isinstance(target, numbers.Integral):
+        return torch.full((batch_size,), int(target), dtype=torch.long)
+    if isinstance(target, (torch.Tensor, np.ndarray)) or (
+        isinstance(target, Sequence) and not isinstance(target, (str, bytes))
+    ):
+        t = torch.as_tensor(np.asarray(target) if isinstance(target, Sequence) else target)
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise ValueError(f"target must hold integer class indices, got dtype {t.dtype}")
+        if t.ndim == 0:
+            return torch.full((batch_size,), int(t), dtype=torch.long)
+        if t.ndim != 1:
+            raise ValueError(f"target must be {_ALLOWED}; got shape {tuple(t.shape)}")
+        if t.numel() != batch_size:
+            raise ValueError(
+                f"target has {t.numel()} classes but the batch has {batch_size} samples: "
+                "pass one class per sample, a single int for all, or None for the predicted class"
+            )
+        return t.to(device="cpu", dtype=torch.long)
+    raise ValueError(f"target must be {_ALLOWED}, got {type(target).__name__}")
+
+
+def resolve_target(target, logits: torch.Tensor) -> torch.Tensor:
+    """The ``(B,)`` int64 class per sample, on ``logits.device``, checked against the classes.
+
+    ``target`` is anything :func:`check_target` accepts (or its result); ``None`` becomes
+    ``logits.argmax(-1)``. A class outside ``0 .. num_classes - 1`` raises ``ValueError``.
+    """
+    B, num_classes = logits.shape
+    t = check_target(target, B)
+    if t is None:
+        return logits.detach().argmax(dim=-1)
+    bad = (t < 0) | (t >= num_classes)
+    if bool(bad.any()):
+        raise ValueError(
+            f"target {t[bad][0].item()} is outside the model's classes: "
+            f"allowed 0 .. {num_classes - 1} ({num_classes} classes)"
+        )
+    return t.to(logits.device)
