@@ -160,6 +160,8 @@ def test_grade_rollout_settings_equals_per_setting_grading():
         maps = rollout(model, x, head_fusion=f, discard_ratio=d)
         assert r["pointing"] == pytest.approx(float(fa.pointing_game(maps, masks[:, 0]).float().mean()))
         assert r["mass"] == pytest.approx(float(fa.mass_on_object(maps, masks[:, 0]).mean()), rel=1e-5)
+        assert r["touch"] == pytest.approx(float(fa.pointing_game(maps, masks[:, 0], fa.TOUCH).float().mean()))
+        assert r["touch"] >= r["pointing"]
     with pytest.raises(ValueError, match="head_fusion"):
         fa.grade_rollout_settings(model, x, masks[:, 0], [("median", 0.0)])
     with pytest.raises(ValueError, match="one B x H x W mask per input"):
@@ -186,17 +188,20 @@ def test_grade_asked_object_equals_asking_one_object_at_a_time():
     assert list(rows) == list(fa.CLASS_METHODS)
     per_ask = {m: [] for m in fa.CLASS_METHODS}
     per_other = {m: [] for m in fa.CLASS_METHODS}
+    per_touch = {m: [] for m in fa.CLASS_METHODS}
     for k in range(2):
         maps = fa.maps_from_gradients(attention_gradients(model, x, labels[:, k]))
         for m in fa.CLASS_METHODS:
             per_ask[m].append(fa.pointing_game(maps[m], masks[:, k]))
             per_other[m].append(fa.pointing_game(maps[m], masks[:, 1 - k]))
+            per_touch[m].append(fa.pointing_game(maps[m], masks[:, k], min_coverage=1e-6))
     for m in fa.CLASS_METHODS:
         hits = torch.stack(per_ask[m], 1)                            # B x 2
         assert rows[m]["asked"] == pytest.approx(float(hits.float().mean()))
         assert rows[m]["all_asks"] == pytest.approx(float(hits.all(1).float().mean()))
         assert rows[m]["other"] == pytest.approx(float(torch.stack(per_other[m], 1).float().mean()))
         assert rows[m]["n"] == 5
+        assert rows[m]["asked_touch"] == pytest.approx(float(torch.stack(per_touch[m], 1).float().mean()))
     # a class-agnostic map is the same for both asks: it cannot hit both disjoint objects
     assert rows["raw attention"]["all_asks"] == 0.0 and rows["rollout"]["all_asks"] == 0.0
     one = fa.grade_asked_object(model, x, labels[:, :1], masks[:, :1])
@@ -204,3 +209,62 @@ def test_grade_asked_object_equals_asking_one_object_at_a_time():
         float(torch.stack(per_ask["raw attention"], 1)[:, 0].float().mean()))
     with pytest.raises(ValueError, match="labels B x K"):
         fa.grade_asked_object(model, x, labels, masks[:, :1])
+
+
+def test_token_centres_of_a_plain_patchify_vit_are_the_patch_centres():
+    model = _tiny_vit()                                          # 32 px, 8 px patches
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    centres = fa.token_centres(model, x)                         # random weights: inside the patch
+    assert centres.shape == (4, 4, 2)
+    assert (centres - fa.patch_centres((4, 4), (32, 32))).abs().max() < 3.5
+    with torch.no_grad():
+        model.patch_embed.proj.weight.fill_(1.0)                 # every pixel of the patch counts the same
+    torch.testing.assert_close(fa.token_centres(model, x), fa.patch_centres((4, 4), (32, 32)), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(fa.patch_centres((2, 2), (8, 8))[1, 0].numpy(), [5.5, 1.5])
+
+
+def test_token_centres_see_a_stem_that_looks_up_and_left():
+    model = _tiny_vit()
+    # replace the patchify convolution by one that reads only the top-left pixel of each patch
+    conv = model.patch_embed.proj
+    with torch.no_grad():
+        conv.weight.zero_()
+        conv.weight[:, :, 0, 0] = 1.0
+    centres = fa.token_centres(model, torch.randn(1, 3, 32, 32))
+    np.testing.assert_allclose(centres[1, 2].numpy(), [8.0, 16.0], atol=1e-5)
+
+
+def test_shift_masks_moves_content_and_fills_background():
+    m = torch.zeros(1, 4, 4, dtype=torch.bool)
+    m[0, 0, 0] = m[0, 3, 3] = True
+    down = fa.shift_masks(m, 1, 2)
+    assert down.dtype == torch.float32 and down.sum() == 1 and down[0, 1, 2] == 1   # (3, 3) left the image
+    up = fa.shift_masks(m, -3, -3)
+    assert up.sum() == 1 and up[0, 0, 0] == 1
+    assert fa.shift_masks(m, 4, 0).sum() == 0
+    torch.testing.assert_close(fa.shift_masks(m, 0, 0), m.float())
+
+
+def test_grade_maps_scores_and_empty_maps():
+    masks = np.stack([square_mask(), square_mask()])                # object: top-left quarter
+    maps = torch.zeros(2, 2, 2)
+    maps[0, 0, 0] = 1.0                                              # on the object, all mass there
+    got = fa.grade_maps(maps, masks)                                 # map 1 is empty: a miss, mass 0
+    assert got == {"pointing": 0.5, "touch": 0.5, "mass": 0.5, "n": 2}
+
+
+def test_rollout_settings_maps_stack_the_settings():
+    model = _tiny_vit()
+    x, _, _ = _inputs(5)
+    maps = fa.rollout_settings_maps(model, x, [("min", 0.0), ("max", 0.5)], batch_size=2)
+    assert maps.shape == (2, 5, 4, 4)
+    torch.testing.assert_close(maps[1], rollout(model, x, "max", 0.5))
+
+
+def test_asked_object_maps_are_the_maps_of_each_ask():
+    model = _tiny_vit()
+    x, _, labels = _inputs(3)
+    maps = fa.asked_object_maps(model, x, labels, batch_size=2, grad_discard_ratio=0.2)
+    assert set(maps) == set(fa.CLASS_METHODS) and maps["Chefer relevance"].shape == (3, 2, 4, 4)
+    torch.testing.assert_close(maps["Chefer relevance"][:, 1], chefer_relevance(model, x, labels[:, 1]))
+    torch.testing.assert_close(maps["gradient rollout"][:, 0], grad_rollout(model, x, labels[:, 0], discard_ratio=0.2))

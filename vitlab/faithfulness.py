@@ -149,6 +149,10 @@ def chance_pointing(masks, grid: tuple[int, int], min_coverage: float = 0.5) -> 
     return on.flatten(1).float().mean(1)
 
 
+#: ``min_coverage`` of the lenient pointing game: the top patch holds any object pixel.
+TOUCH = 1e-6
+
+
 def _batches(n: int, batch_size: int):
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -209,6 +213,46 @@ def rollout_from_attentions(attentions: Sequence[torch.Tensor], layout, head_fus
     return max_normalize(layout.patches_to_grid(rollout_row(layers, index=0)))
 
 
+def grade_maps(maps, masks, min_coverage: float = 0.5) -> dict:
+    """Mean scores of ``B x gh x gw`` maps against ``B x H x W`` masks, one dict.
+
+    ``pointing`` (:func:`pointing_game` at ``min_coverage``), ``touch`` (the lenient game: the
+    top patch holds any object pixel), ``mass`` (:func:`mass_on_object`; a map with no
+    positive mass scores 0) and ``n``.
+    """
+    maps, masks = _as_tensor(maps), _as_tensor(masks)
+    _check(maps, masks)
+    positive = maps.clamp_min(0).flatten(1).sum(1) > 0
+    mass = torch.zeros(maps.shape[0])
+    if positive.any():
+        mass[positive] = mass_on_object(maps[positive], masks[positive])
+    return {"pointing": float(pointing_game(maps, masks, min_coverage).float().mean()),
+            "touch": float(pointing_game(maps, masks, TOUCH).float().mean()),
+            "mass": float(mass.mean()), "n": int(maps.shape[0])}
+
+
+def rollout_settings_maps(model, x: torch.Tensor, settings: Sequence[tuple[str, float]],
+                          batch_size: int = 50) -> torch.Tensor:
+    """Attention rollout of every input for several settings: ``S x B x gh x gw``.
+
+    ``settings``: ``(head_fusion, discard_ratio)`` pairs. Each batch of ``batch_size``
+    inputs is recorded once and every setting is computed from that recording
+    (:func:`rollout_from_attentions`); entry ``[s]`` equals
+    ``vitlab.rollout.rollout(model, x, *settings[s])``.
+    """
+    from vitlab.attention import _recorded_attentions, require_cls
+
+    settings = [(str(f), float(d)) for f, d in settings]
+    if not settings:
+        raise ValueError("settings must hold at least one (head_fusion, discard_ratio) pair")
+    per_batch = []
+    for s in _batches(x.shape[0], batch_size):
+        attentions, layout = _recorded_attentions(model, x[s])
+        require_cls(layout, "rollout_settings_maps")
+        per_batch.append(torch.stack([rollout_from_attentions(attentions, layout, f, d) for f, d in settings]))
+    return torch.cat(per_batch, dim=1)
+
+
 def grade_rollout_settings(model, x: torch.Tensor, masks, settings: Sequence[tuple[str, float]],
                            batch_size: int = 50, min_coverage: float = 0.5) -> list[dict]:
     """Pointing game and mass on the object of attention rollout, for several settings at once.
@@ -217,35 +261,19 @@ def grade_rollout_settings(model, x: torch.Tensor, masks, settings: Sequence[tup
         model: a ViT with a class token (eval mode).
         x: ``B x 3 x H x W`` inputs; ``masks``: ``B x H' x W'`` one object mask per input.
         settings: ``(head_fusion, discard_ratio)`` pairs.
-        batch_size: inputs per forward; each batch is recorded once and every setting is
-            computed from that recording (:func:`rollout_from_attentions`).
+        batch_size: inputs per forward (:func:`rollout_settings_maps`: one recording per
+            batch serves every setting).
         min_coverage: see :func:`pointing_game`.
 
-    Returns one dict per setting, in order: ``head_fusion``, ``discard_ratio``, ``pointing``
-    (fraction of hits), ``mass`` (mean share of map mass on the object), ``n``.
+    Returns one dict per setting, in order: ``head_fusion``, ``discard_ratio`` and the
+    scores of :func:`grade_maps` (``pointing``, ``touch``, ``mass``, ``n``).
     """
-    from vitlab.attention import _recorded_attentions, require_cls
-
     masks = _as_tensor(masks)
     if masks.ndim != 3 or masks.shape[0] != x.shape[0]:
         raise ValueError(f"need one B x H x W mask per input: {x.shape[0]} inputs, masks {tuple(masks.shape)}")
-    settings = [(str(f), float(d)) for f, d in settings]
-    if not settings:
-        raise ValueError("settings must hold at least one (head_fusion, discard_ratio) pair")
-    hits = [[] for _ in settings]
-    mass = [[] for _ in settings]
-    for s in _batches(x.shape[0], batch_size):
-        attentions, layout = _recorded_attentions(model, x[s])
-        require_cls(layout, "grade_rollout_settings")
-        for i, (fusion, ratio) in enumerate(settings):
-            maps = rollout_from_attentions(attentions, layout, fusion, ratio)
-            hits[i].append(pointing_game(maps, masks[s], min_coverage))
-            mass[i].append(mass_on_object(maps, masks[s]))
-    return [
-        {"head_fusion": f, "discard_ratio": d, "pointing": float(torch.cat(h).float().mean()),
-         "mass": float(torch.cat(m).mean()), "n": int(x.shape[0])}
-        for (f, d), h, m in zip(settings, hits, mass)
-    ]
+    maps = rollout_settings_maps(model, x, settings, batch_size)
+    return [{"head_fusion": str(f), "discard_ratio": float(d), **grade_maps(m, masks, min_coverage)}
+            for (f, d), m in zip(settings, maps)]
 
 
 #: The methods :func:`maps_from_gradients` computes, class-agnostic ones first.
@@ -280,6 +308,62 @@ def maps_from_gradients(ag, rollout_setting: tuple[str, float] = ("mean", 0.0),
     }
 
 
+def asked_object_maps(model, x: torch.Tensor, labels, batch_size: int = 50,
+                      rollout_setting: tuple[str, float] = ("mean", 0.0),
+                      grad_discard_ratio: float = 0.0) -> dict[str, torch.Tensor]:
+    """Every map of :data:`CLASS_METHODS` for every input and every class in ``labels``.
+
+    ``labels``: ``B x K`` classes (e.g. the K objects of each scene). Returns method ->
+    ``B x K x gh x gw``, entry ``[b, k]`` being the map of input b asked for class
+    ``labels[b, k]`` (:func:`maps_from_gradients`). One forward and one backward per batch
+    covers all K asks (the batch is repeated K times).
+    """
+    from vitlab.attention import attention_gradients
+
+    labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    if labels.ndim != 2 or labels.shape[0] != x.shape[0]:
+        raise ValueError(f"need labels B x K for B = {x.shape[0]} inputs; got labels {tuple(labels.shape)}")
+    B, K = labels.shape
+    out = {m: [] for m in CLASS_METHODS}
+    for s in _batches(B, batch_size):
+        b = s.stop - s.start
+        xb = x[s].repeat(K, 1, 1, 1)  # ask k occupies rows k*b .. (k+1)*b - 1
+        ag = attention_gradients(model, xb, labels[s].T.reshape(-1))
+        for name, m in maps_from_gradients(ag, rollout_setting, grad_discard_ratio).items():
+            out[name].append(m.reshape(K, b, *m.shape[1:]).transpose(0, 1))  # b x K x gh x gw
+    return {name: torch.cat(v) for name, v in out.items()}
+
+
+def grade_asked(maps: dict, masks, min_coverage: float = 0.5) -> list[dict]:
+    """Grade :func:`asked_object_maps` against the objects' masks (``B x K x H x W``).
+
+    Returns one dict per method: ``method``; ``asked`` (fraction of asks whose top patch is
+    on the asked object); ``asked_touch`` (the same, lenient: the top patch holds any pixel
+    of the asked object); and for K > 1 ``other`` (on another object of the scene) and
+    ``all_asks`` (fraction of scenes where every ask hits its own object -- a
+    class-agnostic map, the same for every ask, cannot do this for disjoint objects);
+    ``n`` (scenes).
+    """
+    masks = _as_tensor(masks)
+    rows = []
+    for name, m in maps.items():
+        if masks.ndim != 4 or masks.shape[:2] != m.shape[:2]:
+            raise ValueError(f"need masks B x K x H x W matching maps {tuple(m.shape[:2])}, got {tuple(masks.shape)}")
+        B, K = m.shape[:2]
+        flat_maps = m.reshape(B * K, *m.shape[2:])
+        own = masks.reshape(B * K, *masks.shape[2:])
+        hit = pointing_game(flat_maps, own, min_coverage).reshape(B, K)
+        row = {"method": name, "asked": float(hit.float().mean()),
+               "asked_touch": float(pointing_game(flat_maps, own, TOUCH).float().mean())}
+        if K > 1:
+            rest = torch.stack([masks[:, [j for j in range(K) if j != k]].amax(1) for k in range(K)], dim=1)
+            row["other"] = float(pointing_game(flat_maps, rest.reshape(B * K, *masks.shape[2:]), min_coverage).float().mean())
+            row["all_asks"] = float(hit.all(1).float().mean())
+        row["n"] = B
+        rows.append(row)
+    return rows
+
+
 def grade_asked_object(model, x: torch.Tensor, labels, masks, batch_size: int = 50, min_coverage: float = 0.5,
                        rollout_setting: tuple[str, float] = ("mean", 0.0),
                        grad_discard_ratio: float = 0.0) -> list[dict]:
@@ -287,17 +371,9 @@ def grade_asked_object(model, x: torch.Tensor, labels, masks, batch_size: int = 
 
     Each scene holds K objects (``labels``: ``B x K`` classes, ``masks``: ``B x K x H x W``).
     Each object is asked for in turn (``target`` = its class); a method scores a hit when
-    the highest patch of its map lies on the asked object (:func:`pointing_game`). One
-    forward and one backward per batch covers all K asks (the batch is repeated K times).
-
-    Returns one dict per method: ``method``; ``asked`` (fraction of asks whose top patch is
-    on the asked object); and for K > 1 ``other`` (on another object of the scene) and
-    ``all_asks`` (fraction of scenes where every ask hits its own object -- a
-    class-agnostic map, the same for every ask, can only do this by luck of ties); ``n``
-    (scenes).
+    the highest patch of its map lies on the asked object (:func:`pointing_game`).
+    :func:`asked_object_maps` then :func:`grade_asked`; see the latter for the keys.
     """
-    from vitlab.attention import attention_gradients
-
     labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
     masks = _as_tensor(masks)
     if labels.ndim != 2 or masks.ndim != 4 or masks.shape[:2] != labels.shape or labels.shape[0] != x.shape[0]:
@@ -305,28 +381,67 @@ def grade_asked_object(model, x: torch.Tensor, labels, masks, batch_size: int = 
             f"need labels B x K and masks B x K x H x W for B = {x.shape[0]} inputs; "
             f"got labels {tuple(labels.shape)}, masks {tuple(masks.shape)}"
         )
-    B, K = labels.shape
-    asked = {m: [] for m in CLASS_METHODS}
-    other = {m: [] for m in CLASS_METHODS}
-    for s in _batches(B, batch_size):
-        b = s.stop - s.start
-        xb = x[s].repeat(K, 1, 1, 1)  # ask k occupies rows k*b .. (k+1)*b - 1
-        target = labels[s].T.reshape(-1)
-        ag = attention_gradients(model, xb, target)
-        maps = maps_from_gradients(ag, rollout_setting, grad_discard_ratio)
-        own = masks[s].transpose(0, 1).reshape(K * b, *masks.shape[2:])
-        rest = torch.stack([masks[s][:, [j for j in range(K) if j != k]].amax(1) for k in range(K)]) if K > 1 else None
-        for name, m in maps.items():
-            asked[name].append(pointing_game(m, own, min_coverage).reshape(K, b).T)  # b x K
-            if rest is not None:
-                other[name].append(pointing_game(m, rest.reshape(K * b, *masks.shape[2:]), min_coverage).reshape(K, b).T)
-    rows = []
-    for name in CLASS_METHODS:
-        hit = torch.cat(asked[name])  # B x K
-        row = {"method": name, "asked": float(hit.float().mean())}
-        if K > 1:
-            row["other"] = float(torch.cat(other[name]).float().mean())
-            row["all_asks"] = float(hit.all(1).float().mean())
-        row["n"] = B
-        rows.append(row)
-    return rows
+    maps = asked_object_maps(model, x, labels, batch_size, rollout_setting, grad_discard_ratio)
+    return grade_asked(maps, masks, min_coverage)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which pixels does a token stand for?
+# ---------------------------------------------------------------------------------------------
+
+
+def token_centres(model, x: torch.Tensor) -> torch.Tensor:
+    """Receptive-field centre of every patch token after the patch embedding: ``gh x gw x 2``.
+
+    For token t, the centroid (row, column in input pixels) of ``|d embed_t / d x|`` summed
+    over channels, embedding dimensions and the batch ``x`` (``B x 3 x H x W``). With a
+    plain patchify convolution it is the patch centre; a convolutional stem can move it
+    (e.g. stride-2 3x3 convolutions with padding 1 centre a token on its patch's top-left
+    corner). Maps over the patch grid are graded against patches, so an offset here shifts
+    every map relative to what its tokens saw. timm ViTs only (``model.patch_embed``).
+    """
+    pe = getattr(model, "patch_embed", None)
+    if pe is None or not hasattr(pe, "grid_size"):
+        raise ValueError("token_centres needs a timm ViT (a model with patch_embed.grid_size)")
+    gh, gw = (int(g) for g in pe.grid_size)
+    H, W = x.shape[-2:]
+    with torch.enable_grad():
+        xin = x.detach().clone().requires_grad_(True)
+        emb = pe(xin)  # B x N x C (timm flattens) or B x C x gh x gw
+        if emb.ndim == 4:
+            emb = emb.flatten(2).transpose(1, 2)
+        ys = torch.arange(H, dtype=torch.float32)[:, None].expand(H, W)
+        xs = torch.arange(W, dtype=torch.float32)[None, :].expand(H, W)
+        out = torch.empty(gh * gw, 2)
+        for t in range(gh * gw):
+            (g,) = torch.autograd.grad(emb[:, t].sum(), xin, retain_graph=t < gh * gw - 1)
+            w = g.abs().sum(dim=(0, 1)).float()  # H x W
+            total = w.sum().clamp_min(torch.finfo(w.dtype).tiny)
+            out[t, 0], out[t, 1] = (w * ys).sum() / total, (w * xs).sum() / total
+    return out.reshape(gh, gw, 2)
+
+
+def patch_centres(grid: tuple[int, int], size: tuple[int, int]) -> torch.Tensor:
+    """Centre (row, column in pixels) of every patch of a ``grid`` over an image of ``size``."""
+    (gh, gw), (H, W) = grid, size
+    ph, pw = H / gh, W / gw
+    cy = torch.arange(gh, dtype=torch.float32) * ph + (ph - 1) / 2
+    cx = torch.arange(gw, dtype=torch.float32) * pw + (pw - 1) / 2
+    return torch.stack(torch.meshgrid(cy, cx, indexing="ij"), dim=-1)
+
+
+def shift_masks(masks, down: int, right: int) -> torch.Tensor:
+    """Move the content of ``... x H x W`` masks ``down`` and ``right`` pixels (negative: up,
+    left); what enters at the border is background (False / 0)."""
+    m = _as_tensor(masks)
+    H, W = m.shape[-2:]
+    out = torch.zeros_like(m)
+    down, right = int(down), int(right)
+    if abs(down) >= H or abs(right) >= W:
+        return out
+    src_y = slice(max(0, -down), H - max(0, down))
+    dst_y = slice(max(0, down), H - max(0, -down))
+    src_x = slice(max(0, -right), W - max(0, right))
+    dst_x = slice(max(0, right), W - max(0, -right))
+    out[..., dst_y, dst_x] = m[..., src_y, src_x]
+    return out

@@ -1,0 +1,112 @@
+"""vitlab.widgets: the explorers build, draw every setting and agree with vitlab.attention."""
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from timm.models.vision_transformer import VisionTransformer  # noqa: E402
+
+from vitlab import widgets  # noqa: E402
+from vitlab.attention import cls_attention, qk_maps  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=5).eval()
+
+
+@pytest.fixture(scope="module")
+def x():
+    return torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def test_qk_images_equal_qk_maps(model, x):
+    qk = widgets.record_qk(model, x)
+    for layer, head, channel, sample in [(0, 0, 0, 0), (2, 1, 15, 1), (-1, -1, -1, 0)]:
+        q, k = widgets.qk_images(qk, layer, head, channel, sample)
+        ref = qk_maps(model, x, layer, head, channel)
+        torch.testing.assert_close(q, ref.query[sample])
+        torch.testing.assert_close(k, ref.key[sample])
+    with pytest.raises(ValueError, match="channel must be an int in \\[0, 16\\)"):
+        widgets.qk_images(qk, 0, 0, 16)
+
+
+def test_qk_explorer_sliders_cover_the_model_and_redraw(model, x):
+    image = np.zeros((32, 32, 3), np.uint8)
+    ex = widgets.QKExplorer(model, x[:1], image=image, layer=1, head=2, channel=3)
+    assert {n: (s.min, s.max) for n, s in ex.sliders.items()} == {"layer": (0, 2), "head": (0, 2), "channel": (0, 15)}
+    assert ex.values() == {"layer": 1, "head": 2, "channel": 3}
+    drawn = ex.draws
+    ex.sliders["channel"].value = 7
+    assert ex.draws == drawn + 1
+    fig = ex.figure(layer=2, head=0, channel=7)
+    assert [ax.get_title() for ax in fig.axes] == ["sigmoid(q)  L2 h0 ch7", "sigmoid(k)", "where the mean query is sent"]
+    q, _ = widgets.qk_images(ex.qk, 2, 0, 7)
+    np.testing.assert_allclose(fig.axes[0].images[0].get_array(), q.numpy(), rtol=1e-6)
+    plt.close("all")
+
+
+def test_cls_attention_explorer_draws_the_chosen_map(model, x):
+    cls = cls_attention(model, x[:1])[0]                 # layers x heads x gh x gw
+    ex = widgets.CLSAttentionExplorer(cls, image=None, layer=2, head=1)
+    assert {n: (s.min, s.max) for n, s in ex.sliders.items()} == {"layer": (0, 2), "head": (0, 2)}
+    ex.sliders["layer"].value = 0
+    fig = ex.figure(**ex.values())
+    assert fig.axes[0].get_title() == "CLS attention  layer 0 head 1"
+    np.testing.assert_allclose(fig.axes[0].images[0].get_array(), cls[0, 1].numpy(), rtol=1e-6)
+    with pytest.raises(ValueError, match="layers x heads x gh x gw"):
+        widgets.CLSAttentionExplorer(cls[0])
+    plt.close("all")
+
+
+def test_top_channels_equals_rank_qk_channels_and_skips_layers(model, x):
+    from vitlab.attention import qk_channel_scores, rank_qk_channels
+
+    scores = qk_channel_scores(model, x, "two_way")
+    assert widgets.top_channels(scores, 4) == rank_qk_channels(model, x, "two_way", top=4)
+    deep = widgets.top_channels(scores, 3, first_layer=2)
+    assert all(c.layer == 2 for c in deep)
+    assert [c.score for c in deep] == sorted(scores[2].flatten().tolist(), reverse=True)[:3]
+    assert scores[deep[0].layer, deep[0].head, deep[0].channel] == pytest.approx(deep[0].score)
+    with pytest.raises(ValueError, match="layers x heads x channels"):
+        widgets.top_channels(scores[0])
+
+
+def test_qk_channels_figure_rows(model, x):
+    qk = widgets.record_qk(model, x)
+    fig = widgets.qk_channels_figure(qk, [(0, 1, 2), (2, 0, 5)], image=np.zeros((32, 32, 3)), scores=["a", "b"])
+    assert len(fig.axes) == 6
+    assert [fig.axes[3].get_title(), fig.axes[4].get_title()] == ["sigmoid(q)  L2 h0 ch5", "sigmoid(k)  b"]
+    _, k = widgets.qk_images(qk, 2, 0, 5)
+    np.testing.assert_allclose(fig.axes[4].images[0].get_array(), k.numpy(), rtol=1e-6)
+    assert fig.axes[5].get_title() == "where the mean query is sent"
+    assert fig.axes[0].images[0].get_clim() == (0.0, 1.0)
+    with pytest.raises(ValueError, match="2 scores for 1 channels"):
+        widgets.qk_channels_figure(qk, [(0, 0, 0)], scores=["a", "b"])
+    plt.close("all")
+
+
+def test_mean_query_push_is_the_mean_logit_contribution(model, x):
+    from vitlab.record import record
+
+    qk = widgets.record_qk(model, x)
+    with torch.no_grad(), record(model) as rec:
+        model(x)
+    P = rec.layout.num_prefix
+    q, k = rec.queries[1][1, 2, P:, 9], rec.keys[1][1, 2, P:, 9]       # patches of sample 1
+    want = (q[:, None] * k[None, :]).mean(0)                              # mean over queries i of q_i k_j
+    torch.testing.assert_close(widgets.mean_query_push(qk, 1, 2, 9, sample=1).flatten(), want)
+
+
+def test_explorer_shows_the_current_figure_as_png(model, x):
+    cls = cls_attention(model, x[:1])[0]
+    ex = widgets.CLSAttentionExplorer(cls, layer=1, head=0)
+    first = ex.image_widget.value
+    assert first[:8] == b"\x89PNG\r\n\x1a\n"
+    ex.sliders["head"].value = 2
+    assert ex.image_widget.value[:8] == b"\x89PNG\r\n\x1a\n" and ex.image_widget.value != first
+    assert plt.get_fignums() == []                     # redraws leave no open figures behind
