@@ -1,0 +1,214 @@
+"""vitlab.shapes.model / train / evaluate: the embedded shapes-vit-tiny and its tooling."""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from timm.data import create_transform, resolve_data_config
+from timm.layers import Attention
+from timm.models.vision_transformer import Block, VisionTransformer
+
+from vitlab.shapes import CLASSES, make_scenes, scenes_to_tensor
+from vitlab.shapes.evaluate import (
+    _block_attention,
+    _blocks_input,
+    cls_attention_last,
+    evaluate,
+    patch_object_fraction,
+    pointing_game,
+)
+from vitlab.shapes.model import (
+    DEFAULT_CONFIG,
+    WEIGHTS_PATH,
+    ShapesViTConfig,
+    build_shapes_vit,
+    load_shapes_vit,
+    save_shapes_vit,
+)
+from vitlab.shapes.train import main as train_main
+from vitlab.shapes.train import scene_batches, soft_targets
+
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # These tests run tiny models: one thread is faster than two, and far faster when other
+    # jobs share the CPU (threads then wait for each other). The setting is restored after.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    torch.manual_seed(0)
+    return load_shapes_vit(pretrained=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return build_shapes_vit(ShapesViTConfig(img_size=64, patch_size=16, depth=2)).eval()
+
+
+def test_architecture_is_a_deit_tiny_shaped_timm_vit(random_model):
+    m = random_model
+    assert isinstance(m, VisionTransformer) and not m.training
+    assert m.global_pool == "token" and m.num_prefix_tokens == 1 and m.cls_token is not None
+    assert len(m.blocks) == DEFAULT_CONFIG.depth
+    for blk in m.blocks:
+        assert isinstance(blk, Block) and isinstance(blk.attn, Attention)
+        assert blk.attn.num_heads == 3 and blk.attn.head_dim == 64
+    assert m.embed_dim == 192 and m.head.out_features == len(CLASSES)
+    g = DEFAULT_CONFIG.img_size // DEFAULT_CONFIG.patch_size
+    assert tuple(m.patch_embed.grid_size) == (g, g)
+    x = torch.zeros(2, 3, DEFAULT_CONFIG.img_size, DEFAULT_CONFIG.img_size)
+    with torch.no_grad():
+        assert tuple(m.forward_features(x).shape) == (2, 1 + g * g, 192)
+        assert tuple(m(x).shape) == (2, len(CLASSES))
+
+
+def test_pretrained_cfg_drives_timm_preprocessing_to_the_same_tensor(random_model):
+    cfg = random_model.pretrained_cfg
+    assert cfg["label_names"] == CLASSES and cfg["crop_pct"] == 1.0
+    assert cfg["input_size"] == (3, DEFAULT_CONFIG.img_size, DEFAULT_CONFIG.img_size)
+    data_cfg = resolve_data_config({}, model=random_model)
+    assert data_cfg["input_size"] == cfg["input_size"] and data_cfg["mean"] == cfg["mean"]
+    tf = create_transform(**data_cfg)
+    s = make_scenes(3, 4, 2)
+    fast = scenes_to_tensor(s.images, cfg["input_size"], cfg["mean"], cfg["std"])
+    for i in range(3):
+        timm_x = tf(Image.fromarray(s.images[i]))
+        torch.testing.assert_close(timm_x, fast[i], atol=1e-6, rtol=0)
+
+
+def test_cls_attention_recomputation_matches_timm(tiny_model):
+    m = tiny_model
+    x = scenes_to_tensor(make_scenes(4, 1, size=64).images, (3, 64, 64), (0.5,) * 3, (0.5,) * 3)
+    with torch.no_grad():
+        tokens = _blocks_input(m, x)
+        blk = m.blocks[-1]
+        probs = _block_attention(blk, tokens)
+        B, N, C = tokens.shape
+        assert tuple(probs.shape) == (4, 3, N, N)
+        torch.testing.assert_close(probs.sum(-1), torch.ones(4, 3, N))
+        # probabilities @ values through the output projection == timm's own (fused) attention
+        attn = blk.attn
+        v = attn.qkv(blk.norm1(tokens)).reshape(B, N, 3, 3, 64).permute(2, 0, 3, 1, 4)[2]
+        ours = attn.proj((probs @ v).transpose(1, 2).reshape(B, N, C))
+        torch.testing.assert_close(ours, attn(blk.norm1(tokens)), atol=1e-5, rtol=1e-4)
+        # the manual pass up to the last block is timm's forward_features
+        torch.testing.assert_close(m.norm(blk(tokens)), m.forward_features(x), atol=1e-5, rtol=1e-4)
+        cls = cls_attention_last(m, x)
+    assert tuple(cls.shape) == (4, 4, 4)
+    torch.testing.assert_close(cls.reshape(4, -1), probs[:, :, 0, 1:].mean(1))
+
+
+def test_patch_fraction_and_pointing_game_known_answers():
+    masks = np.zeros((2, 8, 8), dtype=bool)
+    masks[0, :4, :4] = True  # object fills the top-left patch of a 2x2 grid
+    masks[1, 4:, 4] = True  # a one-pixel-wide line in the bottom-right patch: 4 of 16 pixels
+    frac = patch_object_fraction(masks, (2, 2))
+    np.testing.assert_allclose(frac[0], [[1, 0], [0, 0]])
+    np.testing.assert_allclose(frac[1], [[0, 0], [0, 0.25]])
+    maps = np.array([[[0.9, 0.1], [0.0, 0.0]], [[0.0, 0.0], [0.0, 1.0]]])
+    assert pointing_game(maps, masks).tolist() == [True, True]
+    assert pointing_game(maps, masks, min_fraction=0.5).tolist() == [True, False]
+    assert pointing_game(maps[::-1], masks).tolist() == [False, False]
+    with pytest.raises(ValueError):
+        patch_object_fraction(masks, (3, 3))
+
+
+def test_evaluate_reports_fractions_and_the_random_patch_baseline(tiny_model):
+    res = evaluate(tiny_model, n=20, batch=10)
+    for key in ("single_top1", "two_both_top2", "pointing_cls_attention", "pointing_cls_attention_half_patch"):
+        assert 0.0 <= res[key] <= 1.0
+    s = make_scenes(20, 1, 1, size=64)  # evaluate's single-object scenes
+    frac = patch_object_fraction(s.masks[:, 0], (4, 4))
+    assert res["pointing_random_patch"] == pytest.approx(float((frac > 0).mean()))
+    assert res["grid"] == [4, 4]
+
+
+def test_save_load_roundtrip_and_errors(tmp_path, tiny_model):
+    path = tmp_path / "m.safetensors"
+    save_shapes_vit(tiny_model, path, extra={"training": {"seed": 3}})
+    loaded = load_shapes_vit(weights_path=path)
+    assert not loaded.training and loaded.shapes_config == tiny_model.shapes_config
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), tiny_model(x), atol=2e-2, rtol=2e-2)  # fp16 weights
+    assert load_shapes_vit(weights_path=path, depth=2).shapes_config.depth == 2
+    with pytest.raises(ValueError, match="depth"):
+        load_shapes_vit(weights_path=path, depth=12)
+    with pytest.raises(ValueError, match="unknown"):
+        load_shapes_vit(pretrained=False, width=3)
+    with pytest.raises(FileNotFoundError, match="vitlab.shapes.train"):
+        load_shapes_vit(weights_path=tmp_path / "missing.safetensors")
+    with pytest.raises(ValueError):
+        ShapesViTConfig(img_size=100, patch_size=16)
+
+
+def test_soft_targets():
+    t = soft_targets(np.array([[2, 5]]), 8, smoothing=0.0)
+    np.testing.assert_allclose(t[0].numpy(), [0, 0, 0.5, 0, 0, 0.5, 0, 0])
+    t = soft_targets(np.array([[1], [7]]), 8, smoothing=0.1)
+    torch.testing.assert_close(t.sum(1), torch.ones(2))
+    assert float(t[0, 1]) == pytest.approx(0.9 + 0.1 / 8) and float(t[1, 0]) == pytest.approx(0.1 / 8)
+
+
+def test_a_few_training_steps_reduce_the_loss():
+    torch.manual_seed(0)
+    model = build_shapes_vit(ShapesViTConfig(img_size=64, patch_size=16, depth=2)).train()
+    x, target, labels = next(
+        scene_batches(steps=1, batch=32, chunk=32, two_frac=0.25, ramp=0.3, seed=5, size=64, smoothing=0.1)
+    )
+    assert tuple(x.shape) == (32, 3, 64, 64) and sum(len(l) == 2 for l in labels) > 0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loss_now():
+        return torch.sum(-target * F.log_softmax(model(x), dim=1), dim=1).mean()
+
+    with torch.no_grad():
+        first = float(loss_now())
+    for _ in range(25):
+        loss = loss_now()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        assert float(loss_now()) < 0.7 * first
+
+
+def test_train_command_writes_loadable_weights(tmp_path):
+    out, hist = tmp_path / "w.safetensors", tmp_path / "h.json"
+    train_main(["--quick", "--steps", "10", "--depth", "1", "--img-size", "64", "--threads", "1", "--out", str(out),
+                "--history", str(hist), "--no-progress"])
+    m = load_shapes_vit(weights_path=out)
+    assert len(m.blocks) == 1 and m.pretrained_cfg["input_size"] == (3, 64, 64)
+    record = json.loads(hist.read_text())
+    assert record["history"][-1]["step"] == 10 and record["training"]["seed"] == 0
+    assert "--quick" in record["training"]["command"]
+
+
+def test_shipped_model_loads_fast_and_is_accurate():
+    assert WEIGHTS_PATH.is_file(), "retrain with `python -m vitlab.shapes.train`"
+    assert WEIGHTS_PATH.stat().st_size <= 12 * 1024 * 1024
+    load_shapes_vit()  # warm the file cache and imports
+    t = time.process_time()
+    model = load_shapes_vit()
+    assert time.process_time() - t < 2.0
+    cfg = model.pretrained_cfg
+    one = make_scenes(100, 77, 1, size=cfg["input_size"][1])  # held out: not an eval or training seed
+    two = make_scenes(100, 78, 2, size=cfg["input_size"][1])
+    with torch.no_grad():
+        p1 = model(scenes_to_tensor(one.images, cfg["input_size"], cfg["mean"], cfg["std"]))
+        p2 = model(scenes_to_tensor(two.images, cfg["input_size"], cfg["mean"], cfg["std"]))
+    assert (p1.argmax(1).numpy() == one.labels[:, 0]).mean() >= 0.9  # 96% on the 1,000 evaluation scenes
+    both = np.sort(p2.topk(2, dim=1).indices.numpy(), 1) == np.sort(two.labels, 1)
+    assert both.all(1).mean() >= 0.6  # 78% on the 1,000 evaluation scenes

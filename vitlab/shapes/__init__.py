@@ -1,0 +1,21 @@
+"""Generated scenes with known object masks, and ``shapes-vit-tiny``, the ViT trained on them.
+
+- :func:`make_scenes` — scenes, class labels and exact object masks (:mod:`vitlab.shapes.data`)
+- :func:`load_shapes_vit` — the embedded model (:mod:`vitlab.shapes.model`)
+- ``python -m vitlab.shapes.train`` retrains it; ``python -m vitlab.shapes.evaluate`` measures it.
+"""
+from __future__ import annotations
+
+from vitlab.shapes.data import CLASSES, DEFAULT_SIZE, Scenes, make_scenes, scenes_to_tensor
+
+__all__ = ["CLASSES", "DEFAULT_SIZE", "Scenes", "load_shapes_vit", "make_scenes", "scenes_to_tensor"]
+
+
+def load_shapes_vit(pretrained: bool = True, **kwargs):
+    """The ``shapes-vit-tiny`` model in eval mode; see :func:`vitlab.shapes.model.load_shapes_vit`.
+
+    (Imported lazily, so that generating scenes does not import torch and timm.)
+    """
+    from vitlab.shapes.model import load_shapes_vit as _load
+
+    return _load(pretrained=pretrained, **kwargs)

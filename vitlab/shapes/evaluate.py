@@ -1,0 +1,156 @@
+"""Measure ``shapes-vit-tiny`` on held-out scenes: ``python -m vitlab.shapes.evaluate``.
+
+Prints three figures, each on ``--n`` (default 1,000) scenes at the evaluated difficulty (1.0),
+from seeds that training never uses (training seeds start at 1,000,000):
+
+1. single-object top-1 accuracy (seed :data:`SEED_SINGLE`);
+2. two-object scenes: the fraction where the two present classes are exactly the top-2
+   (seed :data:`SEED_TWO`);
+3. the pointing game of the last block's CLS attention, averaged over heads, on the
+   single-object scenes: a hit when the patch with the highest attention lies on the object
+   (contains at least one of its pixels). Printed with the same game played by a uniformly
+   random patch (the chance level) and a stricter variant (at least half the patch is object).
+
+The CLS attention is recomputed here from the last timm ``Block`` (``norm1 -> qkv -> q_norm /
+k_norm -> softmax(q k^T * scale)``), independently of :mod:`vitlab.record`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vitlab.shapes.data import make_scenes, scenes_to_tensor
+
+__all__ = ["SEED_SINGLE", "SEED_TWO", "cls_attention_last", "evaluate", "patch_object_fraction", "pointing_game", "main"]
+
+SEED_SINGLE = 1
+SEED_TWO = 2
+
+
+def _blocks_input(model, x: torch.Tensor) -> torch.Tensor:
+    """Tokens entering the last block: timm ``VisionTransformer.forward_features`` up to it."""
+    x = model.patch_embed(x)
+    x = model._pos_embed(x)
+    x = model.patch_drop(x)
+    x = model.norm_pre(x)
+    for blk in model.blocks[:-1]:
+        x = blk(x)
+    return x
+
+
+def _block_attention(blk, x: torch.Tensor) -> torch.Tensor:
+    """Attention probabilities ``B x heads x N x N`` of a timm ``Block`` for input tokens ``x``."""
+    attn = blk.attn
+    B, N, C = x.shape
+    y = blk.norm1(x)
+    qkv = attn.qkv(y).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, _ = qkv.unbind(0)  # each B x heads x N x head_dim
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    return ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+
+
+@torch.no_grad()
+def cls_attention_last(model, x: torch.Tensor) -> torch.Tensor:
+    """Last block's attention from the CLS token to the patches, mean over heads: ``B x gh x gw``."""
+    tokens = _blocks_input(model, x)
+    attn = _block_attention(model.blocks[-1], tokens)  # B x h x N x N
+    n_prefix = model.num_prefix_tokens
+    gh, gw = model.patch_embed.grid_size
+    cls_to_patches = attn[:, :, 0, n_prefix:].mean(dim=1)  # B x (gh*gw)
+    return cls_to_patches.reshape(-1, gh, gw)
+
+
+def patch_object_fraction(masks: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+    """Fraction of each patch's pixels covered by the mask: ``n x H x W`` bool -> ``n x gh x gw``."""
+    n, H, W = masks.shape
+    gh, gw = grid
+    if H % gh or W % gw:
+        raise ValueError(f"mask size {H}x{W} is not divisible by the patch grid {gh}x{gw}")
+    return masks.reshape(n, gh, H // gh, gw, W // gw).mean(axis=(2, 4))
+
+
+def pointing_game(maps: np.ndarray, masks: np.ndarray, min_fraction: float = 0.0) -> np.ndarray:
+    """Per scene: does the highest-scoring patch of ``maps`` (``n x gh x gw``) lie on the object?
+
+    "Lies on" means more than ``min_fraction`` of the patch's pixels belong to the mask
+    (``n x H x W``); with the default 0, any object pixel in the patch counts.
+    """
+    maps = np.asarray(maps)
+    frac = patch_object_fraction(np.asarray(masks), maps.shape[1:])
+    flat = maps.reshape(len(maps), -1).argmax(axis=1)
+    hit_frac = frac.reshape(len(frac), -1)[np.arange(len(frac)), flat]
+    return hit_frac >= min_fraction if min_fraction > 0 else hit_frac > 0
+
+
+def _logits(model, x: torch.Tensor, batch: int) -> torch.Tensor:
+    return torch.cat([model(x[i : i + batch]).float() for i in range(0, len(x), batch)])
+
+
+@torch.no_grad()
+def evaluate(model, n: int = 1000, batch: int = 100, difficulty: float = 1.0, bf16: bool = False) -> dict:
+    """All evaluation figures for ``model`` (a shapes ViT) as a dict."""
+    cfg = model.pretrained_cfg
+    size = cfg["input_size"][1]
+    mean, std = cfg["mean"], cfg["std"]
+    model.eval()
+    out: dict = {"n": n, "difficulty": difficulty, "seed_single": SEED_SINGLE, "seed_two": SEED_TWO}
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        one = make_scenes(n, SEED_SINGLE, 1, difficulty=difficulty, size=size)
+        x1 = scenes_to_tensor(one.images, cfg["input_size"], mean, std)
+        pred1 = _logits(model, x1, batch).argmax(1).numpy()
+        out["single_top1"] = float((pred1 == one.labels[:, 0]).mean())
+
+        two = make_scenes(n, SEED_TWO, 2, difficulty=difficulty, size=size)
+        x2 = scenes_to_tensor(two.images, cfg["input_size"], mean, std)
+        top2 = _logits(model, x2, batch).topk(2, dim=1).indices.numpy()
+        both = np.sort(top2, 1) == np.sort(two.labels, 1)
+        out["two_both_top2"] = float(both.all(1).mean())
+
+        maps = torch.cat([cls_attention_last(model, x1[i : i + batch]).float() for i in range(0, n, batch)]).numpy()
+    masks = one.masks[:, 0]
+    out["pointing_cls_attention"] = float(pointing_game(maps, masks).mean())
+    out["pointing_cls_attention_half_patch"] = float(pointing_game(maps, masks, min_fraction=0.5).mean())
+    frac = patch_object_fraction(masks, maps.shape[1:])
+    out["pointing_random_patch"] = float((frac > 0).mean(axis=(1, 2)).mean())
+    out["grid"] = list(maps.shape[1:])
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m vitlab.shapes.evaluate", description=__doc__.splitlines()[0])
+    p.add_argument("--weights", default=None, help="safetensors file (default: the shipped shapes-vit-tiny)")
+    p.add_argument("--n", type=int, default=1000, help="scenes per figure")
+    p.add_argument("--difficulty", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default="", help="also write the figures as JSON here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from vitlab.shapes.model import load_shapes_vit
+
+    t0 = time.time()
+    model = load_shapes_vit(True, weights_path=args.weights)
+    res = evaluate(model, n=args.n, difficulty=args.difficulty)
+    res["eval_seconds"] = round(time.time() - t0, 1)
+    print(f"shapes-vit-tiny on {args.n} held-out scenes per figure (difficulty {args.difficulty}, seeds {SEED_SINGLE}/{SEED_TWO})")
+    print(f"single-object top-1 accuracy:            {res['single_top1']:.1%}")
+    print(f"two-object scenes, both classes in top-2: {res['two_both_top2']:.1%}")
+    gh, gw = res["grid"]
+    print(
+        f"pointing game, last-layer CLS attention (mean over heads, {gh}x{gw} patches): "
+        f"{res['pointing_cls_attention']:.1%}  (random patch: {res['pointing_random_patch']:.1%}; "
+        f">= half the patch on the object: {res['pointing_cls_attention_half_patch']:.1%})"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    sys.stdout.flush()
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""``shapes-vit-tiny``: the small ViT that vitlab trains itself on :mod:`vitlab.shapes` scenes.
+
+The model is a plain timm :class:`~timm.models.vision_transformer.VisionTransformer` with
+DeiT-tiny's blocks (width 192, 3 heads of 64, MLP ratio 4), a CLS token read out by the
+head (``global_pool='token'``), and learned position embeddings initialised to 2-D sine-cosine
+values. Optionally the single patchify convolution is replaced by a small convolutional stem
+(Xiao et al. 2021, "Early convolutions help transformers see better"); either way
+``patch_embed.grid_size`` is the patch grid and the attention blocks are timm's own
+``Block``/``Attention`` modules, so every vitlab method works on it unchanged.
+
+The architecture is stored with the weights (safetensors metadata), so
+:func:`load_shapes_vit` rebuilds exactly the network that :mod:`vitlab.shapes.train` wrote.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from timm.layers import PatchEmbed
+from timm.models.vision_transformer import VisionTransformer
+
+from vitlab.shapes.data import CLASSES
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "STEMS",
+    "MEAN",
+    "STD",
+    "WEIGHTS_PATH",
+    "ConvStemPatchEmbed",
+    "ShapesViTConfig",
+    "build_shapes_vit",
+    "load_shapes_vit",
+    "save_shapes_vit",
+]
+
+#: Where the shipped weights live (inside the installed package).
+WEIGHTS_PATH = Path(__file__).resolve().parent.parent / "models" / "shapes-vit-tiny.safetensors"
+
+#: Input normalisation (images scaled to [0, 1] first).
+MEAN = (0.5, 0.5, 0.5)
+STD = (0.5, 0.5, 0.5)
+
+
+#: Patch embeddings: one patchify convolution, or a stack of stride-2 convolutions whose
+#: first layer has ``embed_dim / patch_size`` ("conv") or 32 ("wideconv") channels.
+STEMS = ("conv", "wideconv", "patch")
+
+
+@dataclass(frozen=True)
+class ShapesViTConfig:
+    """Architecture of a shapes ViT. Width and heads are DeiT-tiny's and fixed."""
+
+    img_size: int = 112
+    patch_size: int = 16
+    depth: int = 6
+    stem: str = "conv"  # "conv" / "wideconv": convolutional stems; "patch": one patchify convolution
+    num_classes: int = len(CLASSES)
+    embed_dim: int = 192
+    num_heads: int = 3
+
+    def __post_init__(self):
+        if self.stem not in STEMS:
+            raise ValueError(f"stem must be one of {STEMS}, got {self.stem!r}")
+        if self.img_size % self.patch_size:
+            raise ValueError(f"img_size {self.img_size} is not a multiple of patch_size {self.patch_size}")
+        p = self.patch_size
+        if self.stem != "patch" and (p < 4 or p & (p - 1)):
+            raise ValueError(f"the conv stem needs a power-of-two patch_size >= 4, got {p}")
+        if self.depth < 1:
+            raise ValueError(f"depth must be >= 1, got {self.depth}")
+
+    @property
+    def grid(self) -> int:
+        return self.img_size // self.patch_size
+
+
+#: The architecture of the shipped ``shapes-vit-tiny``.
+DEFAULT_CONFIG = ShapesViTConfig()
+
+
+class ConvStemPatchEmbed(PatchEmbed):
+    """timm ``PatchEmbed`` whose projection is a stack of stride-2 3x3 convolutions.
+
+    ``log2(patch_size)`` conv-BN-ReLU layers halve the resolution each time, doubling the
+    channels from ``first_width`` (default ``embed_dim / patch_size``, at least 16) up to
+    ``embed_dim``, and a final 1x1 convolution maps to ``embed_dim`` — the "early
+    convolutions" stem of Xiao et al. (2021). Output tokens, ``grid_size`` and
+    ``num_patches`` are the same as for the patchify convolution it replaces.
+    """
+
+    def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, first_width=None, **kwargs):
+        super().__init__(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, **kwargs)
+        n_down = int(round(math.log2(self.patch_size[0])))
+        layers: list[nn.Module] = []
+        c_in, c_out = in_chans, first_width or embed_dim // 2 ** (n_down)
+        for _ in range(n_down):
+            c_out = min(max(c_out, 16), embed_dim)
+            layers += [
+                nn.Conv2d(c_in, c_out, kernel_size=3, stride=2, padding=1, bias=False),
+                nn.BatchNorm2d(c_out),
+                nn.ReLU(inplace=True),
+            ]
+            c_in, c_out = c_out, c_out * 2
+        layers.append(nn.Conv2d(c_in, embed_dim, kernel_size=1))
+        self.proj = nn.Sequential(*layers)
+
+
+def _sincos_2d(grid: int, dim: int) -> torch.Tensor:
+    """2-D sine-cosine position embeddings (MAE / MoCo v3), ``grid*grid x dim``."""
+    quarter = dim // 4
+    omega = 1.0 / (10000 ** (torch.arange(quarter, dtype=torch.float32) / quarter))
+    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float32), torch.arange(grid, dtype=torch.float32), indexing="ij")
+    out_y = ys.reshape(-1, 1) * omega[None]
+    out_x = xs.reshape(-1, 1) * omega[None]
+    return torch.cat([out_x.sin(), out_x.cos(), out_y.sin(), out_y.cos()], dim=1)
+
+
+def _pretrained_cfg(cfg: ShapesViTConfig) -> dict:
+    return {
+        "architecture": "shapes_vit_tiny",
+        "input_size": (3, cfg.img_size, cfg.img_size),
+        "mean": MEAN,
+        "std": STD,
+        "interpolation": "bilinear",
+        "crop_pct": 1.0,
+        "crop_mode": "center",
+        "num_classes": cfg.num_classes,
+        "label_names": list(CLASSES),
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+    }
+
+
+def build_shapes_vit(cfg: ShapesViTConfig = DEFAULT_CONFIG) -> VisionTransformer:
+    """A randomly initialised shapes ViT (train mode), with ``pretrained_cfg`` set."""
+    model = VisionTransformer(
+        img_size=cfg.img_size,
+        patch_size=cfg.patch_size,
+        embed_dim=cfg.embed_dim,
+        depth=cfg.depth,
+        num_heads=cfg.num_heads,
+        mlp_ratio=4.0,
+        qkv_bias=True,
+        num_classes=cfg.num_classes,
+        global_pool="token",
+        class_token=True,
+        embed_layer={
+            "conv": ConvStemPatchEmbed,
+            "wideconv": partial(ConvStemPatchEmbed, first_width=32),
+            "patch": PatchEmbed,
+        }[cfg.stem],
+    )
+    with torch.no_grad():
+        model.pos_embed[0, model.num_prefix_tokens :] = _sincos_2d(cfg.grid, cfg.embed_dim)
+        model.pos_embed[0, : model.num_prefix_tokens] = 0.0
+    model.pretrained_cfg = _pretrained_cfg(cfg)
+    model.default_cfg = model.pretrained_cfg
+    model.shapes_config = cfg
+    return model
+
+
+def save_shapes_vit(model: VisionTransformer, path: str | Path, *, extra: dict | None = None, half: bool = True) -> None:
+    """Write the weights (fp16 by default) with the architecture in the safetensors metadata."""
+    from safetensors.torch import save_file
+
+    cfg: ShapesViTConfig = model.shapes_config
+    state = {k: (v.detach().half() if half and v.is_floating_point() else v.detach()).contiguous().cpu()
+             for k, v in model.state_dict().items()}
+    meta = {"format": "pt", "vitlab_config": json.dumps(asdict(cfg)), "label_names": json.dumps(list(CLASSES))}
+    if extra:
+        meta.update({k: json.dumps(v) for k, v in extra.items()})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path), metadata=meta)
+
+
+def load_shapes_vit(pretrained: bool = True, *, weights_path: str | Path | None = None, **arch) -> VisionTransformer:
+    """The ``shapes-vit-tiny`` model, in eval mode.
+
+    Args:
+        pretrained: load the trained weights (the file shipped in ``vitlab/models`` unless
+            ``weights_path`` is given); ``False`` gives the same architecture, randomly initialised.
+        weights_path: a safetensors file written by :func:`save_shapes_vit` / ``vitlab.shapes.train``.
+        **arch: :class:`ShapesViTConfig` fields. With ``pretrained=False`` they change the
+            architecture; with ``pretrained=True`` they must agree with the file's.
+
+    Raises:
+        FileNotFoundError: the weights file is missing (retrain with ``python -m vitlab.shapes.train``).
+        ValueError: unknown architecture keywords, or keywords that contradict the weights file.
+    """
+    names = {f.name for f in fields(ShapesViTConfig)}
+    unknown = set(arch) - names
+    if unknown:
+        raise ValueError(f"unknown architecture argument(s) {sorted(unknown)}; expected some of {sorted(names)}")
+    if not pretrained:
+        model = build_shapes_vit(ShapesViTConfig(**{**asdict(DEFAULT_CONFIG), **arch}))
+        return model.eval()
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(weights_path) if weights_path is not None else WEIGHTS_PATH
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"shapes-vit-tiny weights not found at {path}; retrain them with "
+            f"`python -m vitlab.shapes.train --out {path}` (about an hour on 2 CPU cores)"
+        )
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if "vitlab_config" not in meta:
+        raise ValueError(f"{path} has no vitlab_config metadata; it was not written by vitlab.shapes.train")
+    cfg = ShapesViTConfig(**json.loads(meta["vitlab_config"]))
+    clash = {k: (v, getattr(cfg, k)) for k, v in arch.items() if getattr(cfg, k) != v}
+    if clash:
+        raise ValueError(f"arguments contradict the weights file {path}: " + ", ".join(
+            f"{k}={a!r} but the file has {b!r}" for k, (a, b) in clash.items()))
+    model = build_shapes_vit(cfg)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
+    model.load_state_dict(state, strict=True)
+    return model.eval()
