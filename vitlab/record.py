@@ -193,13 +193,20 @@ def _attach_timm(model: nn.Module, s: _Session, mlp: bool) -> None:
         current: dict[str, AttentionCapture] = {}
         H = attn.num_heads
 
-        def on_qkv(mod, inp, out, current=current, block_name=block_name, H=H, attn=attn):
+        # Q and K as the attention uses them: after q_norm / k_norm. When those are identities
+        # (most ViTs) they are read straight from the qkv output, with two hooks fewer per block.
+        q_plain = isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)
+
+        def on_qkv(mod, inp, out, current=current, block_name=block_name, H=H, q_plain=q_plain):
             cap = AttentionCapture(name=f"{block_name}.attn")
             current["cap"] = cap
             stream.append(cap)
             B, N, _ = out.shape
-            # qkv: B x N x (3 * heads * head_dim) -> V is the third slice (no norm on V)
-            cap.value = s.keep(out.reshape(B, N, 3, H, -1)[:, :, 2].transpose(1, 2))
+            # qkv: B x N x (3 * heads * head_dim) -> 3 x B x heads x N x head_dim
+            q, k, v = out.reshape(B, N, 3, H, -1).permute(2, 0, 3, 1, 4).unbind(0)
+            cap.value = s.keep(v)
+            if q_plain:
+                cap.query, cap.key = s.keep(q), s.keep(k)
 
         def on_q(mod, inp, out, current=current):
             current["cap"].query = s.keep(out)
@@ -211,8 +218,9 @@ def _attach_timm(model: nn.Module, s: _Session, mlp: bool) -> None:
             s.capture_attention(current["cap"], inp[0], out)
 
         s.hook(attn.qkv, on_qkv)
-        s.hook(attn.q_norm, on_q)
-        s.hook(attn.k_norm, on_k)
+        if not q_plain:
+            s.hook(attn.q_norm, on_q)
+            s.hook(attn.k_norm, on_k)
         s.hook(attn.attn_drop, on_drop)
         s.hook(block, lambda mod, inp, out: s.rec.hidden_states.append(s.keep(out)))
         if mlp:
