@@ -199,3 +199,24 @@ def test_hf_sdpa_attention_and_gradients_equal_eager(repo):
         torch.testing.assert_close(rec.attention_grads[l], a.grad, atol=1e-6, rtol=1e-4)
         torch.testing.assert_close(rec.hidden_states[l].detach(), out.hidden_states[l + 1].detach(),
                                    atol=1e-5, rtol=0)
+
+
+def test_qk_norm_models_record_normalised_queries_and_keys():
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3,
+                              qk_norm=True, num_classes=4).eval()
+    with torch.no_grad():  # make the norms matter
+        for blk in model.blocks:
+            blk.attn.q_norm.weight.uniform_(0.5, 2.0)
+            blk.attn.k_norm.bias.uniform_(-1.0, 1.0)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad(), vitlab.record(model) as rec:
+        model(x)
+    ref, kept = eager_reference(model, x)
+    with torch.no_grad():
+        ref(x)
+    for l, (a, q, k, v) in enumerate(kept):
+        torch.testing.assert_close(rec.queries[l], q, atol=1e-5, rtol=0)
+        torch.testing.assert_close(rec.keys[l], k, atol=1e-5, rtol=0)
+        torch.testing.assert_close(rec.attentions[l], a, atol=1e-5, rtol=0)
