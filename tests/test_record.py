@@ -220,3 +220,18 @@ def test_qk_norm_models_record_normalised_queries_and_keys():
         torch.testing.assert_close(rec.queries[l], q, atol=1e-5, rtol=0)
         torch.testing.assert_close(rec.keys[l], k, atol=1e-5, rtol=0)
         torch.testing.assert_close(rec.attentions[l], a, atol=1e-5, rtol=0)
+
+
+def test_clear_keeps_hooks_and_starts_fresh_lists():
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad(), vitlab.record(model, mlp=True) as rec:
+        model(x)
+        first = rec.attentions[4].clone()
+        model(x)
+        assert rec.num_layers == 2 * len(model.blocks)   # each forward appends
+        rec.clear()
+        assert rec.num_layers == 0 and not rec.hidden_states and not rec.mlp_activations
+        model(x)
+        assert rec.num_layers == len(model.blocks) == len(rec.mlp_activations)
+        torch.testing.assert_close(rec.attentions[4], first)

@@ -103,6 +103,16 @@ class Recording:
             )
         return grads
 
+    def clear(self) -> None:
+        """Forget what was recorded (the hooks stay): the next forward starts fresh lists.
+
+        For loops that keep one recording open around many forwards (activation
+        maximisation), instead of entering ``record`` every step."""
+        self.hidden_states.clear()
+        self.mlp_activations.clear()
+        for stream in self.streams.values():
+            stream.clear()
+
     @property
     def num_layers(self) -> int:
         return len(self.streams.get(self.default_stream, []))
