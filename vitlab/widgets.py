@@ -17,6 +17,7 @@ expression of a cell; :meth:`figure` draws one setting without widgets (for scri
 """
 from __future__ import annotations
 
+import abc
 from typing import NamedTuple
 
 import matplotlib.pyplot as plt
@@ -139,7 +140,7 @@ def _widgets():
     return ipywidgets
 
 
-class _Explorer:
+class _Explorer(abc.ABC):
     """Sliders + an image that shows :meth:`figure` for the current slider values.
 
     Each redraw renders the figure to PNG and puts it in an ``ipywidgets.Image`` (no Output
@@ -159,8 +160,9 @@ class _Explorer:
     def values(self) -> dict:
         return {name: s.value for name, s in self.sliders.items()}
 
-    def figure(self, **values):  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abc.abstractmethod
+    def figure(self, **values):
+        """The matplotlib Figure for the sliders' current values."""
 
     def _redraw(self, change=None):
         import io

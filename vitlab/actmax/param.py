@@ -12,6 +12,7 @@ starting image on every device. ``image()`` returns ``B x 3 x H x W`` in ``[0, 1
 """
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -34,15 +35,16 @@ def _check_shape(batch: int, size) -> tuple[int, int, int]:
     return batch, int(h), int(w)
 
 
-class Parametrization:
+class Parametrization(abc.ABC):
     """An image made of optimisable tensors."""
 
+    @abc.abstractmethod
     def parameters(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """The tensors the optimiser updates."""
 
+    @abc.abstractmethod
     def image(self) -> torch.Tensor:
         """``B x 3 x H x W`` in ``[0, 1]``, differentiable w.r.t. :meth:`parameters`."""
-        raise NotImplementedError
 
     def project(self) -> None:
         """Bring the parameters back into their valid set after an optimiser step."""
