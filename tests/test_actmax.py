@@ -11,6 +11,8 @@ import vitlab
 from vitlab import actmax
 from vitlab.actmax import transforms as T
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def tiny_vit(num_classes=4, **kw):
     model = VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3,
@@ -18,15 +20,6 @@ def tiny_vit(num_classes=4, **kw):
     model.pretrained_cfg = dict(input_size=(3, 32, 32), mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
                                 interpolation="bilinear", crop_pct=1.0, crop_mode="center")
     return model
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread (and do not fight a busy machine); restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -29,16 +29,8 @@ from vitlab.relevance import chefer_relevance
 from vitlab.rollout import grad_rollout, rollout
 from vitlab.targets import _logits, check_target, resolve_target
 
-TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=5)
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Weights large enough for peaked attention and distinct logits (timm's init is tiny)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model.eval()
+from conftest import TINY, randomize as _randomize
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_vit(seed: int = 0, **kw) -> VisionTransformer:
@@ -117,15 +109,6 @@ def assert_same_state(before, after):
     for (n, g0), (_, g1) in zip(before["grad"], after["grad"]):
         assert (g0 is None and g1 is None) or torch.equal(g0, g1), f"{n}.grad changed"
     assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and a busy machine makes them spin-wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

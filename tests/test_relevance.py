@@ -21,24 +21,8 @@ from vitlab.relevance import (
     self_attention_rule,
 )
 
-TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=5)
-
-
-def _randomize(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model.eval()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small models gain nothing from threads, and a busy machine makes them spin-wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from conftest import TINY, randomize as _randomize
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

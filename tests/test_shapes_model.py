@@ -33,16 +33,7 @@ from vitlab.shapes.model import (
 from vitlab.shapes.train import main as train_main
 from vitlab.shapes.train import scene_batches, soft_targets
 
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # These tests run tiny models: one thread is faster than two, and far faster when other
-    # jobs share the CPU (threads then wait for each other). The setting is restored after.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
