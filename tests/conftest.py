@@ -37,3 +37,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def vit():
+    """A tiny random ViT (3 blocks, 3 heads, 4 x 4 patches, 5 classes) in eval mode."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    return randomize(VisionTransformer(**TINY), 0)
+
+
+@pytest.fixture(scope="module")
+def x():
+    """Three 32 x 32 inputs for :func:`vit`."""
+    return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(7))

@@ -111,16 +111,6 @@ def assert_same_state(before, after):
     assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
 
 
-@pytest.fixture(scope="module")
-def vit():
-    return tiny_vit()
-
-
-@pytest.fixture(scope="module")
-def x():
-    return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(7))
-
-
 # --- the reference itself --------------------------------------------------------------
 @pytest.mark.parametrize("make", [tiny_vit, tiny_distilled, lambda: tiny_vit(3, reg_tokens=2, img_size=(32, 48))])
 def test_reference_forward_reproduces_the_model(make):

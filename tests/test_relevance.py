@@ -10,7 +10,6 @@ import pytest
 import timm
 import torch
 from timm.models.deit import VisionTransformerDistilled
-from timm.models.vision_transformer import VisionTransformer
 
 from vitlab.attention import attention_gradients
 from vitlab.relevance import (
@@ -23,16 +22,6 @@ from vitlab.relevance import (
 
 from conftest import TINY, randomize as _randomize
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def vit():
-    return _randomize(VisionTransformer(**TINY), 0)
-
-
-@pytest.fixture(scope="module")
-def x():
-    return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(7))
 
 
 def np_relevance(attentions, gradients, prefix, grid):

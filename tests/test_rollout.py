@@ -12,7 +12,6 @@ import pytest
 import timm
 import torch
 from timm.models.deit import VisionTransformerDistilled
-from timm.models.vision_transformer import VisionTransformer
 
 from vitlab.attention import attention_gradients
 from vitlab.record import record
@@ -31,16 +30,6 @@ from vitlab.rollout import (
 
 from conftest import TINY, randomize as _randomize
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def vit():
-    return _randomize(VisionTransformer(**TINY), 0)
-
-
-@pytest.fixture(scope="module")
-def x():
-    return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(7))
 
 
 def recorded_attentions(model, x):
