@@ -15,8 +15,6 @@ from timm.models.vision_transformer import Block, VisionTransformer
 
 from vitlab.shapes import CLASSES, make_scenes, scenes_to_tensor
 from vitlab.shapes.evaluate import (
-    _block_attention,
-    _blocks_input,
     cls_attention_last,
     evaluate,
     patch_object_fraction,
@@ -32,6 +30,28 @@ from vitlab.shapes.model import (
 )
 from vitlab.shapes.train import main as train_main
 from vitlab.shapes.train import scene_batches, soft_targets
+
+
+def _blocks_input(model, x: torch.Tensor) -> torch.Tensor:
+    """Independent reference: tokens entering the last block, timm's forward_features up to it."""
+    x = model.patch_embed(x)
+    x = model._pos_embed(x)
+    x = model.patch_drop(x)
+    x = model.norm_pre(x)
+    for blk in model.blocks[:-1]:
+        x = blk(x)
+    return x
+
+
+def _block_attention(blk, x: torch.Tensor) -> torch.Tensor:
+    """Independent reference: attention probabilities ``B x heads x N x N`` of a timm Block."""
+    attn = blk.attn
+    B, N, C = x.shape
+    y = blk.norm1(x)
+    qkv = attn.qkv(y).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, _ = qkv.unbind(0)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    return ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

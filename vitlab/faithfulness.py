@@ -24,7 +24,7 @@ import torch.nn.functional as F
 def _as_tensor(a, dtype=torch.float32) -> torch.Tensor:
     if isinstance(a, torch.Tensor):
         return a.detach().to("cpu", dtype)
-    return torch.as_tensor(np.asarray(a), dtype=dtype)
+    return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype)  # also reversed/strided views
 
 
 def _check(maps: torch.Tensor, masks: torch.Tensor) -> None:

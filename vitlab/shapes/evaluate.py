@@ -25,6 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vitlab.attention import raw_attention
+from vitlab.faithfulness import TOUCH, mask_to_grid
+from vitlab.faithfulness import pointing_game as pointing_game_on_grid
 from vitlab.shapes.data import make_scenes, scenes_to_tensor
 
 __all__ = ["SEED_SINGLE", "SEED_TWO", "cls_attention_last", "evaluate", "patch_object_fraction", "pointing_game", "main"]
@@ -33,59 +36,26 @@ SEED_SINGLE = 1
 SEED_TWO = 2
 
 
-def _blocks_input(model, x: torch.Tensor) -> torch.Tensor:
-    """Tokens entering the last block: timm ``VisionTransformer.forward_features`` up to it."""
-    x = model.patch_embed(x)
-    x = model._pos_embed(x)
-    x = model.patch_drop(x)
-    x = model.norm_pre(x)
-    for blk in model.blocks[:-1]:
-        x = blk(x)
-    return x
-
-
-def _block_attention(blk, x: torch.Tensor) -> torch.Tensor:
-    """Attention probabilities ``B x heads x N x N`` of a timm ``Block`` for input tokens ``x``."""
-    attn = blk.attn
-    B, N, C = x.shape
-    y = blk.norm1(x)
-    qkv = attn.qkv(y).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-    q, k, _ = qkv.unbind(0)  # each B x heads x N x head_dim
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    return ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
-
-
 @torch.no_grad()
 def cls_attention_last(model, x: torch.Tensor) -> torch.Tensor:
     """Last block's attention from the CLS token to the patches, mean over heads: ``B x gh x gw``."""
-    tokens = _blocks_input(model, x)
-    attn = _block_attention(model.blocks[-1], tokens)  # B x h x N x N
-    n_prefix = model.num_prefix_tokens
-    gh, gw = model.patch_embed.grid_size
-    cls_to_patches = attn[:, :, 0, n_prefix:].mean(dim=1)  # B x (gh*gw)
-    return cls_to_patches.reshape(-1, gh, gw)
+    return raw_attention(model, x)
 
 
 def patch_object_fraction(masks: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
     """Fraction of each patch's pixels covered by the mask: ``n x H x W`` bool -> ``n x gh x gw``."""
-    n, H, W = masks.shape
-    gh, gw = grid
-    if H % gh or W % gw:
-        raise ValueError(f"mask size {H}x{W} is not divisible by the patch grid {gh}x{gw}")
-    return masks.reshape(n, gh, H // gh, gw, W // gw).mean(axis=(2, 4))
+    return mask_to_grid(masks, grid).numpy()
 
 
 def pointing_game(maps: np.ndarray, masks: np.ndarray, min_fraction: float = 0.0) -> np.ndarray:
     """Per scene: does the highest-scoring patch of ``maps`` (``n x gh x gw``) lie on the object?
 
-    "Lies on" means more than ``min_fraction`` of the patch's pixels belong to the mask
-    (``n x H x W``); with the default 0, any object pixel in the patch counts.
+    "Lies on" means at least ``min_fraction`` of the patch's pixels belong to the mask
+    (``n x H x W``); with the default 0, any object pixel in the patch counts
+    (:func:`vitlab.faithfulness.pointing_game` with its ``TOUCH`` threshold).
     """
-    maps = np.asarray(maps)
-    frac = patch_object_fraction(np.asarray(masks), maps.shape[1:])
-    flat = maps.reshape(len(maps), -1).argmax(axis=1)
-    hit_frac = frac.reshape(len(frac), -1)[np.arange(len(frac)), flat]
-    return hit_frac >= min_fraction if min_fraction > 0 else hit_frac > 0
+    threshold = min_fraction if min_fraction > 0 else TOUCH
+    return pointing_game_on_grid(maps, masks, min_coverage=threshold).numpy()
 
 
 def _logits(model, x: torch.Tensor, batch: int) -> torch.Tensor:
