@@ -85,6 +85,27 @@ def test_architecture_is_a_deit_tiny_shaped_timm_vit(random_model):
         assert tuple(m(x).shape) == (2, len(CLASSES))
 
 
+@pytest.mark.parametrize("stem, shift", [("conv", 0.0), ("wideconv", 0.0), ("patch", 0.0), ("conv3x3", -7.5)])
+def test_each_token_looks_at_the_centre_of_its_patch(stem, shift):
+    """The centroid of a token's input gradient, with every stem weight positive, is the centre
+    of its 16-px patch (the legacy 3x3 stem: (16 - 1) / 2 px up-left, summed over four layers)."""
+    m = build_shapes_vit(ShapesViTConfig(stem=stem)).eval()
+    proj = m.patch_embed.proj
+    with torch.no_grad():
+        for mod in proj.modules() if isinstance(proj, torch.nn.Sequential) else [proj]:
+            if isinstance(mod, torch.nn.Conv2d):
+                mod.weight.fill_(0.01)
+    x = torch.full((1, 3, 112, 112), 0.5, requires_grad=True)
+    out = proj(x)
+    for i, j in [(1, 1), (3, 3), (2, 5), (5, 4)]:  # tokens whose receptive field (46 px) is inside the image
+        (g,) = torch.autograd.grad(out[0, :, i, j].sum(), x, retain_graph=True)
+        w = g[0].abs().sum(0)
+        ys = torch.arange(112.0) + 0.5  # pixel centres
+        cy = float((w.sum(1) * ys).sum() / w.sum())
+        cx = float((w.sum(0) * ys).sum() / w.sum())
+        assert cy == pytest.approx(16 * i + 8 + shift, abs=1e-3) and cx == pytest.approx(16 * j + 8 + shift, abs=1e-3)
+
+
 def test_pretrained_cfg_drives_timm_preprocessing_to_the_same_tensor(random_model):
     cfg = random_model.pretrained_cfg
     assert cfg["label_names"] == CLASSES and cfg["crop_pct"] == 1.0
@@ -144,6 +165,10 @@ def test_evaluate_reports_fractions_and_the_random_patch_baseline(tiny_model):
     frac = patch_object_fraction(s.masks[:, 0], (4, 4))
     assert res["pointing_random_patch"] == pytest.approx(float((frac > 0).mean()))
     assert res["grid"] == [4, 4]
+    tiny_model.train()
+    again = evaluate(tiny_model, n=20, batch=10)  # evaluated in eval mode, then the mode is given back
+    assert tiny_model.training and again["single_top1"] == res["single_top1"]
+    tiny_model.eval()
 
 
 def test_save_load_roundtrip_and_errors(tmp_path, tiny_model):
@@ -220,6 +245,6 @@ def test_shipped_model_loads_fast_and_is_accurate():
     with torch.no_grad():
         p1 = model(scenes_to_tensor(one.images, cfg["input_size"], cfg["mean"], cfg["std"]))
         p2 = model(scenes_to_tensor(two.images, cfg["input_size"], cfg["mean"], cfg["std"]))
-    assert (p1.argmax(1).numpy() == one.labels[:, 0]).mean() >= 0.9  # 96% on the 1,000 evaluation scenes
+    assert (p1.argmax(1).numpy() == one.labels[:, 0]).mean() >= 0.97  # the issue's bar (100% on the 1,000 evaluation scenes)
     both = np.sort(p2.topk(2, dim=1).indices.numpy(), 1) == np.sort(two.labels, 1)
-    assert both.all(1).mean() >= 0.6  # 78% on the 1,000 evaluation scenes
+    assert both.all(1).mean() >= 0.9  # the issue's bar (99.6% on the 1,000 evaluation scenes)

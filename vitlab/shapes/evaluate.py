@@ -11,8 +11,8 @@ from seeds that training never uses (training seeds start at 1,000,000):
    (contains at least one of its pixels). Printed with the same game played by a uniformly
    random patch (the chance level) and a stricter variant (at least half the patch is object).
 
-The CLS attention is recomputed here from the last timm ``Block`` (``norm1 -> qkv -> q_norm /
-k_norm -> softmax(q k^T * scale)``), independently of :mod:`vitlab.record`.
+The CLS attention is :func:`vitlab.attention.raw_attention` (read by :mod:`vitlab.record`);
+the tests check it against a hand-written recomputation of the last timm ``Block``.
 """
 from __future__ import annotations
 
@@ -64,11 +64,20 @@ def _logits(model, x: torch.Tensor, batch: int) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(model, n: int = 1000, batch: int = 100, difficulty: float = 1.0, bf16: bool = False) -> dict:
-    """All evaluation figures for ``model`` (a shapes ViT) as a dict."""
+    """All evaluation figures for ``model`` (a shapes ViT) as a dict (run in eval mode; the
+    model's own mode is restored afterwards)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return _evaluate(model, n, batch, difficulty, bf16)
+    finally:
+        model.train(was_training)
+
+
+def _evaluate(model, n: int, batch: int, difficulty: float, bf16: bool) -> dict:
     cfg = model.pretrained_cfg
     size = cfg["input_size"][1]
     mean, std = cfg["mean"], cfg["std"]
-    model.eval()
     out: dict = {"n": n, "difficulty": difficulty, "seed_single": SEED_SINGLE, "seed_two": SEED_TWO}
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         one = make_scenes(n, SEED_SINGLE, 1, difficulty=difficulty, size=size)

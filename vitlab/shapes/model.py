@@ -48,9 +48,12 @@ MEAN = (0.5, 0.5, 0.5)
 STD = (0.5, 0.5, 0.5)
 
 
-#: Patch embeddings: one patchify convolution, or a stack of stride-2 convolutions whose
-#: first layer has ``embed_dim / patch_size`` ("conv") or 32 ("wideconv") channels.
-STEMS = ("conv", "wideconv", "patch")
+#: Patch embeddings: one patchify convolution ("patch"), or a stack of stride-2 convolutions.
+#: "conv": 4x4 kernels with padding 1, so each token's receptive field is centred on its patch;
+#: "conv3x3": 3x3 kernels with padding 1 (the first shipped model's stem; it centres each token
+#: 7.5 px up-left of its 16-px patch; kept so that weight files written with it still load);
+#: "wideconv": like "conv" with a 32-channel first layer.
+STEMS = ("conv", "conv3x3", "wideconv", "patch")
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ class ShapesViTConfig:
     img_size: int = 112
     patch_size: int = 16
     depth: int = 6
-    stem: str = "conv"  # "conv" / "wideconv": convolutional stems; "patch": one patchify convolution
+    stem: str = "conv"  # see STEMS
     num_classes: int = len(CLASSES)
     embed_dim: int = 192
     num_heads: int = 3
@@ -86,16 +89,21 @@ DEFAULT_CONFIG = ShapesViTConfig()
 
 
 class ConvStemPatchEmbed(PatchEmbed):
-    """timm ``PatchEmbed`` whose projection is a stack of stride-2 3x3 convolutions.
+    """timm ``PatchEmbed`` whose projection is a stack of stride-2 convolutions.
 
     ``log2(patch_size)`` conv-BN-ReLU layers halve the resolution each time, doubling the
     channels from ``first_width`` (default ``embed_dim / patch_size``, at least 16) up to
     ``embed_dim``, and a final 1x1 convolution maps to ``embed_dim`` — the "early
     convolutions" stem of Xiao et al. (2021). Output tokens, ``grid_size`` and
     ``num_patches`` are the same as for the patchify convolution it replaces.
+
+    ``kernel_size`` 4 (padding 1) centres every output cell's receptive field on the input
+    cells it covers, so token ``(i, j)`` looks at the centre of patch ``(i, j)``. With 3x3
+    kernels (padding 1) each layer shifts the centre half an input pixel up-left and the
+    shifts add up: ``(patch_size - 1) / 2`` pixels for the whole stem (7.5 px at 16 px patches).
     """
 
-    def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, first_width=None, **kwargs):
+    def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, first_width=None, kernel_size=4, **kwargs):
         super().__init__(img_size=img_size, patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, **kwargs)
         n_down = int(round(math.log2(self.patch_size[0])))
         layers: list[nn.Module] = []
@@ -103,7 +111,7 @@ class ConvStemPatchEmbed(PatchEmbed):
         for _ in range(n_down):
             c_out = min(max(c_out, 16), embed_dim)
             layers += [
-                nn.Conv2d(c_in, c_out, kernel_size=3, stride=2, padding=1, bias=False),
+                nn.Conv2d(c_in, c_out, kernel_size=kernel_size, stride=2, padding=1, bias=False),
                 nn.BatchNorm2d(c_out),
                 nn.ReLU(inplace=True),
             ]
@@ -153,6 +161,7 @@ def build_shapes_vit(cfg: ShapesViTConfig = DEFAULT_CONFIG) -> VisionTransformer
         class_token=True,
         embed_layer={
             "conv": ConvStemPatchEmbed,
+            "conv3x3": partial(ConvStemPatchEmbed, kernel_size=3),
             "wideconv": partial(ConvStemPatchEmbed, first_width=32),
             "patch": PatchEmbed,
         }[cfg.stem],
