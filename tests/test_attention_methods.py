@@ -185,6 +185,32 @@ def test_attention_gradients_batch_equals_items_and_none_is_argmax(vit, x):
     assert all(torch.equal(a, b) for a, b in zip(predicted.gradients, explicit.gradients))
 
 
+def test_log_probability_gradient_is_the_logit_gradient_minus_the_softmax_average(vit, x):
+    """d log p_t = dy_t - sum_j p_j dy_j: built from one logit-gradient pass per class."""
+    with torch.no_grad():
+        p = vit(x).softmax(-1)  # B x K
+    K = p.shape[1]
+    per_class = [attention_gradients(vit, x, target=k).gradients for k in range(K)]
+    t = [1, 4, 0]
+    got = attention_gradients(vit, x, target=t, score="log_probability")
+    for l in range(len(vit.blocks)):
+        for b in range(x.shape[0]):
+            expected = per_class[t[b]][l][b] - sum(p[b, k] * per_class[k][l][b] for k in range(K))
+            torch.testing.assert_close(got.gradients[l][b], expected, rtol=1e-4, atol=1e-7)
+    # the maps use it; a batch with one target each equals its items
+    for method in (chefer_relevance, grad_rollout, attention_gradcam):
+        batch = method(vit, x, t, score="log_probability")
+        items = torch.cat([method(vit, x[b : b + 1], t[b], score="log_probability") for b in range(3)])
+        torch.testing.assert_close(batch, items, rtol=1e-4, atol=1e-6)
+        assert not torch.allclose(batch, method(vit, x, t))  # a different question, a different map
+
+
+@pytest.mark.parametrize("method", [attention_gradients, attention_gradcam, grad_rollout, chefer_relevance])
+def test_unknown_score_is_a_value_error(vit, x, method):
+    with pytest.raises(ValueError, match="score must be one of"):
+        method(vit, x, target=0, score="probability")
+
+
 # --- class-token attention and the raw-attention / GradCAM baselines ----------------------------
 @pytest.mark.parametrize("make, prefix", [(tiny_vit, 1), (tiny_distilled, 2),
                                           (lambda: tiny_vit(3, reg_tokens=2, img_size=(32, 48)), 3)])

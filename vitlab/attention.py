@@ -26,7 +26,7 @@ import torch
 
 from vitlab.layout import TokenLayout, token_layout
 from vitlab.record import record
-from vitlab.targets import _logits, check_target, resolve_target
+from vitlab.targets import _logits, check_score, check_target, resolve_target, target_score
 
 QK_PATTERNS = ("one_way", "two_way")
 
@@ -90,20 +90,22 @@ def _recorded_attentions(model, x: torch.Tensor) -> tuple[list[torch.Tensor], To
     return list(rec.attentions), rec.layout
 
 
-def _attention_gradients(model, x: torch.Tensor, target, layers: list[int] | None) -> AttentionGradients:
+def _attention_gradients(model, x: torch.Tensor, target, layers: list[int] | None,
+                         score: str = "logit") -> AttentionGradients:
     """:func:`attention_gradients`, with gradients only for block indices ``layers``
     (None: all); the other entries of ``gradients`` are None. Fewer blocks, shorter backward."""
     target = check_target(target, x.shape[0])
+    check_score(score)
     with torch.enable_grad():
         # A leaf that requires grad keeps the graph alive even if every parameter is frozen.
         x_in = x.detach().requires_grad_(True)
         with record(model, detach=False) as rec:  # graph-attached attentions
             logits = _logits(model(x_in))
             t = resolve_target(target, logits)
-            score = logits.gather(1, t[:, None]).sum()
+            total = target_score(logits, t, score).sum()
             attentions = list(rec.attentions)
             wanted = range(len(attentions)) if layers is None else layers
-            grads = torch.autograd.grad(score, [attentions[l] for l in wanted])
+            grads = torch.autograd.grad(total, [attentions[l] for l in wanted])
     gradients: list[torch.Tensor | None] = [None] * len(attentions)
     for l, g in zip(wanted, grads):
         gradients[l] = g.detach()
@@ -116,11 +118,12 @@ def _attention_gradients(model, x: torch.Tensor, target, layers: list[int] | Non
     )
 
 
-def attention_gradients(model, x: torch.Tensor, target=None) -> AttentionGradients:
-    """Every block's attention and d(target logit)/d(attention): one forward, one backward.
+def attention_gradients(model, x: torch.Tensor, target=None, score: str = "logit") -> AttentionGradients:
+    """Every block's attention and d(target score)/d(attention): one forward, one backward.
 
-    The score is the sum over the batch of each sample's target logit; ViT samples do not
-    interact in eval mode, so each sample's gradient is that of its own logit, exactly.
+    The score is the sum over the batch of each sample's target logit (or log-probability);
+    ViT samples do not interact in eval mode, so each sample's gradient is that of its own
+    score, exactly.
     Gradients are taken with :func:`torch.autograd.grad` with respect to the recorded
     attention tensors only, so no parameter's ``.grad`` is touched and no weight gradients
     are computed. Works under a caller's ``torch.no_grad()``; ``x`` needs no gradient.
@@ -129,8 +132,9 @@ def attention_gradients(model, x: torch.Tensor, target=None) -> AttentionGradien
         model: a timm or Hugging Face ViT classifier (in eval mode).
         x: ``B x 3 x H x W`` input batch.
         target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
+        score: ``"logit"`` (the papers') or ``"log_probability"`` (see :data:`vitlab.targets.SCORES`).
     """
-    return _attention_gradients(model, x, target, layers=None)
+    return _attention_gradients(model, x, target, layers=None, score=score)
 
 
 def cls_attention(model, x: torch.Tensor) -> torch.Tensor:
@@ -168,15 +172,16 @@ def gradcam_cls_row(attn_row: torch.Tensor, grad_row: torch.Tensor) -> torch.Ten
     return (w * attn_row).mean(dim=1).clamp(min=0)  # B x P
 
 
-def attention_gradcam(model, x: torch.Tensor, target=None) -> torch.Tensor:
+def attention_gradcam(model, x: torch.Tensor, target=None, score: str = "logit") -> torch.Tensor:
     """GradCAM on the last attention map: the baseline of Chefer, Gur & Wolf (ICCV 2021).
 
     With A = the last block's attention and G = d(target logit)/dA, restricted to the CLS
     row and patch columns: per head ``w_h = mean_j G[h, CLS, j]``, map
     ``= (mean_h w_h * A[h, CLS, patches])^+``. Returns ``B x gh x gw`` (not rescaled).
+    ``score="log_probability"`` differentiates the target's log-probability instead.
     """
     require_cls(token_layout(model, x), "attention_gradcam")
-    ag = _attention_gradients(model, x, target, layers=[-1])  # backward through the last block only
+    ag = _attention_gradients(model, x, target, layers=[-1], score=score)  # backward through the last block only
     layout = ag.layout
     P = layout.num_prefix
     A = ag.attentions[-1][:, :, 0, P:]  # B x H x num_patches

@@ -310,13 +310,14 @@ def maps_from_gradients(ag, rollout_setting: tuple[str, float] = ("mean", 0.0),
 
 def asked_object_maps(model, x: torch.Tensor, labels, batch_size: int = 50,
                       rollout_setting: tuple[str, float] = ("mean", 0.0),
-                      grad_discard_ratio: float = 0.0) -> dict[str, torch.Tensor]:
+                      grad_discard_ratio: float = 0.0, score: str = "logit") -> dict[str, torch.Tensor]:
     """Every map of :data:`CLASS_METHODS` for every input and every class in ``labels``.
 
     ``labels``: ``B x K`` classes (e.g. the K objects of each scene). Returns method ->
     ``B x K x gh x gw``, entry ``[b, k]`` being the map of input b asked for class
     ``labels[b, k]`` (:func:`maps_from_gradients`). One forward and one backward per batch
-    covers all K asks (the batch is repeated K times).
+    covers all K asks (the batch is repeated K times). ``score``: what the gradients
+    differentiate, the asked class's ``"logit"`` or its ``"log_probability"``.
     """
     from vitlab.attention import attention_gradients
 
@@ -328,7 +329,7 @@ def asked_object_maps(model, x: torch.Tensor, labels, batch_size: int = 50,
     for s in _batches(B, batch_size):
         b = s.stop - s.start
         xb = x[s].repeat(K, 1, 1, 1)  # ask k occupies rows k*b .. (k+1)*b - 1
-        ag = attention_gradients(model, xb, labels[s].T.reshape(-1))
+        ag = attention_gradients(model, xb, labels[s].T.reshape(-1), score=score)
         for name, m in maps_from_gradients(ag, rollout_setting, grad_discard_ratio).items():
             out[name].append(m.reshape(K, b, *m.shape[1:]).transpose(0, 1))  # b x K x gh x gw
     return {name: torch.cat(v) for name, v in out.items()}

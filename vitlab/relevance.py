@@ -67,7 +67,7 @@ def relevance_row(attentions: list[torch.Tensor], gradients: list[torch.Tensor],
     return r
 
 
-def chefer_relevance(model, x: torch.Tensor, target=None) -> torch.Tensor:
+def chefer_relevance(model, x: torch.Tensor, target=None, score: str = "logit") -> torch.Tensor:
     """Class-specific relevance of each patch (Chefer, Gur & Wolf 2021, eq. 5-6): ``B x gh x gw``.
 
     ``R = I``; per block ``R += mean_h (dy_t/dA ⊙ A)^+ · R``, with y_t the sample's target
@@ -79,8 +79,9 @@ def chefer_relevance(model, x: torch.Tensor, target=None) -> torch.Tensor:
         model: a timm or Hugging Face ViT classifier (in eval mode).
         x: ``B x 3 x H x W`` input batch.
         target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
+        score: differentiate the target's ``"logit"`` (the paper) or its ``"log_probability"``.
     """
     require_cls(token_layout(model, x), "chefer_relevance")
-    ag = attention_gradients(model, x, target)
+    ag = attention_gradients(model, x, target, score=score)
     row = relevance_row(ag.attentions, ag.gradients, index=0)  # R[CLS, :], B x N
     return ag.layout.patches_to_grid(row)  # B x gh x gw

@@ -168,7 +168,7 @@ def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: fl
     return _cls_readout(fused, layout)
 
 
-def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0) -> torch.Tensor:
+def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0, score: str = "logit") -> torch.Tensor:
     """Class-specific gradient rollout (Gildenblat 2020), per sample: ``B x gh x gw``.
 
     Per block l: ``A = (mean_h A_l * dy_t/dA_l)`` clamped at 0, where y_t is the sample's
@@ -181,10 +181,11 @@ def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0
         x: ``B x 3 x H x W`` input batch.
         target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
         discard_ratio: fraction in [0, 1) of each layer's entries to zero.
+        score: differentiate the target's ``"logit"`` (the blog) or its ``"log_probability"``.
     """
     check_discard_ratio(discard_ratio)
     require_cls(token_layout(model, x), "grad_rollout")
-    ag = attention_gradients(model, x, target)
+    ag = attention_gradients(model, x, target, score=score)
     fused = [
         discard_lowest(grad_fuse_heads(A, G), discard_ratio)  # B x N x N
         for A, G in zip(ag.attentions, ag.gradients)  # layer l with its own gradient

@@ -38,6 +38,27 @@ def _logits(output) -> torch.Tensor:
     return logits
 
 
+#: What a class-specific method differentiates: the target's logit (Chefer et al., the blog) or
+#: its log-probability, ``log softmax(logits)[t] = y_t - logsumexp(y)``, whose gradient
+#: ``dy_t - sum_j p_j dy_j`` subtracts what raises every likely class alike.
+SCORES = ("logit", "log_probability")
+
+
+def check_score(score: str) -> str:
+    """Validate a ``score`` argument (one of :data:`SCORES`)."""
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    return score
+
+
+def target_score(logits: torch.Tensor, t: torch.Tensor, score: str = "logit") -> torch.Tensor:
+    """``(B,)`` per-sample score of class ``t[b]``: its logit or its log-probability."""
+    check_score(score)
+    if score == "log_probability":
+        logits = torch.log_softmax(logits, dim=-1)
+    return logits.gather(1, t[:, None])[:, 0]
+
+
 def check_target(target, batch_size: int) -> torch.Tensor | None:
     """Validate the form of ``target`` for a batch of ``batch_size``; no model needed.
 
