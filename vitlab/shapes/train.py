@@ -6,7 +6,8 @@ Recipe (see ``vitlab/models/shapes-vit-tiny.md`` for the reasons and the measure
   twice, so no augmentation is needed), a share of them with two objects; the background
   difficulty follows a curriculum from plain to the evaluated clutter;
 - labels only: a softmax head trained with cross-entropy against soft targets (one-hot for
-  one object, half-half for two, both label-smoothed), so both present classes score high.
+  one object, half-half for two; ``--smoothing`` adds label smoothing, off by default because
+  it caps the model's confidence), so both present classes score high.
   The masks are never read;
 - optimisation: AdamW, linear warmup then cosine decay, gradient clipping, bf16 autocast on CPU.
 
