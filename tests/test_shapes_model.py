@@ -92,7 +92,7 @@ def test_each_token_looks_at_the_centre_of_its_patch(stem, shift):
     m = build_shapes_vit(ShapesViTConfig(stem=stem)).eval()
     proj = m.patch_embed.proj
     with torch.no_grad():
-        for mod in proj.modules() if isinstance(proj, torch.nn.Sequential) else [proj]:
+        for mod in proj.modules():  # a Conv2d (patchify) or a Sequential (conv stems)
             if isinstance(mod, torch.nn.Conv2d):
                 mod.weight.fill_(0.01)
     x = torch.full((1, 3, 112, 112), 0.5, requires_grad=True)
