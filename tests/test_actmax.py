@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 import vitlab
@@ -165,6 +166,20 @@ def test_model_objectives_match_an_independent_forward(model):
     assert torch.allclose(both[0], mlps[0][:, 1:].mean(1), atol=1e-5) and torch.allclose(both[1], means, atol=1e-5)
     with pytest.raises(ValueError, match="layer must be in"):
         actmax.mlp_unit_means(model, [0, 2], images)
+
+
+def test_class_log_probability_of_a_multi_label_head_is_log_sigmoid(model):
+    images = torch.rand(3, 3, 32, 32)
+    with torch.no_grad():
+        logits = model(normalise(model, images))
+    saved = model.pretrained_cfg
+    model.pretrained_cfg = {**saved, "multi_label": True}
+    try:
+        got = actmax.evaluate(model, actmax.class_log_probability(3), images)
+    finally:
+        model.pretrained_cfg = saved
+    assert torch.allclose(got, F.logsigmoid(logits[:, 3]), atol=1e-5)
+    assert not torch.allclose(got, torch.log_softmax(logits, 1)[:, 3], atol=1e-3)
 
 
 def test_per_image_units_and_copies(model):

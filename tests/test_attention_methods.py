@@ -27,7 +27,7 @@ from vitlab.attention import (
 )
 from vitlab.relevance import chefer_relevance
 from vitlab.rollout import grad_rollout, rollout
-from vitlab.targets import _logits, check_target, resolve_target
+from vitlab.targets import _logits, check_target, class_probabilities, is_multi_label, resolve_target, target_score
 
 from conftest import TINY, randomize as _randomize
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -203,6 +203,41 @@ def test_log_probability_gradient_is_the_logit_gradient_minus_the_softmax_averag
         items = torch.cat([method(vit, x[b : b + 1], t[b], score="log_probability") for b in range(3)])
         torch.testing.assert_close(batch, items, rtol=1e-4, atol=1e-6)
         assert not torch.allclose(batch, method(vit, x, t))  # a different question, a different map
+
+
+def test_multi_label_log_probability_is_the_scaled_logit_gradient(x):
+    """For a multi-label head, log p_t = log sigmoid(y_t): its gradient is (1 - sigmoid(y_t)) dy_t."""
+    vit = tiny_vit(seed=3)
+    vit.pretrained_cfg = {**getattr(vit, "pretrained_cfg", {}), "multi_label": True}
+    assert is_multi_label(vit)
+    t = [2, 0, 4]
+    with torch.no_grad():
+        scale = 1 - torch.sigmoid(vit(x))[torch.arange(3), t]  # B
+    logit = attention_gradients(vit, x, target=t)
+    logp = attention_gradients(vit, x, target=t, score="log_probability")
+    for g_logit, g_logp in zip(logit.gradients, logp.gradients):
+        torch.testing.assert_close(g_logp, scale[:, None, None, None] * g_logit, rtol=1e-4, atol=1e-8)
+    batch = chefer_relevance(vit, x, t, score="log_probability")
+    items = torch.cat([chefer_relevance(vit, x[b : b + 1], t[b], score="log_probability") for b in range(3)])
+    torch.testing.assert_close(batch, items, rtol=1e-4, atol=1e-6)
+
+
+def test_is_multi_label_reads_timm_and_hugging_face_configs():
+    from types import SimpleNamespace
+
+    vit = tiny_vit()
+    assert not is_multi_label(vit)  # timm's own models: one softmax
+    vit.pretrained_cfg = {**getattr(vit, "pretrained_cfg", {}), "multi_label": True}
+    assert is_multi_label(vit)
+    hf = SimpleNamespace(config=SimpleNamespace(problem_type="multi_label_classification"))
+    assert is_multi_label(hf)
+    assert not is_multi_label(SimpleNamespace(config=SimpleNamespace(problem_type=None)))
+    logits = torch.tensor([[0.0, 2.0, -1.0]])
+    torch.testing.assert_close(class_probabilities(logits, True), torch.sigmoid(logits))
+    torch.testing.assert_close(class_probabilities(logits), torch.softmax(logits, -1))
+    t = torch.tensor([1])
+    assert float(target_score(logits, t, "log_probability", multi_label=True)) == pytest.approx(
+        float(np.log(1 / (1 + np.exp(-2.0)))))
 
 
 @pytest.mark.parametrize("method", [attention_gradients, attention_gradcam, grad_rollout, chefer_relevance])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from vitlab.shapes import CLASSES, make_scenes, scenes_to_tensor
-from vitlab.shapes.data import MIN_CONTRAST, _render_scenes, _shape_inside
+from vitlab.shapes.data import MIN_CONTRAST, _render_scenes, _shape_inside, remove_objects
 
 LUMA = np.array([0.299, 0.587, 0.114])
 
@@ -183,3 +183,26 @@ def test_scenes_to_tensor_normalises_and_checks_input():
         scenes_to_tensor(s.images[..., :2], (3, 112, 112), (0.5,) * 3, (0.5,) * 3)
     with pytest.raises(ValueError, match="uint8"):
         scenes_to_tensor(s.images.astype(np.float32), (3, 112, 112), (0.5,) * 3, (0.5,) * 3)
+
+
+@pytest.mark.parametrize("remove", [0, 1, [1, 0, 0, 1, 1]])
+def test_remove_objects_changes_only_that_objects_pixels(remove):
+    n, seed = 5, 12
+    full = make_scenes(n, seed, 2)
+    bare = _background_only(n, seed, 2, 1.0)
+    got = remove_objects(n, seed, 2, remove=remove)
+    which = np.broadcast_to(np.asarray(remove), (n,))
+    for i in range(n):
+        gone = full.masks[i, which[i]]
+        kept = full.masks[i, 1 - which[i]]
+        np.testing.assert_array_equal(got[i][gone], bare.images[i][gone])   # what lay behind it
+        np.testing.assert_array_equal(got[i][~gone], full.images[i][~gone])  # the rest untouched
+        assert (got[i][kept] == full.images[i][kept]).all()
+        assert (got[i][gone] != full.images[i][gone]).any(axis=-1).mean() > 0.9  # it really is gone
+
+
+def test_remove_objects_bad_index():
+    with pytest.raises(ValueError, match="object indices"):
+        remove_objects(3, 1, 2, remove=2)
+    with pytest.raises(ValueError, match="object indices"):
+        remove_objects(3, 1, 1, remove=[0, 1, 0])

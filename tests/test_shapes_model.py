@@ -7,18 +7,20 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from timm.data import create_transform, resolve_data_config
 from timm.layers import Attention
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from vitlab.shapes import CLASSES, make_scenes, scenes_to_tensor
+from vitlab.shapes import remove_objects
 from vitlab.shapes.evaluate import (
     cls_attention_last,
     evaluate,
+    pair_separation,
     patch_object_fraction,
     pointing_game,
+    removal_effect,
 )
 from vitlab.shapes.model import (
     DEFAULT_CONFIG,
@@ -29,7 +31,7 @@ from vitlab.shapes.model import (
     save_shapes_vit,
 )
 from vitlab.shapes.train import main as train_main
-from vitlab.shapes.train import scene_batches, soft_targets
+from vitlab.shapes.train import loss_fn, multi_hot_targets, scene_batches, soft_targets
 
 
 def _blocks_input(model, x: torch.Tensor) -> torch.Tensor:
@@ -159,8 +161,16 @@ def test_patch_fraction_and_pointing_game_known_answers():
 
 def test_evaluate_reports_fractions_and_the_random_patch_baseline(tiny_model):
     res = evaluate(tiny_model, n=20, batch=10)
-    for key in ("single_top1", "two_both_top2", "pointing_cls_attention", "pointing_cls_attention_half_patch"):
+    for key in ("single_top1", "two_both_top2", "pointing_cls_attention", "pointing_cls_attention_half_patch",
+                "two_exact_set"):
         assert 0.0 <= res[key] <= 1.0
+    assert res["multi_label"] is True
+    for score in ("logit", "log_probability"):
+        for method in ("Chefer relevance", "gradient rollout"):
+            v = res["asked"][score][method]
+            assert 0 <= v["strict"] <= v["touch"] <= 1 and v["strict"] + v["other"] <= 1 + 1e-9
+    r = res["removal"]
+    assert 0 <= r["own_larger"] <= 1 and 0 <= r["switches_off"] <= 1 and 0 <= r["stays_on"] <= 1
     s = make_scenes(20, 1, 1, size=64)  # evaluate's single-object scenes
     frac = patch_object_fraction(s.masks[:, 0], (4, 4))
     assert res["pointing_random_patch"] == pytest.approx(float((frac > 0).mean()))
@@ -169,6 +179,55 @@ def test_evaluate_reports_fractions_and_the_random_patch_baseline(tiny_model):
     again = evaluate(tiny_model, n=20, batch=10)  # evaluated in eval mode, then the mode is given back
     assert tiny_model.training and again["single_top1"] == res["single_top1"]
     tiny_model.eval()
+
+
+def test_pair_separation_known_answer():
+    logits = torch.tensor([[3.0, 1.0, 0.0, -2.0], [0.5, 0.0, 2.5, 1.5]])
+    got = pair_separation(logits, np.array([[0, 1], [2, 3]]))
+    assert got["pair_logit_gap"] == pytest.approx((2.0 + 1.0) / 2)
+    # lower present minus highest absent: (1 - 0) and (1.5 - 0.5)
+    assert got["present_over_absent"] == pytest.approx((1.0 + 1.0) / 2)
+
+
+def test_removal_effect_matches_a_hand_recomputation(tiny_model):
+    n, seed = 6, 31
+    res = removal_effect(tiny_model, n, seed, batch=4)
+    cfg = tiny_model.pretrained_cfg
+    s = make_scenes(n, seed, 2, size=64)
+
+    def logits(images):
+        with torch.no_grad():
+            return tiny_model(scenes_to_tensor(images, cfg["input_size"], cfg["mean"], cfg["std"]))
+
+    full = logits(s.images)
+    gone = [logits(remove_objects(n, seed, 2, size=64, remove=j)) for j in (0, 1)]
+    own, other = [], []
+    for i in range(n):
+        for j in (0, 1):
+            c = s.labels[i, j]
+            own.append(float(full[i, c] - gone[j][i, c]))
+            other.append(float(full[i, c] - gone[1 - j][i, c]))
+    assert res["own_drop"] == pytest.approx(np.mean(own), abs=1e-5)
+    assert res["other_drop"] == pytest.approx(np.mean(other), abs=1e-5)
+    assert res["own_larger"] == pytest.approx(np.mean(np.array(own) > np.array(other)))
+    without_own = [float(gone[j][i, s.labels[i, j]]) for i in range(n) for j in (0, 1)]
+    assert res["switches_off"] == pytest.approx(np.mean(1 / (1 + np.exp(-np.array(without_own))) < 0.5))
+
+
+def test_legacy_weight_files_load_as_softmax_heads(tmp_path, tiny_model):
+    """Files written before the multi-label head existed have no multi_label field: softmax."""
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "old.safetensors"
+    old_cfg = {k: v for k, v in asdict(tiny_model.shapes_config).items() if k != "multi_label"}
+    state = {k: v.detach().half().contiguous() if v.is_floating_point() else v for k, v in tiny_model.state_dict().items()}
+    save_file(state, str(path), metadata={"format": "pt", "vitlab_config": json.dumps(old_cfg)})
+    old = load_shapes_vit(weights_path=path)
+    assert old.shapes_config.multi_label is False and old.pretrained_cfg["multi_label"] is False
+    assert tiny_model.pretrained_cfg["multi_label"] is True  # the default architecture is multi-label
+    assert evaluate(old, n=10, batch=10)["multi_label"] is False
 
 
 def test_save_load_roundtrip_and_errors(tmp_path, tiny_model):
@@ -198,17 +257,37 @@ def test_soft_targets():
     assert float(t[0, 1]) == pytest.approx(0.9 + 0.1 / 8) and float(t[1, 0]) == pytest.approx(0.1 / 8)
 
 
-def test_a_few_training_steps_reduce_the_loss():
+def test_multi_hot_targets_and_losses_match_their_formulas():
+    t = multi_hot_targets(np.array([[2, 5], [0, 1]]), 8, smoothing=0.0)
+    np.testing.assert_allclose(t[0].numpy(), [0, 0, 1, 0, 0, 1, 0, 0])
+    t1 = multi_hot_targets(np.array([[7]]), 8, smoothing=0.2)
+    assert float(t1[0, 7]) == pytest.approx(0.9) and float(t1[0, 0]) == pytest.approx(0.1)
+    torch.manual_seed(0)
+    logits = torch.randn(2, 8)
+    p = torch.sigmoid(logits)
+    bce = -(t * p.log() + (1 - t) * (1 - p).log()).sum(1).mean()
+    torch.testing.assert_close(loss_fn(logits, t, "bce"), bce)
+    soft = soft_targets(np.array([[2, 5], [0, 1]]), 8, 0.0)
+    torch.testing.assert_close(loss_fn(logits, soft, "softmax"), -(soft * logits.softmax(1).log()).sum(1).mean())
+    with pytest.raises(ValueError, match="loss must be one of"):
+        loss_fn(logits, t, "hinge")
+
+
+@pytest.mark.parametrize("kind", ["bce", "softmax"])
+def test_a_few_training_steps_reduce_the_loss(kind):
     torch.manual_seed(0)
     model = build_shapes_vit(ShapesViTConfig(img_size=64, patch_size=16, depth=2)).train()
     x, target, labels = next(
-        scene_batches(steps=1, batch=32, chunk=32, two_frac=0.25, ramp=0.3, seed=5, size=64, smoothing=0.1)
+        scene_batches(steps=1, batch=32, chunk=32, two_frac=0.25, ramp=0.3, seed=5, size=64, smoothing=0.1, loss=kind)
     )
     assert tuple(x.shape) == (32, 3, 64, 64) and sum(len(l) == 2 for l in labels) > 0
+    # bce: each present class near 1, each absent near 0 (smoothed); softmax: a distribution
+    expected_mass = [len(l) * 0.95 + (8 - len(l)) * 0.05 if kind == "bce" else 1.0 for l in labels]
+    np.testing.assert_allclose(target.sum(1).numpy(), expected_mass, rtol=1e-5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def loss_now():
-        return torch.sum(-target * F.log_softmax(model(x), dim=1), dim=1).mean()
+        return loss_fn(model(x), target, kind)
 
     with torch.no_grad():
         first = float(loss_now())
@@ -227,9 +306,14 @@ def test_train_command_writes_loadable_weights(tmp_path):
                 "--history", str(hist), "--no-progress"])
     m = load_shapes_vit(weights_path=out)
     assert len(m.blocks) == 1 and m.pretrained_cfg["input_size"] == (3, 64, 64)
+    assert m.pretrained_cfg["multi_label"] is True  # the default recipe: one sigmoid per class
     record = json.loads(hist.read_text())
     assert record["history"][-1]["step"] == 10 and record["training"]["seed"] == 0
     assert "--quick" in record["training"]["command"]
+    old = tmp_path / "softmax.safetensors"
+    train_main(["--quick", "--steps", "2", "--depth", "1", "--img-size", "64", "--threads", "1", "--out", str(old),
+                "--loss", "softmax", "--no-progress"])
+    assert load_shapes_vit(weights_path=old).pretrained_cfg["multi_label"] is False
 
 
 def test_shipped_model_loads_fast_and_is_accurate():

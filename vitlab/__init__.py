@@ -34,6 +34,8 @@ from vitlab.relevance import chefer_relevance
 # public name -> module that defines it
 _EXPORTS = {
     "load_image": "vitlab.images",
+    "is_multi_label": "vitlab.targets",        # how a classifier's logits are read: sigmoids or one softmax
+    "class_probabilities": "vitlab.targets",
 }
 _SUBMODULES = {"plot", "images", "shapes", "imgfocus", "faithfulness", "actmax", "widgets"}
 

@@ -26,7 +26,7 @@ import torch
 
 from vitlab.layout import TokenLayout, token_layout
 from vitlab.record import record
-from vitlab.targets import _logits, check_score, check_target, resolve_target, target_score
+from vitlab.targets import _logits, check_score, check_target, is_multi_label, resolve_target, target_score
 
 QK_PATTERNS = ("one_way", "two_way")
 
@@ -102,7 +102,7 @@ def _attention_gradients(model, x: torch.Tensor, target, layers: list[int] | Non
         with record(model, detach=False) as rec:  # graph-attached attentions
             logits = _logits(model(x_in))
             t = resolve_target(target, logits)
-            total = target_score(logits, t, score).sum()
+            total = target_score(logits, t, score, is_multi_label(model)).sum()
             attentions = list(rec.attentions)
             wanted = range(len(attentions)) if layers is None else layers
             grads = torch.autograd.grad(total, [attentions[l] for l in wanted])
@@ -132,7 +132,8 @@ def attention_gradients(model, x: torch.Tensor, target=None, score: str = "logit
         model: a timm or Hugging Face ViT classifier (in eval mode).
         x: ``B x 3 x H x W`` input batch.
         target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
-        score: ``"logit"`` (the papers') or ``"log_probability"`` (see :data:`vitlab.targets.SCORES`).
+        score: ``"logit"`` (the papers') or ``"log_probability"`` (log-softmax, or log-sigmoid
+            for a multi-label head; see :data:`vitlab.targets.SCORES`).
     """
     return _attention_gradients(model, x, target, layers=None, score=score)
 

@@ -39,9 +39,30 @@ def _logits(output) -> torch.Tensor:
 
 
 #: What a class-specific method differentiates: the target's logit (Chefer et al., the blog) or
-#: its log-probability, ``log softmax(logits)[t] = y_t - logsumexp(y)``, whose gradient
-#: ``dy_t - sum_j p_j dy_j`` subtracts what raises every likely class alike.
+#: its log-probability as the model's head defines it. For a softmax head (one class per image)
+#: that is ``log softmax(logits)[t] = y_t - logsumexp(y)``, whose gradient
+#: ``dy_t - sum_j p_j dy_j`` subtracts what raises every likely class alike. For a multi-label
+#: head (one sigmoid per class, "is class t here?", see :func:`is_multi_label`) it is
+#: ``log sigmoid(y_t)``, whose gradient ``(1 - p_t) dy_t`` is the logit's, scaled per sample.
 SCORES = ("logit", "log_probability")
+
+
+def is_multi_label(model) -> bool:
+    """Whether ``model``'s logits are independent per-class sigmoids (multi-label), not one softmax.
+
+    Read from timm's ``pretrained_cfg["multi_label"]`` (set by vitlab's shapes models) or a
+    Hugging Face config's ``problem_type == "multi_label_classification"``; False otherwise.
+    """
+    cfg = getattr(model, "pretrained_cfg", None)
+    if isinstance(cfg, dict) and "multi_label" in cfg:
+        return bool(cfg["multi_label"])
+    hf = getattr(model, "config", None)
+    return getattr(hf, "problem_type", None) == "multi_label_classification"
+
+
+def class_probabilities(logits: torch.Tensor, multi_label: bool = False) -> torch.Tensor:
+    """The head's class probabilities: ``sigmoid`` per class (multi-label) or ``softmax``."""
+    return torch.sigmoid(logits) if multi_label else torch.softmax(logits, dim=-1)
 
 
 def check_score(score: str) -> str:
@@ -51,11 +72,13 @@ def check_score(score: str) -> str:
     return score
 
 
-def target_score(logits: torch.Tensor, t: torch.Tensor, score: str = "logit") -> torch.Tensor:
-    """``(B,)`` per-sample score of class ``t[b]``: its logit or its log-probability."""
+def target_score(logits: torch.Tensor, t: torch.Tensor, score: str = "logit",
+                 multi_label: bool = False) -> torch.Tensor:
+    """``(B,)`` per-sample score of class ``t[b]``: its logit or its log-probability
+    (``log softmax``, or ``log sigmoid`` for a ``multi_label`` head; see :data:`SCORES`)."""
     check_score(score)
     if score == "log_probability":
-        logits = torch.log_softmax(logits, dim=-1)
+        logits = torch.nn.functional.logsigmoid(logits) if multi_label else torch.log_softmax(logits, dim=-1)
     return logits.gather(1, t[:, None])[:, 0]
 
 

@@ -38,6 +38,7 @@ from vitlab.actmax.objectives import (
 from vitlab.actmax.param import FFTImage, Parametrization, PixelImage
 from vitlab.actmax.seams import border_difference, seam_profile, seam_ratio
 from vitlab.actmax.reference import photo_crops, reference_images
+from vitlab.targets import is_multi_label
 
 __all__ = [
     "Result", "visualize", "evaluate", "mlp_unit_means", "patch_size_of", "clear_recording",
@@ -208,7 +209,7 @@ def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, 
     params = image_param.parameters()
     optimizer = torch.optim.Adam(params, lr=lr, betas=tuple(betas))
     image_index = torch.arange(batch, device=device).repeat_interleave(copies)
-    num_classes = _num_classes(model)
+    num_classes, multi_label = _num_classes(model), is_multi_label(model)
     trace = torch.empty(steps, batch)
 
     bar = tqdm(range(steps), desc=desc or objective.name, disable=not progress, leave=False)
@@ -223,7 +224,7 @@ def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, 
                                  f"the model takes {size} and batch is {batch}")
             inputs = transforms_fn(images.repeat_interleave(copies, 0), generator)
             output = _logits(model((inputs - mean) / std))
-            ctx = Context(rec, output, inputs, images, image_index, patch, num_classes)
+            ctx = Context(rec, output, inputs, images, image_index, patch, num_classes, multi_label)
             values = objective(ctx)
             grads = torch.autograd.grad(-values.sum(), params)
             for p, g in zip(params, grads):
@@ -274,11 +275,11 @@ def evaluate(model, objective, images: torch.Tensor, batch_size: int = 32) -> to
     objs = [objective] if single else list(objective) if isinstance(objective, (list, tuple)) else None
     if not objs or not all(isinstance(o, Objective) for o in objs):
         raise ValueError(f"objective must be a vitlab.actmax Objective or a list of them, got {objective!r}")
-    patch, num_classes = patch_size_of(model), _num_classes(model)
+    patch, num_classes, multi_label = patch_size_of(model), _num_classes(model), is_multi_label(model)
     out = []
     for rec, output, x in _forward_batches(model, images, batch_size, any(o.needs_mlp for o in objs)):
         index = torch.arange(x.shape[0], device=x.device)
-        ctx = Context(rec, output, x, x, index, patch, num_classes)
+        ctx = Context(rec, output, x, x, index, patch, num_classes, multi_label)
         out.append(torch.stack([o(ctx).float().cpu() for o in objs]))
     values = torch.cat(out, dim=1)
     return values[0] if single else values

@@ -46,6 +46,8 @@ class Context:
         image_index: ``B'`` long: which optimised image each item of the batch is a copy of.
         patch_size: ``(ph, pw)`` of the model.
         num_classes: size of the model's classifier head (0 when it has none).
+        multi_label: whether the head scores each class on its own with a sigmoid
+            (:func:`vitlab.targets.is_multi_label`) rather than one softmax over the classes.
     """
 
     rec: object
@@ -55,6 +57,7 @@ class Context:
     image_index: torch.Tensor
     patch_size: tuple[int, int]
     num_classes: int
+    multi_label: bool = False
 
     @property
     def num_images(self) -> int:
@@ -262,12 +265,19 @@ def class_logit(cls) -> Objective:
 
 
 def class_log_probability(cls) -> Objective:
-    """``log softmax(logits)[cls]``: raises the class and lowers the others."""
+    """The log-probability of class ``cls`` as the model's head defines it.
+
+    For a softmax head, ``log softmax(logits)[cls]``: raises the class and lowers the others.
+    For a multi-label head (one sigmoid per class, ``Context.multi_label``),
+    ``log sigmoid(logits[cls])``: the probability that the class is present, whatever the
+    other classes do.
+    """
     classes = _check_index(cls, "class")
 
     def fn(ctx: Context) -> torch.Tensor:
         out, c = _class_scores(ctx, classes)
-        return ctx.per_image(torch.log_softmax(out, dim=1).gather(1, c[:, None])[:, 0])
+        logp = torch.nn.functional.logsigmoid(out) if ctx.multi_label else torch.log_softmax(out, dim=1)
+        return ctx.per_image(logp.gather(1, c[:, None])[:, 0])
 
     return Objective(fn, f"logp[{_fmt(classes)}]")
 

@@ -27,7 +27,7 @@ from numbers import Integral
 
 import numpy as np
 
-__all__ = ["CLASSES", "DEFAULT_SIZE", "MIN_CONTRAST", "Scenes", "make_scenes", "scenes_to_tensor"]
+__all__ = ["CLASSES", "DEFAULT_SIZE", "MIN_CONTRAST", "Scenes", "make_scenes", "remove_objects", "scenes_to_tensor"]
 
 #: Object classes, in label order. Chosen to differ in outline under any rotation and scale.
 CLASSES: list[str] = ["circle", "square", "triangle", "star", "cross", "ring", "crescent", "heart"]
@@ -96,6 +96,35 @@ def make_scenes(
         :class:`Scenes` with ``images``, ``labels``, ``masks`` and ``classes``.
     """
     return _render_scenes(n, seed, n_objects, difficulty=difficulty, size=size, with_objects=True)
+
+
+def remove_objects(
+    n: int,
+    seed: int,
+    n_objects: int = 1,
+    *,
+    difficulty: float = 1.0,
+    size: int = DEFAULT_SIZE,
+    remove,
+) -> np.ndarray:
+    """The scenes of ``make_scenes(n, seed, n_objects, ...)`` with some objects taken out.
+
+    ``remove`` is an object index (``0 .. n_objects - 1``) for every scene, or a length-``n``
+    sequence of them (one per scene). The removed object's pixels show what lay behind it:
+    the same scene rendered without objects (background, clutter and noise are identical), so
+    nothing but that object changes. Returns ``n x H x W x 3`` uint8 images.
+    """
+    _check_args(n, seed, n_objects, difficulty, size)
+    which = np.asarray(remove)
+    if which.dtype.kind not in "iu" or which.ndim > 1 or (which.ndim == 1 and len(which) != n) \
+            or which.min() < 0 or which.max() >= n_objects:
+        raise ValueError(f"remove must hold object indices in 0 .. {n_objects - 1}: one int for every scene "
+                         f"or one per scene ({n}); got {remove!r}")
+    which = np.broadcast_to(which, (int(n),))
+    full = _render_scenes(n, seed, n_objects, difficulty=difficulty, size=size, with_objects=True)
+    bare = _render_scenes(n, seed, n_objects, difficulty=difficulty, size=size, with_objects=False)
+    gone = full.masks[np.arange(len(full)), which]                               # n x H x W
+    return np.where(gone[..., None], bare.images, full.images)
 
 
 def scenes_to_tensor(images: np.ndarray, input_size: tuple[int, int, int], mean, std):

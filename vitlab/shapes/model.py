@@ -65,6 +65,9 @@ class ShapesViTConfig:
     depth: int = 6
     stem: str = "conv"  # see STEMS
     num_classes: int = len(CLASSES)
+    #: True: one sigmoid per class ("is this shape here?"), trained with binary cross-entropy
+    #: on multi-hot labels; False: one softmax over the classes (the earlier shipped models).
+    multi_label: bool = True
     embed_dim: int = 192
     num_heads: int = 3
 
@@ -141,6 +144,8 @@ def _pretrained_cfg(cfg: ShapesViTConfig) -> dict:
         "crop_mode": "center",
         "num_classes": cfg.num_classes,
         "label_names": list(CLASSES),
+        # How the logits are read: independent sigmoids (multi-label) or one softmax.
+        "multi_label": cfg.multi_label,
         "first_conv": "patch_embed.proj",
         "classifier": "head",
     }
@@ -224,7 +229,10 @@ def load_shapes_vit(pretrained: bool = True, *, weights_path: str | Path | None 
         meta = f.metadata() or {}
     if "vitlab_config" not in meta:
         raise ValueError(f"{path} has no vitlab_config metadata; it was not written by vitlab.shapes.train")
-    cfg = ShapesViTConfig(**json.loads(meta["vitlab_config"]))
+    stored = json.loads(meta["vitlab_config"])
+    # Files written before the multi-label head existed hold softmax heads.
+    stored.setdefault("multi_label", False)
+    cfg = ShapesViTConfig(**stored)
     clash = {k: (v, getattr(cfg, k)) for k, v in arch.items() if getattr(cfg, k) != v}
     if clash:
         raise ValueError(f"arguments contradict the weights file {path}: " + ", ".join(

@@ -5,10 +5,12 @@ Recipe (see ``vitlab/models/shapes-vit-tiny.md`` for the reasons and the measure
 - data: an endless stream of new :func:`vitlab.shapes.make_scenes` scenes (no scene is seen
   twice, so no augmentation is needed), a share of them with two objects; the background
   difficulty follows a curriculum from plain to the evaluated clutter;
-- labels only: a softmax head trained with cross-entropy against soft targets (one-hot for
-  one object, half-half for two; ``--smoothing`` adds label smoothing, off by default because
-  it caps the model's confidence), so both present classes score high.
-  The masks are never read;
+- labels only: a multi-label head, one sigmoid per class, trained with binary cross-entropy
+  on multi-hot labels (1 for each class in the scene, 0 for the others), so every logit answers
+  "is this shape here?" on its own and rises with its own object, not with the other one
+  (``--loss softmax`` gives the earlier recipe: softmax cross-entropy against one-hot / half-half
+  targets, which ties the two present classes' logits). ``--smoothing`` smooths the targets
+  (off by default: it caps the model's confidence). The masks are never read;
 - optimisation: AdamW, linear warmup then cosine decay, gradient clipping, bf16 autocast on CPU.
 
 Training seeds are ``TRAIN_SEED_BASE + ...`` (>= 1,000,000), disjoint from the validation and
@@ -33,7 +35,13 @@ import torch.nn.functional as F
 from vitlab.shapes.data import CLASSES, make_scenes, scenes_to_tensor
 from vitlab.shapes.model import DEFAULT_CONFIG, MEAN, STD, STEMS, WEIGHTS_PATH, ShapesViTConfig, build_shapes_vit, save_shapes_vit
 
-__all__ = ["TRAIN_SEED_BASE", "VAL_SEED", "curriculum_difficulty", "main", "scene_batches", "soft_targets", "train"]
+__all__ = [
+    "LOSSES", "TRAIN_SEED_BASE", "VAL_SEED", "curriculum_difficulty", "loss_fn", "main", "multi_hot_targets",
+    "scene_batches", "soft_targets", "train",
+]
+
+#: Training losses: "bce" (multi-label head, the shipped recipe) or "softmax" (the earlier one).
+LOSSES = ("bce", "softmax")
 
 #: Training scenes use seeds from here on; evaluation and validation seeds are far below.
 TRAIN_SEED_BASE = 1_000_000
@@ -61,7 +69,30 @@ def soft_targets(labels: np.ndarray, num_classes: int, smoothing: float) -> torc
     return t * (1.0 - smoothing) + smoothing / num_classes
 
 
-def scene_batches(*, steps, batch, chunk, two_frac, ramp, seed, size, smoothing, groups=4):
+def multi_hot_targets(labels: np.ndarray, num_classes: int, smoothing: float) -> torch.Tensor:
+    """``n x K`` multi-hot targets: 1 for every class in the scene, 0 for the others.
+
+    With ``smoothing`` s the targets become ``1 - s / 2`` and ``s / 2`` (each binary label is
+    smoothed towards 0.5).
+    """
+    labels = torch.as_tensor(labels)
+    t = torch.zeros(labels.shape[0], num_classes)
+    t.scatter_(1, labels, 1.0)
+    return t * (1.0 - smoothing) + smoothing / 2
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor, loss: str) -> torch.Tensor:
+    """Mean training loss of a batch: per-class binary cross-entropy summed over the classes
+    ("bce"), or cross-entropy against the soft target distribution ("softmax")."""
+    logits = logits.float()
+    if loss == "bce":
+        return F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(1).mean()
+    if loss == "softmax":
+        return torch.sum(-target * F.log_softmax(logits, dim=1), dim=1).mean()
+    raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+
+
+def scene_batches(*, steps, batch, chunk, two_frac, ramp, seed, size, smoothing, groups=4, loss="bce"):
     """Yield ``(x, target, labels_list)`` training batches from freshly generated scene chunks.
 
     Each chunk of ``chunk`` scenes is made of ``groups`` groups, each drawn at its own curriculum
@@ -93,7 +124,8 @@ def scene_batches(*, steps, batch, chunk, two_frac, ramp, seed, size, smoothing,
                 return
             lb = labs[i : i + batch]
             x = scenes_to_tensor(images[i : i + batch], (3, size, size), MEAN, STD)
-            t = torch.stack([soft_targets(np.array([l]), len(CLASSES), smoothing)[0] for l in lb])
+            make_t = multi_hot_targets if loss == "bce" else soft_targets
+            t = torch.stack([make_t(np.array([l]), len(CLASSES), smoothing)[0] for l in lb])
             made += batch
             yield x, t, lb
         c += 1
@@ -133,6 +165,9 @@ def validate(model, size: int, n: int = 256, bf16: bool = True, device: str | to
         logits = torch.cat(logits).cpu()
         one, two = _correct(logits, s.labels.tolist())
         out["val_top1" if n_obj == 1 else "val_both_top2"] = (one if n_obj == 1 else two) / n
+        if n_obj == 2:
+            pair = logits.gather(1, torch.as_tensor(s.labels))
+            out["val_pair_gap"] = float((pair[:, 0] - pair[:, 1]).abs().mean())
     model.train(was_training)
     return out
 
@@ -140,9 +175,19 @@ def validate(model, size: int, n: int = 256, bf16: bool = True, device: str | to
 def train(args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    cfg = ShapesViTConfig(img_size=args.img_size, patch_size=args.patch_size, depth=args.depth, stem=args.stem)
+    cfg = ShapesViTConfig(
+        img_size=args.img_size, patch_size=args.patch_size, depth=args.depth, stem=args.stem,
+        multi_label=args.loss == "bce",
+    )
     device = torch.device(args.device)
-    model = build_shapes_vit(cfg).to(device).train()
+    model = build_shapes_vit(cfg)
+    if cfg.multi_label:
+        # Start every sigmoid at the rate a class is present (1.5 classes in 8 per scene when
+        # half the scenes hold two), so the first steps are not spent learning "mostly absent".
+        prior = (1 + args.two_frac) / len(CLASSES)
+        with torch.no_grad():
+            model.head.bias.fill_(math.log(prior / (1 - prior)))
+    model = model.to(device).train()
     opt = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.999))
     warmup = max(1, int(args.warmup * args.steps))
 
@@ -155,7 +200,7 @@ def train(args) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     batches = scene_batches(
         steps=args.steps, batch=args.batch, chunk=args.chunk, two_frac=args.two_frac, ramp=args.ramp,
-        seed=args.seed, size=args.img_size, smoothing=args.smoothing,
+        seed=args.seed, size=args.img_size, smoothing=args.smoothing, loss=args.loss,
     )
     try:
         from tqdm.auto import tqdm
@@ -170,7 +215,7 @@ def train(args) -> dict:
         x, target = x.to(device, non_blocking=True), target.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
             logits = model(x)
-        loss = torch.sum(-target * F.log_softmax(logits.float(), dim=1), dim=1).mean()
+        loss = loss_fn(logits, target, args.loss)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
@@ -215,6 +260,7 @@ def train(args) -> dict:
         "steps": args.steps,
         "batch": args.batch,
         "scenes_seen": args.steps * args.batch,
+        "loss": args.loss,
         "train_minutes": round(minutes, 2),
         "threads": args.threads,
         "device": str(device),
@@ -235,13 +281,15 @@ def parse_args(argv=None):
     d = DEFAULT_CONFIG
     p = argparse.ArgumentParser(prog="python -m vitlab.shapes.train", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(WEIGHTS_PATH), help="where to write the safetensors weights ('' to skip)")
-    p.add_argument("--steps", type=int, default=18000, help="optimiser steps")
+    p.add_argument("--steps", type=int, default=12000, help="optimiser steps")
     p.add_argument("--quick", action="store_true", help="smoke test: 30 steps of 16 scenes, tiny chunks, no file written unless --out given explicitly")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.01, help="final lr as a fraction of the peak")
     p.add_argument("--warmup", type=float, default=0.05, help="warmup, as a fraction of the steps")
     p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--loss", choices=LOSSES, default="bce",
+                   help="bce: multi-label head, binary cross-entropy per class (default); softmax: the earlier softmax head")
     p.add_argument("--smoothing", type=float, default=0.0, help="label smoothing")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip")
     p.add_argument("--two-frac", type=float, default=0.5, help="share of two-object scenes")
