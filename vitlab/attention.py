@@ -26,7 +26,9 @@ import torch
 
 from vitlab.layout import TokenLayout, token_layout
 from vitlab.record import record
-from vitlab.targets import _logits, check_score, check_target, is_multi_label, resolve_target, target_score
+from vitlab.targets import (
+    _logits, check_score, check_target, is_multi_label, require_class_head, resolve_target, target_score,
+)
 
 QK_PATTERNS = ("one_way", "two_way")
 
@@ -71,16 +73,80 @@ class QKChannel(NamedTuple):
     score: float
 
 
-def require_cls(layout: TokenLayout, method: str) -> None:
-    """Raise ``ValueError`` when the layout has no CLS token to read a map from.
+#: Values of ``TokenLayout.pool`` whose output reads the CLS token (``""``: every token).
+CLS_POOLS = ("token", "")
 
-    Methods call it with ``token_layout(model, x)`` before any forward pass.
+
+def require_cls(layout: TokenLayout, method: str) -> None:
+    """Raise ``ValueError`` when ``method`` cannot read a map from the CLS row of this layout.
+
+    Two cases: the model has no CLS token (none at all, or only registers: a register is
+    not a class token, and row 0 would be register 0), or its output does not read the CLS
+    token (timm ``global_pool="avg"``, ``"map"``, ...: a CLS-row map would explain a token
+    the head ignores). Methods call it with ``token_layout(model, x)`` before any forward
+    pass.
     """
-    if layout.num_prefix < 1:
+    if not layout.has_class_token:
+        what = (f"its {layout.num_prefix} prefix tokens are registers, and a register is not a class token"
+                if layout.num_prefix else "it has no prefix tokens")
         raise ValueError(
-            f"{method} reads the class-token (CLS) row of the attention, but this model has no "
-            "prefix tokens; use a ViT with a class token"
+            f"{method} reads the class-token (CLS) row of the attention, but this model has no class "
+            f"token ({what}); use a ViT with a class token"
         )
+    if layout.pool not in CLS_POOLS:
+        raise ValueError(
+            f"{method} reads the class-token (CLS) row of the attention, but this model's head does not "
+            f"read the class token: it pools the patch tokens (global_pool={layout.pool!r}), so a CLS-row map "
+            "would explain a token the output ignores. Use a model whose head reads the class token "
+            "(timm global_pool='token')"
+        )
+
+
+def check_images(x, method: str) -> None:
+    """Raise ``ValueError`` unless ``x`` is a non-empty, finite ``B x C x H x W`` float batch.
+
+    Every method calls it first, so a wrong input is named before any forward pass (and a
+    NaN or infinite pixel never becomes an all-NaN map).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(
+            f"{method} takes a B x 3 x H x W image tensor, got {type(x).__name__}; "
+            "make one with vitlab.preprocess(image, model)"
+        )
+    if x.ndim == 3:
+        raise ValueError(
+            f"{method} takes a batch B x C x H x W, got a single image of shape {tuple(x.shape)}; "
+            "add the batch dimension: x[None] (or x.unsqueeze(0))"
+        )
+    if x.ndim != 4:
+        raise ValueError(f"{method} takes an image batch B x C x H x W, got shape {tuple(x.shape)}")
+    if x.shape[0] == 0:
+        raise ValueError(
+            f"{method} got an empty batch (B = 0, shape {tuple(x.shape)}); pass at least one image"
+        )
+    if not x.is_floating_point():
+        raise ValueError(
+            f"{method} takes a float image batch (normalised as the model expects), got dtype {x.dtype}; "
+            "make one with vitlab.preprocess(image, model)"
+        )
+    finite = torch.isfinite(x).flatten(1).all(dim=1)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().flatten().tolist()
+        raise ValueError(
+            f"{method}: the input holds NaN or infinite values (in sample{'s' if len(bad) > 1 else ''} "
+            f"{', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''}), which would make every "
+            "map NaN; check how the images were loaded and normalised"
+        )
+
+
+def checked_layout(model, x, method: str, cls_row: bool = True) -> TokenLayout:
+    """:func:`check_images`, then ``token_layout(model, x)`` and, for a method that reads the
+    CLS row (``cls_row``), :func:`require_cls`: every check a method makes before its forward."""
+    check_images(x, method)
+    layout = token_layout(model, x)
+    if cls_row:
+        require_cls(layout, method)
+    return layout
 
 
 def _recorded_attentions(model, x: torch.Tensor) -> tuple[list[torch.Tensor], TokenLayout]:
@@ -91,14 +157,23 @@ def _recorded_attentions(model, x: torch.Tensor) -> tuple[list[torch.Tensor], To
 
 
 def _attention_gradients(model, x: torch.Tensor, target, layers: list[int] | None,
-                         score: str = "logit") -> AttentionGradients:
+                         score: str = "logit", method: str = "attention_gradients") -> AttentionGradients:
     """:func:`attention_gradients`, with gradients only for block indices ``layers``
-    (None: all); the other entries of ``gradients`` are None. Fewer blocks, shorter backward."""
+    (None: all); the other entries of ``gradients`` are None. Fewer blocks, shorter backward.
+    ``method``: the name the errors give."""
+    check_images(x, method)
+    require_class_head(model, method)
     target = check_target(target, x.shape[0])
     check_score(score)
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{method} needs gradients, but it was called inside torch.inference_mode(), which cannot be "
+            "switched off from inside: call it outside inference_mode (inside torch.no_grad() is fine)"
+        )
     with torch.enable_grad():
         # A leaf that requires grad keeps the graph alive even if every parameter is frozen.
-        x_in = x.detach().requires_grad_(True)
+        # (clone: an input made under inference_mode cannot be made to require grad itself)
+        x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
         with record(model, detach=False) as rec:  # graph-attached attentions
             logits = _logits(model(x_in))
             t = resolve_target(target, logits)
@@ -134,6 +209,12 @@ def attention_gradients(model, x: torch.Tensor, target=None, score: str = "logit
         target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
         score: ``"logit"`` (the papers') or ``"log_probability"`` (log-softmax, or log-sigmoid
             for a multi-label head; see :data:`vitlab.targets.SCORES`).
+
+    Raises:
+        ValueError: a bad input (:func:`check_images`) or target, or a model without a class
+            head (timm ``num_classes=0``, a Hugging Face base model): its output channels are
+            not classes.
+        RuntimeError: called inside ``torch.inference_mode()``, where no gradient exists.
     """
     return _attention_gradients(model, x, target, layers=None, score=score)
 
@@ -145,7 +226,7 @@ def cls_attention(model, x: torch.Tensor) -> torch.Tensor:
     post-softmax attention for head h, patch columns only, on the patch grid. Prefix
     columns (CLS, distillation, registers) are left out, so a map need not sum to 1.
     """
-    require_cls(token_layout(model, x), "cls_attention")
+    checked_layout(model, x, "cls_attention")
     attentions, layout = _recorded_attentions(model, x)
     cls_rows = torch.stack([A[:, :, 0, :] for A in attentions], dim=1)  # B x L x H x N
     return layout.patches_to_grid(cls_rows)  # B x L x H x gh x gw
@@ -156,7 +237,7 @@ def raw_attention(model, x: torch.Tensor) -> torch.Tensor:
 
     Returns ``B x gh x gw``: ``mean_h A_L[h, CLS, patches]``.
     """
-    require_cls(token_layout(model, x), "raw_attention")
+    checked_layout(model, x, "raw_attention")
     attentions, layout = _recorded_attentions(model, x)
     A = attentions[-1]  # B x H x N x N
     return layout.patches_to_grid(A[:, :, 0, :].mean(dim=1))  # B x gh x gw
@@ -181,8 +262,9 @@ def attention_gradcam(model, x: torch.Tensor, target=None, score: str = "logit")
     ``= (mean_h w_h * A[h, CLS, patches])^+``. Returns ``B x gh x gw`` (not rescaled).
     ``score="log_probability"`` differentiates the target's log-probability instead.
     """
-    require_cls(token_layout(model, x), "attention_gradcam")
-    ag = _attention_gradients(model, x, target, layers=[-1], score=score)  # backward through the last block only
+    checked_layout(model, x, "attention_gradcam")
+    # backward through the last block only
+    ag = _attention_gradients(model, x, target, layers=[-1], score=score, method="attention_gradcam")
     layout = ag.layout
     P = layout.num_prefix
     A = ag.attentions[-1][:, :, 0, P:]  # B x H x num_patches
@@ -204,6 +286,7 @@ def qk_maps(model, x: torch.Tensor, layer: int, head: int, channel: int | None =
     positive, dark where negative. Returns :class:`QKMaps` with ``B x gh x gw`` images for
     one ``channel``, ``B x head_dim x gh x gw`` when ``channel`` is None (all channels).
     """
+    checked_layout(model, x, "qk_maps", cls_row=False)
     with torch.no_grad(), record(model) as rec:
         model(x)
     layout = rec.layout
@@ -268,6 +351,7 @@ def qk_channel_scores(model, x: torch.Tensor, pattern: str = "one_way") -> torch
     """
     if pattern not in _SCORES:
         raise ValueError(f"pattern must be one of {QK_PATTERNS}, got {pattern!r}")
+    checked_layout(model, x, "qk_channel_scores", cls_row=False)
     with torch.no_grad(), record(model) as rec:
         model(x)
     P = rec.layout.num_prefix

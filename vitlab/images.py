@@ -3,7 +3,9 @@
 - :func:`load_image` takes a path, an http(s) URL, a sample name, a PIL image or a numpy
   array, and always returns an 8-bit ``RGB`` PIL image: grayscale is replicated to three
   channels, palette images are expanded, 16-bit images are scaled to 8 bits
-  (``value / 257``, so 65535 -> 255), and transparent images are composited on white
+  (``value / 257``, so 65535 -> 255; a 32-bit integer image, mode ``"I"``, is 8-bit when its
+  values lie in 0..255, as an integer array is, and 16-bit up to 65535), and transparent
+  images are composited on white
   (a transparent logo then looks as it does on a page; dropping alpha would reveal whatever
   colour happens to be stored under the transparent pixels).
 - :func:`load` / :func:`names`: photos shipped in scikit-image's wheel (``skimage.data``:
@@ -130,14 +132,20 @@ def to_rgb(image: Image.Image) -> Image.Image:
         return to_rgb(image.convert("RGBA" if "transparency" in image.info else "RGB"))
     if mode == "PA":
         return to_rgb(image.convert("RGBA"))
-    if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+    if mode in ("I;16", "I;16L", "I;16B", "I;16N"):
+        return to_rgb(_array_to_pil(np.asarray(image).astype(np.uint16)))
+    if mode == "I":
+        # 32-bit integers record no bit depth: read like an integer array (0..255 is 8-bit, e.g.
+        # image.convert("I") of an 8-bit image); larger values up to 65535 are 16-bit data
+        # (16-bit files may open as "I")
         array = np.asarray(image)
-        if mode == "I" and (array.min() < 0 or array.max() > 65535):
+        lo, hi = int(array.min()), int(array.max())
+        if lo < 0 or hi > 65535:
             raise ValueError(
-                f"32-bit integer image with values in [{array.min()}, {array.max()}]: cannot tell "
-                f"its bit depth; convert it to 8 or 16 bits first"
+                f"32-bit integer image with values in [{lo}, {hi}]: cannot tell its bit depth; "
+                f"convert it to 8 bits (0..255) or 16 bits (0..65535) first"
             )
-        return to_rgb(_array_to_pil(array.astype(np.uint16)))
+        return to_rgb(_array_to_pil(array.astype(np.uint8 if hi <= 255 else np.uint16)))
     if mode == "F":
         return to_rgb(_array_to_pil(np.asarray(image, dtype=np.float32)))
     if mode in ("RGBA", "LA", "RGBa", "La"):

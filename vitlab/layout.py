@@ -1,9 +1,16 @@
 """Token layout of a Vision Transformer: how many prefix tokens, and the patch grid.
 
 A ViT sequence is ``prefix tokens + patch tokens``. The prefix is the CLS token, plus a
-distillation token (DeiT-distilled) and/or register tokens (DINOv2-reg, ViT-reg). Every
+distillation token (DeiT-distilled) and/or register tokens (DINOv2-reg, ViT-reg); a timm
+model may also have registers and no CLS token at all (``class_token=False``). Every
 number here is read from the model (and, where the model accepts several input sizes,
 from the input), never assumed: no 197, 196 or 14 x 14 anywhere in vitlab.
+
+The layout also says which tokens the model's output reads (``pool``): the CLS token
+(timm's ``global_pool="token"``; every Hugging Face ViT, DeiT and Dinov2, whose Dinov2
+classifier reads the CLS token next to the patch mean) or a pooling of the patch tokens
+only (timm's ``"avg"``, ``"max"``, ``"avgmax"``, attention pooling ``"map"``). Maps read
+from the CLS row explain the CLS token, which only the first kind's output reads.
 """
 from __future__ import annotations
 
@@ -22,12 +29,22 @@ class TokenLayout:
         grid: ``(gh, gw)`` patch grid, row-major in the sequence after the prefix.
         num_registers: register tokens among the prefix.
         has_distillation: whether the prefix holds a distillation token.
+        pool: what the model's output reads: ``"token"`` (the CLS token) or timm's name
+            of a pooling over the patch tokens (``"avg"``, ``"max"``, ``"avgmax"``, ``"map"``,
+            ``"prr"``), or ``""`` (every token, unpooled).
     """
 
     num_prefix: int
     grid: tuple[int, int]
     num_registers: int = 0
     has_distillation: bool = False
+    pool: str = "token"
+
+    @property
+    def has_class_token(self) -> bool:
+        """Whether the sequence starts with a CLS token (the prefix minus registers and the
+        distillation token is not empty). The CLS token, when there is one, is token 0."""
+        return self.num_prefix - self.num_registers - int(self.has_distillation) > 0
 
     @property
     def num_patches(self) -> int:
@@ -83,7 +100,10 @@ def _timm_layout(model: nn.Module, hw) -> TokenLayout:
     num_prefix = int(getattr(model, "num_prefix_tokens", 1))
     num_reg = int(getattr(model, "num_reg_tokens", 0) or 0)
     has_dist = getattr(model, "dist_token", None) is not None
-    return TokenLayout(num_prefix, grid, num_reg, has_dist)
+    pool = getattr(model, "global_pool", "token")
+    if getattr(model, "attn_pool", None) is not None:
+        pool = pool or "map"
+    return TokenLayout(num_prefix, grid, num_reg, has_dist, pool if isinstance(pool, str) else "token")
 
 
 def _hf_layout(model: nn.Module, hw) -> TokenLayout:

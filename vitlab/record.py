@@ -27,6 +27,7 @@ cross-attention through the same :class:`Recording`.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -67,6 +68,8 @@ class Recording:
     hidden_states: list[torch.Tensor] = field(default_factory=list)
     mlp_activations: list[torch.Tensor] = field(default_factory=list)
     default_stream: str = "self"
+    # why attention gradients cannot arrive, when a forward already showed it (see attention_grads)
+    _no_grad_reason: str | None = field(default=None, repr=False)
 
     def stream(self, name: str | None = None) -> list[AttentionCapture]:
         name = self.default_stream if name is None else name
@@ -97,6 +100,8 @@ class Recording:
     def attention_grads(self) -> list[torch.Tensor]:
         grads = self._field("grad")
         if any(g is None for g in grads):
+            if self._no_grad_reason is not None:
+                raise RuntimeError(f"attention gradients are missing: {self._no_grad_reason}")
             raise RuntimeError(
                 "attention gradients are missing: use vitlab.record(model, gradients=True) and call "
                 "backward() on the output inside the with-block"
@@ -110,6 +115,7 @@ class Recording:
         maximisation), instead of entering ``record`` every step."""
         self.hidden_states.clear()
         self.mlp_activations.clear()
+        self._no_grad_reason = None
         for stream in self.streams.values():
             stream.clear()
 
@@ -121,6 +127,13 @@ class Recording:
 # --------------------------------------------------------------------------------------
 # Adapters: each knows one family's modules. They return the restore actions they need.
 # --------------------------------------------------------------------------------------
+# Flags changed by open recordings: (id(obj), name) -> [had_own, original value, open count].
+# Recordings of one model may overlap (nested, or closed out of order): the flag keeps its
+# recording value while any of them is open, and gets its original back when the last closes.
+_PATCHES: dict[tuple[int, str], list] = {}
+_PATCH_LOCK = threading.Lock()
+
+
 class _Session:
     """Hooks and flag changes of one recording; ``close()`` undoes all of them."""
 
@@ -138,15 +151,29 @@ class _Session:
         self._undo.append(handle.remove)
 
     def set_attr(self, obj, name: str, value) -> None:
-        old = obj.__dict__[name] if name in obj.__dict__ else getattr(obj, name)
-        had_own = name in obj.__dict__
-        setattr(obj, name, value)
+        """Set ``obj.name = value`` until ``close()``; the original comes back when the last
+        open recording that set it closes (see ``_PATCHES``)."""
+        key = (id(obj), name)
+        with _PATCH_LOCK:
+            entry = _PATCHES.get(key)
+            if entry is None:
+                had_own = name in obj.__dict__
+                entry = _PATCHES[key] = [had_own, obj.__dict__[name] if had_own else getattr(obj, name), 0]
+            entry[2] += 1
+            setattr(obj, name, value)
 
-        def restore(obj=obj, name=name, old=old, had_own=had_own):
-            if had_own:
-                obj.__dict__[name] = old
-            else:
-                setattr(obj, name, old)
+        def restore(obj=obj, name=name, key=key):
+            with _PATCH_LOCK:
+                entry = _PATCHES[key]
+                entry[2] -= 1
+                if entry[2] > 0:
+                    return
+                del _PATCHES[key]
+                had_own, old, _ = entry
+                if had_own:
+                    obj.__dict__[name] = old
+                else:
+                    setattr(obj, name, old)
 
         self._undo.append(restore)
 
@@ -157,6 +184,11 @@ class _Session:
             def on_grad(g, cap=cap):
                 cap.grad = g.detach()
             used.register_hook(on_grad)
+        elif self.gradients and self.rec._no_grad_reason is None:
+            self.rec._no_grad_reason = (
+                "nothing in the forward required a gradient (every parameter is frozen and the input does "
+                "not require grad): call x.requires_grad_(True) on the input before the forward"
+            )
 
     def close(self) -> None:
         while self._undo:
@@ -211,9 +243,9 @@ def _attach_timm(model: nn.Module, s: _Session, mlp: bool) -> None:
             cap = AttentionCapture(name=f"{block_name}.attn")
             current["cap"] = cap
             stream.append(cap)
-            B, N, _ = out.shape
+            B, N, C3 = out.shape
             # qkv: B x N x (3 * heads * head_dim) -> 3 x B x heads x N x head_dim
-            q, k, v = out.reshape(B, N, 3, H, -1).permute(2, 0, 3, 1, 4).unbind(0)
+            q, k, v = out.reshape(B, N, 3, H, C3 // (3 * H)).permute(2, 0, 3, 1, 4).unbind(0)
             cap.value = s.keep(v)
             if q_plain:
                 cap.query, cap.key = s.keep(q), s.keep(k)
@@ -334,14 +366,26 @@ def record(
             ``rec.mlp_activations[l]`` of shape B x N x hidden.
         detach: store detached tensors (default: detached unless ``gradients``).
 
+    Recordings of one model may overlap (nested, or closed in any order): each removes its
+    own hooks, and a flag gets its original value back when the last of them closes.
+
     Raises:
         TypeError: the model has no attention blocks of a supported family.
+        RuntimeError: with ``gradients=True``, a forward inside the block ran with gradients
+            disabled (``torch.no_grad()`` / ``torch.inference_mode()``).
     """
     attach = _adapter_for(model)
     rec = Recording(layout=None)
     session = _Session(rec, gradients=gradients, detach=(not gradients) if detach is None else detach)
 
     def on_input(mod, args, kwargs):
+        if gradients and not torch.is_grad_enabled():
+            raise RuntimeError(
+                "vitlab.record(model, gradients=True): the forward ran with gradients disabled (inside "
+                "torch.no_grad() or torch.inference_mode()), so no gradient can reach the attention; run the "
+                "forward and backward outside no_grad or inside torch.enable_grad() (inference_mode cannot "
+                "be switched off from inside: leave it first)"
+            )
         x = args[0] if args else next(iter(kwargs.values()), None)
         if isinstance(x, torch.Tensor) and x.ndim == 4:
             rec.layout = token_layout(model, x)

@@ -26,8 +26,8 @@ import numbers
 
 import torch
 
-from vitlab.attention import _recorded_attentions, attention_gradients, require_cls
-from vitlab.layout import TokenLayout, token_layout
+from vitlab.attention import _attention_gradients, _recorded_attentions, checked_layout
+from vitlab.layout import TokenLayout
 
 HEAD_FUSIONS = ("mean", "min", "max")
 
@@ -67,17 +67,36 @@ def grad_fuse_heads(attn: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return (attn * grad).mean(dim=1).clamp(min=0)
 
 
+def discard_count(num_tokens: int, discard_ratio: float) -> int:
+    """How many of a layer's ``N*N`` entries ``discard_ratio`` zeroes: ``int(N*N * ratio)``.
+
+    Raises ``ValueError`` when that leaves at most one entry (``k >= N*N - 1``): with nothing
+    but CLS->CLS (or one other entry) left, the map would be all zero. Methods call it with
+    the model's number of tokens before the forward pass.
+    """
+    discard_ratio = check_discard_ratio(discard_ratio)
+    N = int(num_tokens)
+    k = int(N * N * discard_ratio)
+    if k > 0 and k >= N * N - 1:
+        raise ValueError(
+            f"discard_ratio={discard_ratio!r} would zero {k} of the {N * N} attention entries of each layer "
+            f"({N} tokens), leaving at most one: the map would be all zero. For this model use "
+            f"discard_ratio < {(N * N - 1) / (N * N):.6g} (Gildenblat's default is 0.9)"
+        )
+    return k
+
+
 def discard_lowest(a: torch.Tensor, discard_ratio: float) -> torch.Tensor:
     """Zero each sample's lowest ``int(N*N * discard_ratio)`` entries, never CLS->CLS.
 
     ``a``: ``B x N x N``. Each sample is ranked on its own; among entries tied with the
     k-th lowest value, the lowest flat indices go first. When the CLS->CLS entry (flat
     index 0) is among the lowest it is kept, so one entry fewer is zeroed. Returns a new
-    tensor (``a`` itself when nothing is discarded); ``a`` is not modified.
+    tensor (``a`` itself when nothing is discarded); ``a`` is not modified. A ratio that
+    would leave at most one entry raises ``ValueError`` (:func:`discard_count`).
     """
-    discard_ratio = check_discard_ratio(discard_ratio)
     B, N, _ = a.shape
-    k = int(N * N * discard_ratio)
+    k = discard_count(N, discard_ratio)
     if k == 0:
         return a
     flat = a.reshape(B, N * N)
@@ -147,7 +166,8 @@ def _cls_readout(fused: list[torch.Tensor], layout: TokenLayout) -> torch.Tensor
 
 
 def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: float = 0.0) -> torch.Tensor:
-    """Attention rollout map of each sample: ``B x gh x gw``, maximum 1 per sample.
+    """Attention rollout map of each sample: ``B x gh x gw``, maximum 1 per sample (all zero
+    only when the discard leaves no attention path from CLS to a patch).
 
     Abnar & Zuidema (2020) with the head fusion and discard of Gildenblat (2020): per
     block, ``A = fuse(heads)``; discard each sample's lowest ``discard_ratio`` of entries
@@ -158,11 +178,16 @@ def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: fl
         model: a timm or Hugging Face ViT (in eval mode).
         x: ``B x 3 x H x W`` input batch.
         head_fusion: "mean", "min" or "max".
-        discard_ratio: fraction in [0, 1) of each layer's entries to zero.
+        discard_ratio: fraction in [0, 1) of each layer's entries to zero; it must leave more
+            than one entry (:func:`discard_count`).
+
+    Raises:
+        ValueError: bad arguments or input, or a model whose output does not read a CLS
+            token (:func:`vitlab.attention.require_cls`).
     """
     check_head_fusion(head_fusion)
     check_discard_ratio(discard_ratio)
-    require_cls(token_layout(model, x), "rollout")
+    discard_count(checked_layout(model, x, "rollout").num_tokens, discard_ratio)
     attentions, layout = _recorded_attentions(model, x)
     fused = [discard_lowest(fuse_heads(A, head_fusion), discard_ratio) for A in attentions]  # B x N x N each
     return _cls_readout(fused, layout)
@@ -174,18 +199,24 @@ def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0
     Per block l: ``A = (mean_h A_l * dy_t/dA_l)`` clamped at 0, where y_t is the sample's
     target logit; discard the lowest ``discard_ratio`` (never CLS->CLS); ``(A + I) / 2``,
     row-normalised; multiply as in :func:`rollout`; map = CLS row over the patches,
-    divided by its maximum. One forward and one backward for the whole batch.
+    divided by its maximum (all zero where no positive path from CLS to a patch is left).
+    One forward and one backward for the whole batch.
 
     Args:
         model: a timm or Hugging Face ViT classifier (in eval mode).
         x: ``B x 3 x H x W`` input batch.
         target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
-        discard_ratio: fraction in [0, 1) of each layer's entries to zero.
+        discard_ratio: fraction in [0, 1) of each layer's entries to zero; it must leave more
+            than one entry (:func:`discard_count`).
         score: differentiate the target's ``"logit"`` (the blog) or its ``"log_probability"``.
+
+    Raises:
+        ValueError: bad arguments, input or target, a model without a class head, or one
+            whose head does not read a CLS token.
     """
     check_discard_ratio(discard_ratio)
-    require_cls(token_layout(model, x), "grad_rollout")
-    ag = attention_gradients(model, x, target, score=score)
+    discard_count(checked_layout(model, x, "grad_rollout").num_tokens, discard_ratio)
+    ag = _attention_gradients(model, x, target, layers=None, score=score, method="grad_rollout")
     fused = [
         discard_lowest(grad_fuse_heads(A, G), discard_ratio)  # B x N x N
         for A, G in zip(ag.attentions, ag.gradients)  # layer l with its own gradient

@@ -38,6 +38,24 @@ def _logits(output) -> torch.Tensor:
     return logits
 
 
+def require_class_head(model, method: str) -> None:
+    """Raise ``ValueError`` when ``model`` has no class head for ``method`` to explain.
+
+    A timm model built with ``num_classes=0`` (a feature extractor, like vitlab's embedded
+    ``dinov2_small_imgfocus``) returns a feature vector, not class scores: differentiating
+    "class" t of it would differentiate feature channel t. Hugging Face base models
+    (``ViTModel``, ...) are caught by :func:`_logits` (their output has no ``.logits``).
+    Class-specific methods call this before any forward pass.
+    """
+    num_classes = getattr(model, "num_classes", None)
+    if isinstance(num_classes, int) and not isinstance(num_classes, bool) and num_classes == 0:
+        raise ValueError(
+            f"{method} explains a class score, but {type(model).__name__} has no class head "
+            "(num_classes=0: its output is a feature vector, whose channels are not classes). "
+            "Use a classifier, or a class-agnostic method: rollout, raw_attention, cls_attention"
+        )
+
+
 #: What a class-specific method differentiates: the target's logit (Chefer et al., the blog) or
 #: its log-probability as the model's head defines it. For a softmax head (one class per image)
 #: that is ``log softmax(logits)[t] = y_t - logsumexp(y)``, whose gradient
@@ -82,11 +100,30 @@ def target_score(logits: torch.Tensor, t: torch.Tensor, score: str = "logit",
     return logits.gather(1, t[:, None])[:, 0]
 
 
+def _check_class_index(i: int, v) -> None:
+    """One entry of a per-sample target sequence: an integer class index, nothing else."""
+    if isinstance(v, (bool, np.bool_)):
+        raise ValueError(f"target must hold integer class indices, got a bool at position {i} ({v})")
+    if isinstance(v, numbers.Integral):
+        return
+    if isinstance(v, torch.Tensor) and v.ndim == 0 and not (
+        v.dtype == torch.bool or v.is_floating_point() or v.is_complex()
+    ):
+        return
+    if isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "iu":
+        return
+    hint = " (class names are not accepted: pass the class index)" if isinstance(v, (str, bytes)) else ""
+    raise ValueError(
+        f"target must hold integer class indices, got {v!r} ({type(v).__name__}) at position {i}{hint}"
+    )
+
+
 def check_target(target, batch_size: int) -> torch.Tensor | None:
     """Validate the form of ``target`` for a batch of ``batch_size``; no model needed.
 
     Returns ``None`` (predicted class, decided later) or a ``(batch_size,)`` int64 CPU tensor.
-    Raises ``ValueError`` for booleans, non-integers, wrong dimensions and length mismatches.
+    Raises ``ValueError`` for booleans (also inside a sequence), non-integers (floats, None,
+    class names), empty sequences, wrong dimensions and length mismatches.
     """
     if target is None:
         return None
@@ -94,10 +131,19 @@ def check_target(target, batch_size: int) -> torch.Tensor | None:
         raise ValueError(f"target must be {_ALLOWED}, got a bool ({target})")
     if isinstance(target, numbers.Integral):
         return torch.full((batch_size,), int(target), dtype=torch.long)
-    if isinstance(target, (torch.Tensor, np.ndarray)) or (
-        isinstance(target, Sequence) and not isinstance(target, (str, bytes))
-    ):
-        t = torch.as_tensor(np.asarray(target) if isinstance(target, Sequence) else target)
+    if isinstance(target, Sequence) and not isinstance(target, (str, bytes)):
+        if len(target) == 0 and batch_size > 0:
+            raise ValueError(
+                f"target is empty but the batch has {batch_size} samples: pass one class per sample, "
+                "a single int for all, or None for the predicted class"
+            )
+        for i, v in enumerate(target):
+            _check_class_index(i, v)
+        target = np.asarray([int(v) for v in target], dtype=np.int64)
+    if isinstance(target, (torch.Tensor, np.ndarray)):
+        if isinstance(target, np.ndarray) and target.dtype.kind not in "biufc":
+            raise ValueError(f"target must hold integer class indices, got an array of dtype {target.dtype}")
+        t = torch.as_tensor(target)
         if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
             raise ValueError(f"target must hold integer class indices, got dtype {t.dtype}")
         if t.ndim == 0:

@@ -144,6 +144,9 @@ def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, 
     Adam step on the image parameters only (``torch.autograd.grad``: the model's parameters
     get no ``.grad`` and the model is left exactly as it was — mode, flags, hooks).
 
+    Works under a caller's ``torch.no_grad()``; raises ``RuntimeError`` inside
+    ``torch.inference_mode()``, where no gradient exists.
+
     Args:
         model: a timm or Hugging Face ViT (any mode; it is not changed).
         objective: an :class:`Objective` (``B`` values per step); per-image units/classes
@@ -184,6 +187,12 @@ def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, 
         raise ValueError(f"lr must be a positive number, got {lr!r}")
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "actmax.visualize optimises an image by its gradient, but it was called inside "
+            "torch.inference_mode(), which cannot be switched off from inside: call it outside "
+            "inference_mode (inside torch.no_grad() is fine)"
+        )
     from vitlab.record import record
 
     first = next(model.parameters(), None)
@@ -213,7 +222,8 @@ def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, 
     trace = torch.empty(steps, batch)
 
     bar = tqdm(range(steps), desc=desc or objective.name, disable=not progress, leave=False)
-    with record(model, mlp=objective.needs_mlp, detach=False) as rec:
+    # enable_grad: the optimisation needs gradients also under a caller's torch.no_grad()
+    with torch.enable_grad(), record(model, mlp=objective.needs_mlp, detach=False) as rec:
         for step in bar:
             for group in optimizer.param_groups:
                 group["lr"] = lr * 0.5 * (1.0 + math.cos(math.pi * step / steps))

@@ -296,8 +296,11 @@ def cls_attention(layer: int, head: int, patch=None) -> Objective:
         H = attn.shape[1]
         if not -H <= head < H:
             raise ValueError(f"head must be in [-{H}, {H}) for this model, got {head}")
-        row = attn[:, head, 0]                                                   # B' x N
         layout = ctx.rec.layout
+        if not layout.has_class_token:
+            raise ValueError("cls_attention reads the class token's attention row, but this model has no "
+                             "class token (row 0 would be a register); use mlp_unit / residual_channel")
+        row = attn[:, head, 0]                                                   # B' x N
         if patch is None:
             value = row[:, layout.num_prefix:].sum(1)
         else:
