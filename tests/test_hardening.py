@@ -317,3 +317,66 @@ def test_overlapping_recordings_closed_out_of_order_keep_recording_and_restore_t
     second.__exit__(None, None, None)
     assert [b.attn.fused_attn for b in model.blocks] == fused
     assert state(model)[3] == 0
+
+
+# --- silent wrong 6: a model in train mode ------------------------------------------------------------
+class TokenBatchNorm(torch.nn.Module):
+    """BatchNorm over the channels of a B x N x C token sequence (a stem with running statistics)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(dim)
+
+    def forward(self, x):
+        return self.bn(x.transpose(1, 2)).transpose(1, 2)
+
+
+def dropout_vit(seed: int = 5) -> VisionTransformer:
+    return randomize(tiny_vit(seed, attn_drop_rate=0.5, proj_drop_rate=0.3, drop_rate=0.3), seed)
+
+
+@pytest.mark.parametrize("name", list(ALL_METHODS))
+def test_methods_on_a_train_mode_model_give_the_eval_maps_and_keep_train_mode(name, x):
+    model = dropout_vit()
+    expected = ALL_METHODS[name](model, x)  # eval mode
+    model.train()
+    before = state(model)
+    got = [ALL_METHODS[name](model, x) for _ in range(2)]
+    assert_same(before, state(model))
+    assert all(m.training for m in model.modules())
+    for out in got:
+        if name == "attention_gradients":
+            assert all(torch.equal(a, b) for a, b in zip(out.gradients, expected.gradients))
+        else:
+            out, exp = (out.query, expected.query) if name == "qk_maps" else (out, expected)
+            assert torch.equal(out, exp)
+
+
+def test_actmax_visualize_does_not_update_batchnorm_statistics_in_train_mode():
+    model = tiny_vit()
+    model.norm_pre = TokenBatchNorm(48).eval()
+    model.pretrained_cfg = CFG
+    kw = dict(steps=3, copies=2, progress=False, seed=0)
+    expected = actmax.visualize(model, actmax.mlp_unit(0, 1), **kw)
+    model.train()
+    buffers = {k: v.clone() for k, v in model.state_dict().items()}
+    got = actmax.visualize(model, actmax.mlp_unit(0, 1), **kw)
+    assert all(torch.equal(buffers[k], v) for k, v in model.state_dict().items())  # running stats unchanged
+    assert model.training and model.norm_pre.bn.training
+    assert torch.equal(got.images, expected.images)
+
+
+def test_timm_and_hugging_face_record_the_attention_after_dropout_in_train_mode():
+    from transformers import ViTConfig, ViTModel
+
+    timm_model = dropout_vit().train()
+    cfg = ViTConfig(image_size=32, patch_size=8, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
+                    intermediate_size=96, attention_probs_dropout_prob=0.5)
+    hf_model = ViTModel(cfg, add_pooling_layer=False).train()
+    for model in (timm_model, hf_model):
+        with torch.no_grad(), vitlab.record(model) as rec:
+            model(torch.randn(2, 3, 32, 32))
+        A = rec.attentions[0]  # post-dropout: a share of entries zeroed, the rest scaled by 1 / (1 - p)
+        assert 0.3 < float((A == 0).float().mean()) < 0.7
+        assert not torch.allclose(A.sum(-1), torch.ones_like(A.sum(-1)))
+        assert model.training

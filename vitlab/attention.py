@@ -16,7 +16,9 @@
 
 Every map is per sample, on the patch grid read from :func:`vitlab.token_layout`, and
 nothing here hooks or patches the model: :func:`vitlab.record` does that and restores it.
-The model should be in eval mode (``model.eval()``); vitlab never changes the mode itself.
+Every method runs the model in eval mode (``record(..., eval_mode=True)``: dropout off, the
+maps deterministic) and puts each module's mode back, so a model in train mode gives the
+same maps as in eval mode and is left in train mode.
 """
 from __future__ import annotations
 
@@ -151,7 +153,7 @@ def checked_layout(model, x, method: str, cls_row: bool = True) -> TokenLayout:
 
 def _recorded_attentions(model, x: torch.Tensor) -> tuple[list[torch.Tensor], TokenLayout]:
     """Attention of every block (``B x heads x N x N`` each), one forward without gradients."""
-    with torch.no_grad(), record(model) as rec:
+    with torch.no_grad(), record(model, eval_mode=True) as rec:
         model(x)
     return list(rec.attentions), rec.layout
 
@@ -174,7 +176,7 @@ def _attention_gradients(model, x: torch.Tensor, target, layers: list[int] | Non
         # A leaf that requires grad keeps the graph alive even if every parameter is frozen.
         # (clone: an input made under inference_mode cannot be made to require grad itself)
         x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
-        with record(model, detach=False) as rec:  # graph-attached attentions
+        with record(model, detach=False, eval_mode=True) as rec:  # graph-attached attentions
             logits = _logits(model(x_in))
             t = resolve_target(target, logits)
             total = target_score(logits, t, score, is_multi_label(model)).sum()
@@ -204,7 +206,7 @@ def attention_gradients(model, x: torch.Tensor, target=None, score: str = "logit
     are computed. Works under a caller's ``torch.no_grad()``; ``x`` needs no gradient.
 
     Args:
-        model: a timm or Hugging Face ViT classifier (in eval mode).
+        model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
         x: ``B x 3 x H x W`` input batch.
         target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
         score: ``"logit"`` (the papers') or ``"log_probability"`` (log-softmax, or log-sigmoid
@@ -287,7 +289,7 @@ def qk_maps(model, x: torch.Tensor, layer: int, head: int, channel: int | None =
     one ``channel``, ``B x head_dim x gh x gw`` when ``channel`` is None (all channels).
     """
     checked_layout(model, x, "qk_maps", cls_row=False)
-    with torch.no_grad(), record(model) as rec:
+    with torch.no_grad(), record(model, eval_mode=True) as rec:
         model(x)
     layout = rec.layout
     L = len(rec.queries)
@@ -352,7 +354,7 @@ def qk_channel_scores(model, x: torch.Tensor, pattern: str = "one_way") -> torch
     if pattern not in _SCORES:
         raise ValueError(f"pattern must be one of {QK_PATTERNS}, got {pattern!r}")
     checked_layout(model, x, "qk_channel_scores", cls_row=False)
-    with torch.no_grad(), record(model) as rec:
+    with torch.no_grad(), record(model, eval_mode=True) as rec:
         model(x)
     P = rec.layout.num_prefix
     score = _SCORES[pattern]

@@ -12,6 +12,12 @@ path (mathematically the same computation), hooks the post-softmax matrix the mo
 really multiplies with the values, and on exit — also when the forward raises — puts every
 flag back and removes every hook.
 
+Mode: ``record`` leaves the model in its mode unless asked (``eval_mode=True``, which every
+vitlab method uses: the maps are defined in eval mode, with dropout off and BatchNorm
+statistics read, not updated; each module's mode comes back on exit). A model recorded in
+train mode gives the matrix after attention dropout for timm and Hugging Face alike: the
+one multiplied with the values (Hugging Face returns no other).
+
 Usage::
 
     with vitlab.record(model, gradients=True) as rec:
@@ -257,7 +263,8 @@ def _attach_timm(model: nn.Module, s: _Session, mlp: bool) -> None:
             current["cap"].key = s.keep(out)
 
         def on_drop(mod, inp, out, current=current):
-            s.capture_attention(current["cap"], inp[0], out)
+            # after dropout (the identity in eval mode): what multiplies V, as Hugging Face records
+            s.capture_attention(current["cap"], out, out)
 
         s.hook(attn.qkv, on_qkv)
         if not q_plain:
@@ -354,7 +361,8 @@ def _adapter_for(model: nn.Module):
 
 @contextlib.contextmanager
 def record(
-    model: nn.Module, gradients: bool = False, mlp: bool = False, detach: bool | None = None
+    model: nn.Module, gradients: bool = False, mlp: bool = False, detach: bool | None = None,
+    eval_mode: bool = False,
 ) -> Iterator[Recording]:
     """Record every attention block of ``model`` during the forward passes in the block.
 
@@ -365,6 +373,8 @@ def record(
         mlp: also record each block's MLP hidden activation (after the non-linearity),
             ``rec.mlp_activations[l]`` of shape B x N x hidden.
         detach: store detached tensors (default: detached unless ``gradients``).
+        eval_mode: run every module in eval mode inside the block (dropout off, BatchNorm
+            statistics frozen) and put each module's mode back on exit; vitlab's methods do.
 
     Recordings of one model may overlap (nested, or closed in any order): each removes its
     own hooks, and a flag gets its original value back when the last of them closes.
@@ -394,6 +404,9 @@ def record(
         handle = model.register_forward_pre_hook(on_input, with_kwargs=True)
         session._undo.append(handle.remove)
         attach(model, session, mlp)
+        if eval_mode:
+            for module in model.modules():
+                session.set_attr(module, "training", False)
         if rec.layout is None:
             rec.layout = token_layout(model)
         yield rec

@@ -75,7 +75,7 @@ def chefer_relevance(model, x: torch.Tensor, target=None, score: str = "logit") 
     one backward for the whole batch.
 
     Args:
-        model: a timm or Hugging Face ViT classifier (in eval mode).
+        model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
         x: ``B x 3 x H x W`` input batch.
         target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
         score: differentiate the target's ``"logit"`` (the paper) or its ``"log_probability"``.

@@ -175,7 +175,7 @@ def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: fl
     ``R[CLS, patches]`` on the grid, divided by its maximum. One forward, no gradients.
 
     Args:
-        model: a timm or Hugging Face ViT (in eval mode).
+        model: a timm or Hugging Face ViT (run in eval mode, its mode put back).
         x: ``B x 3 x H x W`` input batch.
         head_fusion: "mean", "min" or "max".
         discard_ratio: fraction in [0, 1) of each layer's entries to zero; it must leave more
@@ -203,7 +203,7 @@ def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0
     One forward and one backward for the whole batch.
 
     Args:
-        model: a timm or Hugging Face ViT classifier (in eval mode).
+        model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
         x: ``B x 3 x H x W`` input batch.
         target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
         discard_ratio: fraction in [0, 1) of each layer's entries to zero; it must leave more

@@ -140,15 +140,16 @@ def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, 
 
     Each step renders the images from the parametrisation, makes ``copies`` randomly
     transformed copies of each, normalises them with the model's mean and std, runs the
-    model inside one :func:`vitlab.record` (opened once for the whole run), and takes an
-    Adam step on the image parameters only (``torch.autograd.grad``: the model's parameters
-    get no ``.grad`` and the model is left exactly as it was — mode, flags, hooks).
+    model inside one :func:`vitlab.record` (opened once for the whole run, in eval mode:
+    dropout off, BatchNorm statistics frozen), and takes an Adam step on the image parameters
+    only (``torch.autograd.grad``: the model's parameters get no ``.grad`` and the model is
+    left exactly as it was — mode, flags, hooks, buffers).
 
     Works under a caller's ``torch.no_grad()``; raises ``RuntimeError`` inside
     ``torch.inference_mode()``, where no gradient exists.
 
     Args:
-        model: a timm or Hugging Face ViT (any mode; it is not changed).
+        model: a timm or Hugging Face ViT (any mode: it runs in eval mode and is not changed).
         objective: an :class:`Objective` (``B`` values per step); per-image units/classes
             (``mlp_unit(6, [1, 2, 3])``) need ``batch`` = their number.
         steps: optimisation steps (Ghiasi: about 400).
@@ -223,7 +224,7 @@ def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, 
 
     bar = tqdm(range(steps), desc=desc or objective.name, disable=not progress, leave=False)
     # enable_grad: the optimisation needs gradients also under a caller's torch.no_grad()
-    with torch.enable_grad(), record(model, mlp=objective.needs_mlp, detach=False) as rec:
+    with torch.enable_grad(), record(model, mlp=objective.needs_mlp, detach=False, eval_mode=True) as rec:
         for step in bar:
             for group in optimizer.param_groups:
                 group["lr"] = lr * 0.5 * (1.0 + math.cos(math.pi * step / steps))
@@ -265,7 +266,7 @@ def _forward_batches(model, images: torch.Tensor, batch_size: int, mlp: bool):
     size, mean, std = _normaliser(model, device)
     if tuple(images.shape[-2:]) != size:
         raise ValueError(f"images are {tuple(images.shape[-2:])}; the model takes {size}")
-    with torch.no_grad(), record(model, mlp=mlp, detach=True) as rec:
+    with torch.no_grad(), record(model, mlp=mlp, detach=True, eval_mode=True) as rec:
         for start in range(0, images.shape[0], batch_size):
             clear_recording(rec)
             x = images[start:start + batch_size].to(device=device, dtype=torch.float32)
