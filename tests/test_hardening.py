@@ -7,6 +7,7 @@ is left exactly as it was, also when a method raises.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import pytest
@@ -380,3 +381,93 @@ def test_timm_and_hugging_face_record_the_attention_after_dropout_in_train_mode(
         assert 0.3 < float((A == 0).float().mean()) < 0.7
         assert not torch.allclose(A.sum(-1), torch.ones_like(A.sum(-1)))
         assert model.training
+
+
+# --- silent wrong 4: two threads on one model ----------------------------------------------------------
+def test_a_recording_captures_only_the_forwards_of_its_own_thread():
+    model = tiny_vit()
+    xa, xb = torch.randn(1, 3, 32, 32), torch.randn(2, 3, 32, 32)
+    with torch.no_grad(), vitlab.record(model) as alone:
+        model(xa)
+    before = state(model)
+    seen = {}
+
+    def other_thread():  # a plain forward and a method of its own, while the main thread records
+        with torch.no_grad():
+            model(xb)
+        seen["rollout"] = rollout(model, xb)
+
+    with torch.no_grad(), vitlab.record(model) as rec:
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        model(xa)
+    assert [tuple(A.shape) for A in rec.attentions] == [(1, 3, 17, 17)] * 3
+    assert all(torch.equal(a, b) for a, b in zip(rec.attentions, alone.attentions))
+    assert torch.equal(seen["rollout"], rollout(model, xb))
+    assert_same(before, state(model))
+
+
+def test_a_method_of_another_thread_midway_through_a_forward_gets_its_own_map():
+    """Thread a pauses inside its forward (in block 1) until thread b has run two methods on the
+    same model: neither recording may take in the other's forward, and the flags come back."""
+    model = tiny_vit()
+    xa, xb = torch.randn(2, 3, 32, 32), torch.randn(3, 3, 32, 32)
+    expected = {"a": chefer_relevance(model, xa, target=[1, 2]), "b": rollout(model, xb),
+                "b_grad": grad_rollout(model, xb, target=0)}
+    before = state(model)
+    got = {}
+
+    def run_b():
+        got["b"] = rollout(model, xb)
+        got["b_grad"] = grad_rollout(model, xb, target=0)
+
+    def pause_a(mod, args):
+        if threading.current_thread().name == "a" and "b" not in got:
+            b = threading.Thread(target=run_b, name="b")
+            b.start()
+            b.join()
+
+    def run_a():
+        got["a"] = chefer_relevance(model, xa, target=[1, 2])
+
+    handle = model.blocks[1].register_forward_pre_hook(pause_a)
+    try:
+        a = threading.Thread(target=run_a, name="a")
+        a.start()
+        a.join()
+    finally:
+        handle.remove()
+    assert sorted(got) == ["a", "b", "b_grad"]
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    assert_same(before, state(model))
+
+
+def test_two_threads_running_methods_on_one_model_each_get_their_single_threaded_maps():
+    model = tiny_vit()
+    inputs = {"rollout": torch.randn(2, 3, 32, 32), "chefer": torch.randn(3, 3, 32, 32)}
+    methods = {"rollout": lambda x: rollout(model, x, "max", 0.3), "chefer": lambda x: chefer_relevance(model, x)}
+    expected = {k: methods[k](inputs[k]) for k in methods}
+    before = state(model)
+    start, results, errors = threading.Barrier(2), {k: [] for k in methods}, []
+
+    def loop(key):
+        try:
+            start.wait()
+            for _ in range(15):
+                results[key].append(methods[key](inputs[key]))
+        except Exception as e:  # noqa: BLE001 -- reported below, with the thread's name
+            errors.append((key, e))
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in methods]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for key in methods:
+        assert len(results[key]) == 15
+        assert all(torch.equal(r, expected[key]) for r in results[key]), key
+    assert_same(before, state(model))
+

@@ -141,19 +141,34 @@ _PATCH_LOCK = threading.Lock()
 
 
 class _Session:
-    """Hooks and flag changes of one recording; ``close()`` undoes all of them."""
+    """Hooks and flag changes of one recording; ``close()`` undoes all of them.
+
+    The hooks capture only the forward passes of the thread that opened the recording
+    (``thread``): another thread's forward through the same model, plain or inside its own
+    recording, runs past them, so concurrent recordings of one model stay apart.
+    """
 
     def __init__(self, rec: Recording, gradients: bool, detach: bool):
         self.rec = rec
         self.gradients = gradients
         self.detach = detach
+        self.thread = threading.get_ident()
         self._undo: list[Callable[[], None]] = []
 
     def keep(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach() if self.detach else t
 
-    def hook(self, module: nn.Module, fn, pre: bool = False) -> None:
-        handle = module.register_forward_pre_hook(fn) if pre else module.register_forward_hook(fn)
+    def hook(self, module: nn.Module, fn, pre: bool = False, with_kwargs: bool = False) -> None:
+        """Call ``fn`` on ``module``'s forwards run by this recording's thread (until ``close()``)."""
+        def own_thread_only(*args, fn=fn, thread=self.thread):
+            if threading.get_ident() == thread:
+                return fn(*args)
+            return None
+
+        if pre:
+            handle = module.register_forward_pre_hook(own_thread_only, with_kwargs=with_kwargs)
+        else:
+            handle = module.register_forward_hook(own_thread_only)
         self._undo.append(handle.remove)
 
     def set_attr(self, obj, name: str, value) -> None:
@@ -378,6 +393,10 @@ def record(
 
     Recordings of one model may overlap (nested, or closed in any order): each removes its
     own hooks, and a flag gets its original value back when the last of them closes.
+    A recording captures the forward passes of the thread that opened it, and only those:
+    threads may record (and run vitlab's methods on) one model at the same time, each
+    getting its own forwards. While any recording is open the model runs its eager
+    attention path (the same numbers), and with ``eval_mode`` in eval mode, in every thread.
 
     Raises:
         TypeError: the model has no attention blocks of a supported family.
@@ -401,8 +420,7 @@ def record(
             rec.layout = token_layout(model, x)
 
     try:
-        handle = model.register_forward_pre_hook(on_input, with_kwargs=True)
-        session._undo.append(handle.remove)
+        session.hook(model, on_input, pre=True, with_kwargs=True)
         attach(model, session, mlp)
         if eval_mode:
             for module in model.modules():
