@@ -471,3 +471,29 @@ def test_two_threads_running_methods_on_one_model_each_get_their_single_threaded
         assert all(torch.equal(r, expected[key]) for r in results[key]), key
     assert_same(before, state(model))
 
+
+# --- cryptic 3: dynamic_img_pad ---------------------------------------------------------------------
+def test_dynamic_img_pad_models_get_the_padded_grid_and_the_maps_of_the_zero_padded_input():
+    model = tiny_vit(dynamic_img_size=True, dynamic_img_pad=True)
+    x = torch.randn(2, 3, 30, 37)  # 8-pixel patches: timm pads to 32 x 40, a 4 x 5 grid
+    padded = torch.nn.functional.pad(x, (0, 3, 0, 2))  # the zeros timm adds, made explicit
+    layout = vitlab.token_layout(model, x)
+    assert layout.grid == (4, 5) and vitlab.token_layout(model, (30, 37)).grid == (4, 5)
+    with torch.no_grad(), vitlab.record(model) as rec:
+        model(x)
+    assert rec.layout == layout and rec.attentions[0].shape[-1] == layout.num_tokens == 21
+    for method in (rollout, raw_attention, cls_attention, lambda m, x: chefer_relevance(m, x, target=3)):
+        out = method(model, x)
+        assert out.shape[-2:] == (4, 5)
+        torch.testing.assert_close(out, method(model, padded), rtol=1e-5, atol=1e-6)
+
+
+def test_input_sizes_a_timm_model_cannot_take_are_named():
+    fixed = tiny_vit(dynamic_img_pad=True)  # pads, but its position embedding fixes 32 x 32
+    with pytest.raises(ValueError, match=r"takes 32 x 32 inputs \(fixed size\), got 30 x 30; resize"):
+        rollout(fixed, torch.randn(1, 3, 30, 30))
+    unpadded = tiny_vit(dynamic_img_size=True)
+    with pytest.raises(ValueError, match=r"multiples of its patch size 8 x 8, got 30 x 37; .* dynamic_img_pad=True"):
+        rollout(unpadded, torch.randn(1, 3, 30, 37))
+    assert rollout(unpadded, torch.randn(1, 3, 24, 40)).shape == (1, 3, 5)
+

@@ -84,19 +84,38 @@ def _pair(v) -> tuple[int, int]:
     return int(v), int(v)
 
 
+def _timm_grid(pe: nn.Module, hw: tuple[int, int]) -> tuple[int, int]:
+    """Patch grid of a ``dynamic_img_size`` timm model for an ``H x W`` input. With
+    ``dynamic_img_pad`` timm pads the input up to whole patches: ``ceil(H / ph) x ceil(W / pw)``;
+    without, the size must be a multiple of the patch size: ``H / ph x W / pw``."""
+    ph, pw = _pair(pe.patch_size)
+    if getattr(pe, "dynamic_img_pad", False):
+        return -(-hw[0] // ph), -(-hw[1] // pw)  # ceil division
+    if hw[0] % ph or hw[1] % pw:
+        raise ValueError(
+            f"this model takes inputs whose height and width are multiples of its patch size {ph} x {pw}, "
+            f"got {hw[0]} x {hw[1]}; resize or crop to a multiple (e.g. {hw[0] // ph * ph} x {hw[1] // pw * pw}), "
+            "or build the model with dynamic_img_pad=True to pad the input"
+        )
+    return hw[0] // ph, hw[1] // pw
+
+
 def _timm_layout(model: nn.Module, hw) -> TokenLayout:
     pe = model.patch_embed
     if hw is None or not getattr(model, "dynamic_img_size", False):
         grid = tuple(int(g) for g in pe.grid_size)
         if hw is not None:
             expect = tuple(int(s) for s in pe.img_size)
-            if tuple(hw) != expect and not getattr(pe, "dynamic_img_pad", False):
+            # a fixed position embedding: the input must give its grid (timm checks the exact size
+            # unless strict_img_size was switched off)
+            if tuple(hw) != expect and (getattr(pe, "strict_img_size", True) or _timm_grid(pe, hw) != grid):
                 raise ValueError(
-                    f"this model takes {expect[0]} x {expect[1]} inputs (fixed size), got {hw[0]} x {hw[1]}"
+                    f"this model takes {expect[0]} x {expect[1]} inputs (fixed size), got {hw[0]} x {hw[1]}; "
+                    f"resize the input to {expect[0]} x {expect[1]} (vitlab.preprocess(image, model) does), or "
+                    "use a model built with dynamic_img_size=True"
                 )
     else:
-        ph, pw = _pair(pe.patch_size)
-        grid = (hw[0] // ph, hw[1] // pw)
+        grid = _timm_grid(pe, hw)
     num_prefix = int(getattr(model, "num_prefix_tokens", 1))
     num_reg = int(getattr(model, "num_reg_tokens", 0) or 0)
     has_dist = getattr(model, "dist_token", None) is not None
