@@ -19,10 +19,11 @@ from timm.models.vision_transformer import VisionTransformer
 import vitlab
 from vitlab import actmax, images
 from vitlab.attention import (
-    attention_gradcam, attention_gradients, cls_attention, qk_channel_scores, qk_maps, raw_attention,
+    MEMORY_BUDGET, attention_gradcam, attention_gradients, cls_attention, qk_channel_scores, qk_maps, raw_attention,
 )
 from vitlab.relevance import chefer_relevance
 from vitlab.rollout import discard_count, discard_lowest, grad_rollout, rollout
+from vitlab.record import attention_size
 from vitlab.targets import check_target
 
 from conftest import TINY, randomize
@@ -497,3 +498,54 @@ def test_input_sizes_a_timm_model_cannot_take_are_named():
         rollout(unpadded, torch.randn(1, 3, 30, 37))
     assert rollout(unpadded, torch.randn(1, 3, 24, 40)).shape == (1, 3, 5)
 
+
+# --- memory: large batches run in chunks --------------------------------------------------------------
+CHUNKED_METHODS = {
+    "rollout": (lambda m, x: rollout(m, x, "min", 0.4), False),
+    "cls_attention": (lambda m, x: cls_attention(m, x), False),
+    "raw_attention": (lambda m, x: raw_attention(m, x), False),
+    "grad_rollout": (lambda m, x: grad_rollout(m, x, target=[0, 1, 2, 3, 4], discard_ratio=0.3), True),
+    "chefer_relevance": (lambda m, x: chefer_relevance(m, x, target=None, score="log_probability"), True),
+    "attention_gradcam": (lambda m, x: attention_gradcam(m, x, target=torch.tensor([4, 3, 2, 1, 0])), True),
+}
+
+
+def test_attention_size_is_what_a_recording_keeps_per_sample():
+    from transformers import ViTConfig, ViTModel
+
+    hf = ViTModel(ViTConfig(image_size=32, patch_size=8, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
+                            intermediate_size=96), add_pooling_layer=False).eval()
+    for model in (tiny_vit(), tiny_vit(reg_tokens=2, num_heads=4, embed_dim=64), hf):
+        with torch.no_grad(), vitlab.record(model) as rec:
+            model(torch.randn(1, 3, 32, 32))
+        assert attention_size(model, rec.layout.num_tokens) == sum(A.numel() for A in rec.attentions)
+    assert MEMORY_BUDGET == 1 << 30
+
+
+@pytest.mark.parametrize("name", list(CHUNKED_METHODS))
+def test_a_batch_over_the_memory_budget_runs_in_chunks_with_the_same_maps(name, monkeypatch):
+    method, gradients = CHUNKED_METHODS[name]
+    model = tiny_vit()
+    x = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(11))
+    with forwards_counted(model) as calls:
+        whole = method(model, x)  # the default budget: one forward
+    assert len(calls) == 1
+    per_sample = attention_size(model, 17) * 4 * (2 if gradients else 1)  # float32 bytes
+    before = state(model)
+    for budget, forwards in ((2 * per_sample + 1, 3), (1, 5)):  # chunks of 2, 2, 1; then of 1
+        monkeypatch.setattr(vitlab.attention, "MEMORY_BUDGET", budget)
+        with forwards_counted(model) as calls:
+            chunked = method(model, x)
+        assert len(calls) == forwards
+        assert chunked.shape == whole.shape
+        for b in range(5):  # per sample
+            torch.testing.assert_close(chunked[b], whole[b], rtol=1e-5, atol=1e-7)
+    assert_same(before, state(model))
+
+
+def test_chunked_gradient_methods_check_the_target_against_the_whole_batch(monkeypatch):
+    monkeypatch.setattr(vitlab.attention, "MEMORY_BUDGET", 1)
+    model = tiny_vit()
+    with forwards_counted(model) as calls, pytest.raises(ValueError, match="target has 3 classes but the batch has 5 samples"):
+        chefer_relevance(model, torch.randn(5, 3, 32, 32), target=[0, 1, 2])
+    assert calls == []

@@ -18,7 +18,8 @@ Every map is per sample, on the patch grid read from :func:`vitlab.token_layout`
 nothing here hooks or patches the model: :func:`vitlab.record` does that and restores it.
 Every method runs the model in eval mode (``record(..., eval_mode=True)``: dropout off, the
 maps deterministic) and puts each module's mode back, so a model in train mode gives the
-same maps as in eval mode and is left in train mode.
+same maps as in eval mode and is left in train mode. A batch whose recorded attention would
+exceed :data:`MEMORY_BUDGET` runs in chunks of samples, with the same maps.
 """
 from __future__ import annotations
 
@@ -27,12 +28,21 @@ from typing import NamedTuple
 import torch
 
 from vitlab.layout import TokenLayout, token_layout
-from vitlab.record import record
+from vitlab.record import attention_size, record
 from vitlab.targets import (
     _logits, check_score, check_target, is_multi_label, require_class_head, resolve_target, target_score,
 )
 
 QK_PATTERNS = ("one_way", "two_way")
+
+#: Most bytes of recorded attention one forward of a map method (rollout, grad_rollout,
+#: chefer_relevance, cls_attention, raw_attention, attention_gradcam) may hold: a forward inside
+#: ``record`` keeps every block's ``B x heads x N x N`` attention (and, for the gradient methods,
+#: its gradient), about 0.5 GB per image for DINOv2-S at 518 px. A larger batch runs in chunks
+#: of samples, each through the whole method (:func:`chunk_size`): the same maps, since samples
+#: do not interact in eval mode, at a bounded peak memory. 1 GiB by default; set
+#: ``vitlab.attention.MEMORY_BUDGET`` (in bytes) to suit the machine.
+MEMORY_BUDGET = 1 << 30
 
 
 class AttentionGradients(NamedTuple):
@@ -151,6 +161,32 @@ def checked_layout(model, x, method: str, cls_row: bool = True) -> TokenLayout:
     return layout
 
 
+def chunk_size(model, x: torch.Tensor, layout: TokenLayout, gradients: bool = False) -> int:
+    """How many samples of ``x`` one forward may take within :data:`MEMORY_BUDGET` (at least 1).
+
+    One sample's recording holds :func:`vitlab.record.attention_size` entries of ``x``'s dtype
+    (sum over blocks of ``heads x N x N``), twice that with ``gradients`` (the attention and
+    its gradient).
+    """
+    per_sample = attention_size(model, layout.num_tokens) * x.element_size() * (2 if gradients else 1)
+    return max(1, int(MEMORY_BUDGET) // max(1, per_sample))
+
+
+def _in_chunks(method, model, x: torch.Tensor, layout: TokenLayout, gradients: bool = False, **kwargs):
+    """``method(model, chunk, **kwargs)`` over chunks of :func:`chunk_size` samples, concatenated
+    along the batch; ``None`` when the whole batch fits in one forward (the method goes on).
+    A gradient method's ``target`` is checked against the whole batch and split with it."""
+    size = chunk_size(model, x, layout, gradients)
+    if size >= x.shape[0]:
+        return None
+    chunks = x.split(size)
+    if gradients:
+        t = check_target(kwargs.pop("target"), x.shape[0])
+        targets = [None] * len(chunks) if t is None else t.split(size)
+        return torch.cat([method(model, c, target=tc, **kwargs) for c, tc in zip(chunks, targets)])
+    return torch.cat([method(model, c, **kwargs) for c in chunks])
+
+
 def _recorded_attentions(model, x: torch.Tensor) -> tuple[list[torch.Tensor], TokenLayout]:
     """Attention of every block (``B x heads x N x N`` each), one forward without gradients."""
     with torch.no_grad(), record(model, eval_mode=True) as rec:
@@ -228,7 +264,10 @@ def cls_attention(model, x: torch.Tensor) -> torch.Tensor:
     post-softmax attention for head h, patch columns only, on the patch grid. Prefix
     columns (CLS, distillation, registers) are left out, so a map need not sum to 1.
     """
-    checked_layout(model, x, "cls_attention")
+    layout = checked_layout(model, x, "cls_attention")
+    chunked = _in_chunks(cls_attention, model, x, layout)
+    if chunked is not None:  # a batch larger than MEMORY_BUDGET allows
+        return chunked
     attentions, layout = _recorded_attentions(model, x)
     cls_rows = torch.stack([A[:, :, 0, :] for A in attentions], dim=1)  # B x L x H x N
     return layout.patches_to_grid(cls_rows)  # B x L x H x gh x gw
@@ -239,7 +278,10 @@ def raw_attention(model, x: torch.Tensor) -> torch.Tensor:
 
     Returns ``B x gh x gw``: ``mean_h A_L[h, CLS, patches]``.
     """
-    checked_layout(model, x, "raw_attention")
+    layout = checked_layout(model, x, "raw_attention")
+    chunked = _in_chunks(raw_attention, model, x, layout)
+    if chunked is not None:  # a batch larger than MEMORY_BUDGET allows
+        return chunked
     attentions, layout = _recorded_attentions(model, x)
     A = attentions[-1]  # B x H x N x N
     return layout.patches_to_grid(A[:, :, 0, :].mean(dim=1))  # B x gh x gw
@@ -264,7 +306,10 @@ def attention_gradcam(model, x: torch.Tensor, target=None, score: str = "logit")
     ``= (mean_h w_h * A[h, CLS, patches])^+``. Returns ``B x gh x gw`` (not rescaled).
     ``score="log_probability"`` differentiates the target's log-probability instead.
     """
-    checked_layout(model, x, "attention_gradcam")
+    layout = checked_layout(model, x, "attention_gradcam")
+    chunked = _in_chunks(attention_gradcam, model, x, layout, gradients=True, target=target, score=score)
+    if chunked is not None:
+        return chunked
     # backward through the last block only
     ag = _attention_gradients(model, x, target, layers=[-1], score=score, method="attention_gradcam")
     layout = ag.layout

@@ -320,6 +320,10 @@ def _hf_configs(model: nn.Module) -> list:
     return configs
 
 
+def _hf_heads(attn: nn.Module) -> int:
+    return int(attn.num_attention_heads if hasattr(attn, "num_attention_heads") else attn.config.num_attention_heads)
+
+
 def _attach_hf(model: nn.Module, s: _Session, mlp: bool) -> None:
     layers = _hf_attention_modules(model)
     for config in _hf_configs(model):
@@ -327,7 +331,7 @@ def _attach_hf(model: nn.Module, s: _Session, mlp: bool) -> None:
         s.set_attr(config, "_attn_implementation_internal", "eager")
     stream = s.rec.streams.setdefault("self", [])
     for layer_name, layer, attn in layers:
-        H = attn.num_attention_heads if hasattr(attn, "num_attention_heads") else attn.config.num_attention_heads
+        H = _hf_heads(attn)
         current: dict[str, AttentionCapture] = {}
 
         def on_q(mod, inp, out, current=current, layer_name=layer_name, H=H):
@@ -372,6 +376,16 @@ def _adapter_for(model: nn.Module):
     raise TypeError(
         f"{type(model).__name__} has no attention blocks vitlab can record. Supported: {SUPPORTED}."
     )
+
+
+def attention_size(model: nn.Module, num_tokens: int) -> int:
+    """Entries of one sample's attention that a forward inside :func:`record` keeps: the sum
+    over blocks of ``heads x N x N``, for ``N = num_tokens``. Methods size their chunks by it."""
+    if _adapter_for(model) is _attach_timm:
+        heads = sum(int(attn.num_heads) for _, _, attn in _timm_attention_modules(model))
+    else:
+        heads = sum(_hf_heads(attn) for _, _, attn in _hf_attention_modules(model))
+    return heads * int(num_tokens) ** 2
 
 
 @contextlib.contextmanager

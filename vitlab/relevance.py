@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from vitlab.attention import _attention_gradients, checked_layout
+from vitlab.attention import _attention_gradients, _in_chunks, checked_layout
 
 
 def head_averaged_relevance(attn: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,10 @@ def chefer_relevance(model, x: torch.Tensor, target=None, score: str = "logit") 
         target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
         score: differentiate the target's ``"logit"`` (the paper) or its ``"log_probability"``.
     """
-    checked_layout(model, x, "chefer_relevance")
+    layout = checked_layout(model, x, "chefer_relevance")
+    chunked = _in_chunks(chefer_relevance, model, x, layout, gradients=True, target=target, score=score)
+    if chunked is not None:  # a batch larger than vitlab.attention.MEMORY_BUDGET allows
+        return chunked
     ag = _attention_gradients(model, x, target, layers=None, score=score, method="chefer_relevance")
     row = relevance_row(ag.attentions, ag.gradients, index=0)  # R[CLS, :], B x N
     return ag.layout.patches_to_grid(row)  # B x gh x gw

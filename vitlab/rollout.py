@@ -26,7 +26,7 @@ import numbers
 
 import torch
 
-from vitlab.attention import _attention_gradients, _recorded_attentions, checked_layout
+from vitlab.attention import _attention_gradients, _in_chunks, _recorded_attentions, checked_layout
 from vitlab.layout import TokenLayout
 
 HEAD_FUSIONS = ("mean", "min", "max")
@@ -187,7 +187,11 @@ def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: fl
     """
     check_head_fusion(head_fusion)
     check_discard_ratio(discard_ratio)
-    discard_count(checked_layout(model, x, "rollout").num_tokens, discard_ratio)
+    layout = checked_layout(model, x, "rollout")
+    discard_count(layout.num_tokens, discard_ratio)
+    chunked = _in_chunks(rollout, model, x, layout, head_fusion=head_fusion, discard_ratio=discard_ratio)
+    if chunked is not None:  # a batch larger than vitlab.attention.MEMORY_BUDGET allows
+        return chunked
     attentions, layout = _recorded_attentions(model, x)
     fused = [discard_lowest(fuse_heads(A, head_fusion), discard_ratio) for A in attentions]  # B x N x N each
     return _cls_readout(fused, layout)
@@ -215,7 +219,12 @@ def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0
             whose head does not read a CLS token.
     """
     check_discard_ratio(discard_ratio)
-    discard_count(checked_layout(model, x, "grad_rollout").num_tokens, discard_ratio)
+    layout = checked_layout(model, x, "grad_rollout")
+    discard_count(layout.num_tokens, discard_ratio)
+    chunked = _in_chunks(grad_rollout, model, x, layout, gradients=True, target=target,
+                         discard_ratio=discard_ratio, score=score)
+    if chunked is not None:
+        return chunked
     ag = _attention_gradients(model, x, target, layers=None, score=score, method="grad_rollout")
     fused = [
         discard_lowest(grad_fuse_heads(A, G), discard_ratio)  # B x N x N
