@@ -72,7 +72,8 @@ def chefer_relevance(model, x: torch.Tensor, target=None, score: str = "logit") 
     ``R = I``; per block ``R += mean_h (dy_t/dA ⊙ A)^+ · R``, with y_t the sample's target
     logit; the map is ``R[CLS, patches]`` on the patch grid, not rescaled (relevance
     units; the CLS->CLS entry is left out with the other prefix tokens). One forward and
-    one backward for the whole batch.
+    one backward for the whole batch (per chunk of a batch over
+    :data:`vitlab.attention.MEMORY_BUDGET`).
 
     Args:
         model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).

@@ -172,7 +172,8 @@ def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: fl
     Abnar & Zuidema (2020) with the head fusion and discard of Gildenblat (2020): per
     block, ``A = fuse(heads)``; discard each sample's lowest ``discard_ratio`` of entries
     (never CLS->CLS); ``a = (A + I) / 2``, row-normalised; ``R = a_L @ ... @ a_1``; map =
-    ``R[CLS, patches]`` on the grid, divided by its maximum. One forward, no gradients.
+    ``R[CLS, patches]`` on the grid, divided by its maximum. One forward, no gradients (one
+    per chunk of a batch over :data:`vitlab.attention.MEMORY_BUDGET`).
 
     Args:
         model: a timm or Hugging Face ViT (run in eval mode, its mode put back).
@@ -204,7 +205,8 @@ def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0
     target logit; discard the lowest ``discard_ratio`` (never CLS->CLS); ``(A + I) / 2``,
     row-normalised; multiply as in :func:`rollout`; map = CLS row over the patches,
     divided by its maximum (all zero where no positive path from CLS to a patch is left).
-    One forward and one backward for the whole batch.
+    One forward and one backward for the whole batch (per chunk of a batch over
+    :data:`vitlab.attention.MEMORY_BUDGET`).
 
     Args:
         model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
