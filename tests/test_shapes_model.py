@@ -15,6 +15,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from vitlab.shapes import CLASSES, make_scenes, scenes_to_tensor
 from vitlab.shapes import remove_objects
 from vitlab.shapes.evaluate import (
+    asked_object_pointing,
     cls_attention_last,
     evaluate,
     pair_separation,
@@ -324,6 +325,7 @@ def test_shipped_model_loads_fast_and_is_accurate():
     model = load_shapes_vit()
     assert time.process_time() - t < 2.0
     cfg = model.pretrained_cfg
+    assert cfg["multi_label"] is True  # one sigmoid per class
     one = make_scenes(100, 77, 1, size=cfg["input_size"][1])  # held out: not an eval or training seed
     two = make_scenes(100, 78, 2, size=cfg["input_size"][1])
     with torch.no_grad():
@@ -331,4 +333,18 @@ def test_shipped_model_loads_fast_and_is_accurate():
         p2 = model(scenes_to_tensor(two.images, cfg["input_size"], cfg["mean"], cfg["std"]))
     assert (p1.argmax(1).numpy() == one.labels[:, 0]).mean() >= 0.97  # the issue's bar (100% on the 1,000 evaluation scenes)
     both = np.sort(p2.topk(2, dim=1).indices.numpy(), 1) == np.sort(two.labels, 1)
-    assert both.all(1).mean() >= 0.9  # the issue's bar (99.6% on the 1,000 evaluation scenes)
+    assert both.all(1).mean() >= 0.95  # the issue's bar (99.2% on the 1,000 evaluation scenes)
+    # the two present classes are not tied (2.2 on the evaluation scenes; a softmax head gave 0.06)
+    assert pair_separation(p2, two.labels)["pair_logit_gap"] > 0.5
+
+
+def test_shipped_model_logit_maps_point_at_the_asked_object():
+    """Chefer relevance of the asked class's logit on held-out two-object scenes: the issue's bar is
+    85% (touch); 98.8% on the 1,000 evaluation scenes, with 0.3% on the other object."""
+    model = load_shapes_vit()
+    cfg = model.pretrained_cfg
+    two = make_scenes(60, 79, 2, size=cfg["input_size"][1])
+    x = scenes_to_tensor(two.images, cfg["input_size"], cfg["mean"], cfg["std"])
+    res = asked_object_pointing(model, x, two.labels, two.masks, batch=60, methods=("Chefer relevance",),
+                                scores=("logit",))["logit"]["Chefer relevance"]
+    assert res["touch"] >= 0.85 and res["other"] <= 0.1
