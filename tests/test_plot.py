@@ -69,3 +69,23 @@ def test_table_formats_rows():
     assert lines[0].split() == ["method", "pointing"]
     assert lines[2].split() == ["rollout", "0.812"] or lines[2].split() == ["rollout", "0.813"]
     assert lines[3].split() == ["chefer", "0.900"]
+
+
+def test_class_grid_draws_each_label_in_its_own_colour_as_patch_blocks():
+    labels = np.array([[[[0, 1], [2, 1]], [[1, 1], [0, 0]]]])  # 1 row x 2 panels x 2 x 2
+    fig = plot.class_grid(labels, ["a", "b", "c"], image=np.zeros((8, 8, 3)), titles=["x", "y"])
+    axes = fig.axes
+    assert [a.get_title() for a in axes] == ["x", "y"]
+    drawn = axes[0].get_images()[1]
+    np.testing.assert_array_equal(np.asarray(drawn.get_array()), labels[0, 0])
+    assert drawn.get_extent() == [0, 8, 8, 0]  # stretched over the image, one block per patch
+    cmap, norm = drawn.get_cmap(), drawn.norm
+    colours = {tuple(cmap(norm(v))) for v in (0, 1, 2)}
+    assert len(colours) == 3  # three labels, three colours
+    legend = fig.legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="lie in 0 .. 1"):
+        plot.class_grid(labels, ["a", "b"])
+    with pytest.raises(ValueError, match="integer array"):
+        plot.class_grid(labels[0].astype(float), ["a", "b", "c"])
+    plt.close("all")

@@ -144,6 +144,57 @@ def map_grid(maps: Sequence, titles: Sequence[str] | None = None, image=None, nc
     return fig
 
 
+def class_grid(labels, names: Sequence[str], image=None, titles: Sequence[str] | None = None,
+               row_labels: Sequence[str] | None = None, alpha: float = 0.6, size: float = 1.8,
+               suptitle: str | None = None):
+    """Per-patch class labels, one colour per class, optionally over an image, with a legend.
+
+    ``labels``: integer array ``R x C x gh x gw`` (e.g. each token's top class, scenes x
+    blocks), values in ``0 .. len(names) - 1``. ``image``: None, one image for all panels, or
+    one per row (a sequence of R images). Patches are drawn as blocks (nearest), since a label
+    belongs to a whole token. Returns the Figure.
+    """
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    lab = np.asarray(labels.detach().cpu() if isinstance(labels, torch.Tensor) else labels)
+    if lab.ndim != 4 or lab.dtype.kind not in "iu":
+        raise ValueError(f"labels must be an integer array R x C x gh x gw, got {lab.dtype} {lab.shape}")
+    k = len(names)
+    if lab.size and (lab.min() < 0 or lab.max() >= k):
+        raise ValueError(f"labels must lie in 0 .. {k - 1} ({k} names), got {lab.min()} .. {lab.max()}")
+    rows, cols = lab.shape[:2]
+    if titles is not None and len(titles) != rows * cols:
+        raise ValueError(f"got {len(titles)} titles for {rows * cols} panels")
+    images = list(image) if isinstance(image, (list, tuple)) else [image] * rows
+    if len(images) != rows:
+        raise ValueError(f"got {len(images)} images for {rows} rows")
+    base = plt.get_cmap("tab10" if k <= 10 else "tab20")
+    cmap = ListedColormap([base(i) for i in range(k)])
+    fig, axes = plt.subplots(rows, cols, figsize=(size * cols, size * rows + 0.5), squeeze=False)
+    for r in range(rows):
+        img = None if images[r] is None else _to_numpy_image(images[r])
+        for c in range(cols):
+            ax = axes[r, c]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            h, w = (img.shape[:2] if img is not None else lab.shape[2:])
+            if img is not None:
+                ax.imshow(img)
+            ax.imshow(lab[r, c], cmap=cmap, vmin=-0.5, vmax=k - 0.5, interpolation="nearest",
+                      alpha=alpha if img is not None else 1.0, extent=(0, w, h, 0))
+            if titles is not None:
+                ax.set_title(titles[r * cols + c], fontsize=8)
+        if row_labels is not None and r < len(row_labels):
+            axes[r, 0].set_ylabel(row_labels[r], fontsize=9)
+    fig.legend(handles=[Patch(color=cmap(i), label=n) for i, n in enumerate(names)], loc="lower center",
+               ncol=min(k, 8), fontsize=8, frameon=False)
+    if suptitle:
+        fig.suptitle(suptitle)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
 def image_grid(images: Sequence, titles: Sequence[str] | None = None, ncols: int | None = None,
                size: float = 2.2, suptitle: str | None = None):
     """A grid of plain images with titles. Returns the Figure."""
