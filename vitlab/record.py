@@ -73,6 +73,9 @@ class Recording:
     streams: dict[str, list[AttentionCapture]] = field(default_factory=dict)
     hidden_states: list[torch.Tensor] = field(default_factory=list)
     mlp_activations: list[torch.Tensor] = field(default_factory=list)
+    # with residual=True: the residual stream entering each block, and after its attention sublayer
+    block_inputs: list[torch.Tensor] = field(default_factory=list)
+    mid_states: list[torch.Tensor] = field(default_factory=list)
     default_stream: str = "self"
     # why attention gradients cannot arrive, when a forward already showed it (see attention_grads)
     _no_grad_reason: str | None = field(default=None, repr=False)
@@ -114,6 +117,18 @@ class Recording:
             )
         return grads
 
+    @property
+    def attention_outputs(self) -> list[torch.Tensor]:
+        """What each block's attention sublayer added to the residual stream (``residual=True``):
+        ``mid_states[l] - block_inputs[l]``, B x N x D (after any layer scale)."""
+        return [m - i for m, i in zip(self.mid_states, self.block_inputs)]
+
+    @property
+    def mlp_outputs(self) -> list[torch.Tensor]:
+        """What each block's MLP sublayer added to the residual stream (``residual=True``):
+        ``hidden_states[l] - mid_states[l]``, B x N x D."""
+        return [h - m for h, m in zip(self.hidden_states, self.mid_states)]
+
     def clear(self) -> None:
         """Forget what was recorded (the hooks stay): the next forward starts fresh lists.
 
@@ -121,6 +136,8 @@ class Recording:
         maximisation), instead of entering ``record`` every step."""
         self.hidden_states.clear()
         self.mlp_activations.clear()
+        self.block_inputs.clear()
+        self.mid_states.clear()
         self._no_grad_reason = None
         for stream in self.streams.values():
             stream.clear()
@@ -148,10 +165,13 @@ class _Session:
     recording, runs past them, so concurrent recordings of one model stay apart.
     """
 
-    def __init__(self, rec: Recording, gradients: bool, detach: bool):
+    def __init__(self, rec: Recording, gradients: bool, detach: bool, residual: bool = False,
+                 attention_edit: Callable | None = None):
         self.rec = rec
         self.gradients = gradients
         self.detach = detach
+        self.residual = residual
+        self.attention_edit = attention_edit
         self.thread = threading.get_ident()
         self._undo: list[Callable[[], None]] = []
 
@@ -167,6 +187,8 @@ class _Session:
 
         if pre:
             handle = module.register_forward_pre_hook(own_thread_only, with_kwargs=with_kwargs)
+        elif with_kwargs:
+            handle = module.register_forward_hook(own_thread_only, with_kwargs=True)
         else:
             handle = module.register_forward_hook(own_thread_only)
         self._undo.append(handle.remove)
@@ -216,6 +238,58 @@ class _Session:
             self._undo.pop()()
 
 
+# Blocks whose second norm does not read the residual stream after the attention sublayer
+# (post-norm, parallel attention + MLP): their residual states are not recorded.
+_NOT_PRE_NORM = ("ResPostBlock", "ParallelScalingBlock", "ParallelThingsBlock")
+
+
+def _attach_residual(s: _Session, block: nn.Module, block_name: str) -> None:
+    """Hooks for ``residual=True``: the block's input and the input of its second norm (the
+    residual stream after the attention sublayer, in a pre-norm block)."""
+    norm2 = next((getattr(block, n) for n in ("norm2", "layernorm_after") if isinstance(getattr(block, n, None), nn.Module)), None)
+    if norm2 is None or type(block).__name__ in _NOT_PRE_NORM:
+        raise TypeError(
+            f"block {block_name} ({type(block).__name__}) is not a pre-norm block with a second norm "
+            "(norm2 / layernorm_after) reading the residual stream, so its residual states cannot be recorded"
+        )
+
+    def first_arg(args, kwargs):
+        return args[0] if args else next(iter(kwargs.values()))
+
+    s.hook(block, lambda mod, args, kwargs: s.rec.block_inputs.append(s.keep(first_arg(args, kwargs))),
+           pre=True, with_kwargs=True)
+    s.hook(norm2, lambda mod, args, kwargs: s.rec.mid_states.append(s.keep(first_arg(args, kwargs))),
+           pre=True, with_kwargs=True)
+
+
+def _edit_bias(s: _Session, layer: int, hidden: torch.Tensor, existing: torch.Tensor | None) -> torch.Tensor | None:
+    """The additive attention bias for block ``layer`` under ``s.attention_edit`` (None: no edit).
+
+    The edit returns a boolean mask of allowed query -> key pairs, ``N x N`` or anything that
+    broadcasts to ``B x heads x N x N`` (True = allowed), or None for no edit in this block;
+    disallowed pairs get -inf added to their logits before the softmax, on top of any mask
+    the caller passed (``existing``)."""
+    B, N = hidden.shape[0], hidden.shape[1]
+    allowed = s.attention_edit(layer, N)
+    if allowed is None:
+        return existing
+    allowed = torch.as_tensor(allowed, device=hidden.device)
+    if allowed.dtype != torch.bool:
+        raise TypeError(f"attention_edit must return a boolean mask (True = allowed), got dtype {allowed.dtype}")
+    if allowed.shape[-2:] != (N, N):
+        raise ValueError(f"attention_edit returned a mask of shape {tuple(allowed.shape)}; its last two dims must be {N} x {N}")
+    if not bool(allowed.any(dim=-1).all()):
+        raise ValueError(f"attention_edit: block {layer} has a query allowed to attend to no key (its softmax is undefined)")
+    while allowed.ndim < 4:
+        allowed = allowed.unsqueeze(0)
+    bias = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(~allowed, float("-inf"))
+    if existing is not None:
+        if existing.dtype == torch.bool:
+            existing = torch.zeros_like(existing, dtype=hidden.dtype).masked_fill(~existing, float("-inf"))
+        bias = bias + existing
+    return bias
+
+
 def _split_heads(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     B, N, D = t.shape
     return t.reshape(B, N, num_heads, D // num_heads).transpose(1, 2)
@@ -251,8 +325,16 @@ def _mlp_activation_module(block: nn.Module) -> nn.Module | None:
 def _attach_timm(model: nn.Module, s: _Session, mlp: bool) -> None:
     blocks = _timm_attention_modules(model)
     stream = s.rec.streams.setdefault("self", [])
-    for block_name, block, attn in blocks:
+    for index, (block_name, block, attn) in enumerate(blocks):
         s.set_attr(attn, "fused_attn", False)
+        if s.residual:
+            _attach_residual(s, block, block_name)
+        if s.attention_edit is not None:
+            def edit(mod, args, kwargs, index=index):
+                kwargs = dict(kwargs)
+                kwargs["attn_mask"] = _edit_bias(s, index, args[0] if args else kwargs["x"], kwargs.get("attn_mask"))
+                return args, kwargs
+            s.hook(attn, edit, pre=True, with_kwargs=True)
         current: dict[str, AttentionCapture] = {}
         H = attn.num_heads
 
@@ -330,8 +412,20 @@ def _attach_hf(model: nn.Module, s: _Session, mlp: bool) -> None:
         # set the internal attribute directly: no recursion, exact restore
         s.set_attr(config, "_attn_implementation_internal", "eager")
     stream = s.rec.streams.setdefault("self", [])
-    for layer_name, layer, attn in layers:
+    for index, (layer_name, layer, attn) in enumerate(layers):
         H = _hf_heads(attn)
+        if s.residual:
+            _attach_residual(s, layer, layer_name)
+        if s.attention_edit is not None:
+            def edit(mod, args, kwargs, index=index):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                if len(args) > 1:
+                    args = (args[0], _edit_bias(s, index, hidden, args[1]), *args[2:])
+                else:
+                    kwargs = dict(kwargs)
+                    kwargs["attention_mask"] = _edit_bias(s, index, hidden, kwargs.get("attention_mask"))
+                return args, kwargs
+            s.hook(attn, edit, pre=True, with_kwargs=True)
         current: dict[str, AttentionCapture] = {}
 
         def on_q(mod, inp, out, current=current, layer_name=layer_name, H=H):
@@ -391,7 +485,7 @@ def attention_size(model: nn.Module, num_tokens: int) -> int:
 @contextlib.contextmanager
 def record(
     model: nn.Module, gradients: bool = False, mlp: bool = False, detach: bool | None = None,
-    eval_mode: bool = False,
+    eval_mode: bool = False, residual: bool = False, attention_edit: Callable | None = None,
 ) -> Iterator[Recording]:
     """Record every attention block of ``model`` during the forward passes in the block.
 
@@ -404,6 +498,18 @@ def record(
         detach: store detached tensors (default: detached unless ``gradients``).
         eval_mode: run every module in eval mode inside the block (dropout off, BatchNorm
             statistics frozen) and put each module's mode back on exit; vitlab's methods do.
+        residual: also record the residual stream of every (pre-norm) block:
+            ``rec.block_inputs[l]`` (entering block l) and ``rec.mid_states[l]`` (after its
+            attention sublayer, what the second norm reads), B x N x D; with
+            ``rec.hidden_states[l]`` (leaving it) they give ``rec.attention_outputs`` and
+            ``rec.mlp_outputs``, what each sublayer adds to the stream.
+        attention_edit: edit the attention of the forwards in the block (knock out token
+            pairs, heads, ...): ``attention_edit(layer, num_tokens)`` is called in every block
+            and returns a boolean mask of allowed query -> key pairs (``N x N``, or anything
+            broadcasting to ``B x heads x N x N``; True = allowed) or None (no edit there).
+            Disallowed pairs get -inf added to their attention logits before the softmax, so
+            each query's attention is renormalised over the keys it may see. The edit lasts
+            only while the recording is open; the model itself is not changed.
 
     Recordings of one model may overlap (nested, or closed in any order): each removes its
     own hooks, and a flag gets its original value back when the last of them closes.
@@ -419,7 +525,8 @@ def record(
     """
     attach = _adapter_for(model)
     rec = Recording(layout=None)
-    session = _Session(rec, gradients=gradients, detach=(not gradients) if detach is None else detach)
+    session = _Session(rec, gradients=gradients, detach=(not gradients) if detach is None else detach,
+                       residual=residual, attention_edit=attention_edit)
 
     def on_input(mod, args, kwargs):
         if gradients and not torch.is_grad_enabled():

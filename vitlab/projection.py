@@ -1,0 +1,313 @@
+"""Reading a ViT in its class-embedding space (Vilas, Schaumlöffel & Roig, NeurIPS 2023,
+"Analyzing Vision Transformers for Image Classification in Class Embedding Space").
+
+Any hidden state ``h`` of a ViT classifier, of any token, can be read as class logits by
+sending it through the model's own final norm and head: ``proj(h) = head(norm(h))``
+(timm: ``model.norm``, then ``model.fc_norm`` where it is not the identity, then
+``model.head``; Hugging Face ViT / DeiT: ``layernorm`` then ``classifier``). For the CLS
+token after the last block this is exactly what the model outputs; earlier blocks and other
+tokens show what each token "already thinks it is".
+
+- :func:`project` -- one forward; the projection of the residual stream after every block
+  and of what each attention and MLP sublayer adds to it (a :class:`Projection`).
+- :func:`identifiability`, :func:`identifiable_share`, :func:`class_identifiability` --
+  r = 1 - rank(c) / C (rank 0 = top), per token and block; the share of tokens whose top-1 is c.
+- :func:`sublayer_contributions` -- how much each attention and MLP sublayer raises or
+  lowers the target's projected logit, per token.
+- :func:`value_projection`, :func:`unit_top_classes`, :func:`memory_agreement` -- the MLP as
+  key-value memories (paper Sec. 5): each hidden unit's value vector in class space.
+- :func:`projection_map` -- the paper's explanation map, ``B x gh x gw``.
+- :func:`context_intervention` -- the paper's RQ5: image tokens attend only to themselves, or
+  not to CLS, from a chosen block on (an attention edit through :func:`vitlab.record`).
+
+Models: timm and Hugging Face ViT / DeiT classifiers whose head reads the CLS token. Refused
+with a ``ValueError`` that says why: models without a class head (timm ``num_classes=0``,
+Hugging Face base models), heads that pool the patch tokens (timm ``global_pool="avg"``,
+``"map"``, ...; Hugging Face Dinov2, whose classifier reads CLS and the patch mean) -- there
+no single token's projection is the output -- and distilled DeiTs, whose output averages two
+heads on two tokens, so no one token's projection reproduces it.
+
+Nothing here hooks or edits a model: :func:`vitlab.record` does, and leaves it as it was.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable, NamedTuple
+
+import torch
+from torch import nn
+
+from vitlab.attention import check_images
+from vitlab.layout import TokenLayout, is_hf_model, is_timm_vit, token_layout
+from vitlab.record import record
+from vitlab.targets import _logits, check_target, require_class_head, resolve_target
+
+INTERVENTIONS = ("self_only", "no_cls")
+
+
+# --------------------------------------------------------------------------------------
+# The model's own norm + head
+# --------------------------------------------------------------------------------------
+def _head_parts(model: nn.Module, layout: TokenLayout, method: str) -> tuple[list[nn.Module], nn.Linear]:
+    """(norms applied in order, the linear head) that turn a CLS state into the model's logits.
+    Raises ``ValueError`` for models whose output is not one token's projection."""
+    require_class_head(model, method)
+    if layout.has_distillation:
+        raise ValueError(
+            f"{method}: this model is a distilled DeiT, whose output averages two heads on two tokens "
+            "(head on CLS, head_dist on the distillation token), so no single token's projection "
+            "reproduces it; use a model with one class head (e.g. deit_tiny_patch16_224, not the distilled one)"
+        )
+    if not layout.has_class_token:
+        raise ValueError(f"{method}: this model has no class token, so no token's projection is its output")
+    if is_timm_vit(model):
+        if layout.pool != "token":
+            raise ValueError(
+                f"{method}: this model's head does not read the class token: it pools the patch tokens "
+                f"(global_pool={layout.pool!r}), so projecting one token through norm + head would read "
+                "features as classes the model never scores that way; use a model with global_pool='token'"
+            )
+        norms = [m for m in (getattr(model, "norm", None), getattr(model, "fc_norm", None))
+                 if isinstance(m, nn.Module) and not isinstance(m, nn.Identity)]
+        head = getattr(model, "head", None)
+    elif is_hf_model(model):
+        head = getattr(model, "classifier", None)
+        base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        norm = getattr(base, "layernorm", None)
+        if not isinstance(head, nn.Linear):
+            raise ValueError(
+                f"{method}: {type(model).__name__} has no class head (a base model, or num_labels=0): its "
+                "hidden states have no class space to be projected into; use a ...ForImageClassification model"
+            )
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        if hidden is not None and head.in_features != hidden:
+            raise ValueError(
+                f"{method}: {type(model).__name__}'s classifier reads {head.in_features} features, not one "
+                f"token's {hidden} (Dinov2 reads CLS and the mean of the patches), so no single token's "
+                "projection is its output"
+            )
+        if not isinstance(norm, nn.Module):
+            raise ValueError(f"{method}: {type(model).__name__} has no final layernorm vitlab can find")
+        norms = [norm]
+    else:
+        raise TypeError(f"{method}: {type(model).__name__} is not a timm or Hugging Face ViT classifier")
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{method}: {type(model).__name__}'s head is {type(head).__name__}, not a linear class head")
+    return norms, head
+
+
+class ClassHead(nn.Module):
+    """A frozen copy of a model's final norm(s) and head: ``forward(h) = head(norm(h))`` on any
+    ``... x D`` states (every token). A copy, so a :class:`Projection` computed later still
+    uses the weights the forward ran with."""
+
+    def __init__(self, norms: list[nn.Module], head: nn.Linear):
+        super().__init__()
+        self.norms = nn.ModuleList(copy.deepcopy(norms))
+        self.head = copy.deepcopy(head)
+        self.requires_grad_(False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for norm in self.norms:
+            h = norm(h)
+        return self.head(h)
+
+
+# --------------------------------------------------------------------------------------
+# project
+# --------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Projection:
+    """What :func:`project` returns. States ``B x L x N x D`` (L blocks, N tokens); the class
+    logits ``B x L x N x C`` are computed from them on first access (then kept), so reading
+    only ``residual`` costs one projection, not four.
+
+    Attributes:
+        residual: ``B x L x N x C`` projection of the residual stream after block l.
+        attention: ``B x L x N x C`` projection of what block l's attention sublayer adds to
+            the residual stream (after any layer scale), ``proj(a_l)``.
+        mlp: ``B x L x N x C`` projection of what block l's MLP sublayer adds, ``proj(m_l)``.
+        mid: ``B x L x N x C`` projection of the residual stream between the two sublayers,
+            ``proj(h_{l-1} + a_l)``.
+        embedding: ``B x N x C`` projection of the tokens entering block 0, ``proj(h_0)``.
+        logits: ``B x C`` the model's output (``residual[:, -1, 0]`` equals it).
+        layout: the :class:`~vitlab.layout.TokenLayout`.
+        block_inputs, mid_states, block_outputs: the states ``B x L x N x D``.
+        head: the :class:`ClassHead` that projects a state.
+    """
+
+    block_inputs: torch.Tensor
+    mid_states: torch.Tensor
+    block_outputs: torch.Tensor
+    logits: torch.Tensor
+    layout: TokenLayout
+    head: ClassHead = field(repr=False)
+
+    @torch.no_grad()
+    def _apply(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h)
+
+    @cached_property
+    def residual(self) -> torch.Tensor:
+        return self._apply(self.block_outputs)
+
+    @cached_property
+    def mid(self) -> torch.Tensor:
+        return self._apply(self.mid_states)
+
+    @cached_property
+    def attention(self) -> torch.Tensor:
+        return self._apply(self.mid_states - self.block_inputs)
+
+    @cached_property
+    def mlp(self) -> torch.Tensor:
+        return self._apply(self.block_outputs - self.mid_states)
+
+    @cached_property
+    def embedding(self) -> torch.Tensor:
+        return self._apply(self.block_inputs[:, 0])
+
+
+def _check_head_agrees(cls_logits: torch.Tensor, logits: torch.Tensor, model, method: str) -> None:
+    """Guard: the last CLS state through the found norm + head must give the model's logits."""
+    tol = 1e-3 if logits.dtype == torch.float32 or logits.dtype == torch.float64 else 5e-2
+    scale = 1 + float(logits.detach().abs().max())
+    if not torch.allclose(cls_logits.float(), logits.detach().float(), rtol=tol, atol=tol * scale):
+        raise RuntimeError(
+            f"{method}: projecting the last CLS state through {type(model).__name__}'s final norm and head "
+            "does not reproduce its logits, so this model's head is not the one vitlab found; it cannot be "
+            "projected"
+        )
+
+
+def _project(model, x: torch.Tensor, method: str, attention_edit: Callable | None = None) -> Projection:
+    check_images(x, method)
+    layout = token_layout(model, x)
+    norms, head = _head_parts(model, layout, method)
+    with torch.no_grad(), record(model, eval_mode=True, residual=True, attention_edit=attention_edit) as rec:
+        logits = _logits(model(x))
+    proj = Projection(
+        block_inputs=torch.stack(rec.block_inputs, dim=1),
+        mid_states=torch.stack(rec.mid_states, dim=1),
+        block_outputs=torch.stack(rec.hidden_states, dim=1),
+        logits=logits,
+        layout=rec.layout,
+        head=ClassHead(norms, head),
+    )
+    _check_head_agrees(proj._apply(proj.block_outputs[:, -1, 0]), logits, model, method)
+    return proj
+
+
+def project(model, x: torch.Tensor) -> Projection:
+    """Every token's state, block by block, read as class logits (Vilas et al. 2023, Sec. 3).
+
+    One forward pass in eval mode (the model's mode comes back); the residual stream entering
+    each block, after its attention sublayer and after the block are recorded by
+    :func:`vitlab.record` (``residual=True``) and projected with the model's own final
+    norm and head (:class:`ClassHead`) on first access of each field of the returned
+    :class:`Projection`. ``residual[:, -1, 0]`` (the last CLS state) equals the logits.
+
+    Raises:
+        ValueError: a bad input, or a model whose output is not one token's projection: no
+            class head (timm ``num_classes=0``, Hugging Face base models), a head pooling the
+            patch tokens (timm ``global_pool`` "avg"/"map"/..., Hugging Face Dinov2), a
+            distilled DeiT (two heads on two tokens).
+    """
+    return _project(model, x, "project")
+
+
+# --------------------------------------------------------------------------------------
+# Identifiability
+# --------------------------------------------------------------------------------------
+def _broadcast_target(scores: torch.Tensor, target) -> torch.Tensor:
+    """``target`` (int, ``(B,)`` along dim 0, or ``scores.shape[:-1]``) as a long tensor of
+    ``scores.shape[:-1]``."""
+    t = torch.as_tensor(target, device=scores.device)
+    if t.dtype == torch.bool or t.is_floating_point():
+        raise ValueError(f"target must hold integer class indices, got dtype {t.dtype}")
+    t = t.long()
+    if t.ndim == 1 and scores.ndim > 2:
+        t = t.reshape(-1, *([1] * (scores.ndim - 2)))
+    C = scores.shape[-1]
+    if bool(((t < 0) | (t >= C)).any()):
+        raise ValueError(f"target must be a class in 0 .. {C - 1}, got {t.min().item()} .. {t.max().item()}")
+    return t.expand(scores.shape[:-1])
+
+
+def class_rank(scores: torch.Tensor, target) -> torch.Tensor:
+    """Rank of the target class among the last dim of ``scores`` (0 = top): how many classes
+    score strictly higher (ties count in the target's favour). Shape ``scores.shape[:-1]``."""
+    t = _broadcast_target(scores, target)
+    own = scores.gather(-1, t.unsqueeze(-1))
+    return (scores > own).sum(dim=-1)
+
+
+def identifiability(scores: torch.Tensor, target) -> torch.Tensor:
+    """Class identifiability ``r = 1 - rank(target) / C`` over the last dim (Vilas et al. 2023).
+
+    ``scores``: ``... x C`` class scores (e.g. ``Projection.residual``). ``target``: an int,
+    a ``(B,)`` tensor (one class per entry of dim 0, broadcast over the rest) or one class
+    per entry of ``scores.shape[:-1]``. Returns ``scores.shape[:-1]`` in ``(0, 1]``; 1 when the
+    target is top-1, chance level about 0.5.
+    """
+    return 1 - class_rank(scores, target).to(scores.dtype) / scores.shape[-1]
+
+
+def identifiable_share(scores: torch.Tensor, target, tokens=None) -> torch.Tensor:
+    """Share of tokens for which ``target`` is the top-1 class: ``scores`` ``... x N x C`` ->
+    ``...`` (e.g. ``B x L`` from ``B x L x N x C``). ``tokens``: which of the N tokens count
+    (indices or a boolean mask over N; e.g. ``slice(layout.num_prefix, None)`` for the image
+    tokens); all when None."""
+    top1 = (class_rank(scores, target) == 0).to(scores.dtype)  # ... x N
+    if tokens is not None:
+        top1 = top1[..., tokens]
+    return top1.mean(dim=-1)
+
+
+def _target_for(target, logits: torch.Tensor) -> torch.Tensor:
+    return resolve_target(check_target(target, logits.shape[0]), logits)
+
+
+def class_identifiability(model, x: torch.Tensor, target=None) -> torch.Tensor:
+    """``B x L x N``: identifiability of each sample's target in every token's residual-stream
+    projection after every block. ``target``: int, one per sample, or None (predicted)."""
+    check_target(target, x.shape[0] if isinstance(x, torch.Tensor) and x.ndim == 4 else 0)
+    proj = project(model, x)
+    return identifiability(proj.residual, _target_for(target, proj.logits))
+
+
+# --------------------------------------------------------------------------------------
+# Sublayer contributions
+# --------------------------------------------------------------------------------------
+class Contributions(NamedTuple):
+    """Per-token change of the target's projected logit, from :func:`sublayer_contributions`.
+
+    Attributes:
+        attention: ``B x L x N``: ``proj(h_{l-1} + a_l)[t] - proj(h_{l-1})[t]``.
+        mlp: ``B x L x N``: ``proj(h_{l-1} + a_l + m_l)[t] - proj(h_{l-1} + a_l)[t]``.
+        target: ``(B,)`` the class per sample.
+    """
+
+    attention: torch.Tensor
+    mlp: torch.Tensor
+    target: torch.Tensor
+
+
+def _gather(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``B x ... x C`` -> ``B x ...``: class ``t[b]`` of sample b."""
+    return logits.gather(-1, _broadcast_target(logits, t).unsqueeze(-1)).squeeze(-1)
+
+
+def sublayer_contributions(model, x: torch.Tensor, target=None) -> Contributions:
+    """How much each block's attention and MLP sublayer raise or lower the target's projected
+    logit, per token (``h_0`` = the tokens entering block 0). Because the norm sits inside
+    ``proj``, these are differences of projections, not projections of the sublayer outputs;
+    they telescope: summed over blocks, both give ``proj(h_L)[t] - proj(h_0)[t]``."""
+    check_target(target, x.shape[0] if isinstance(x, torch.Tensor) and x.ndim == 4 else 0)
+    proj = project(model, x)
+    t = _target_for(target, proj.logits)
+    before = torch.cat([proj.embedding[:, None], proj.residual[:, :-1]], dim=1)  # proj(h_{l-1})
+    mid, after = _gather(proj.mid, t), _gather(proj.residual, t)
+    return Contributions(attention=mid - _gather(before, t), mlp=after - mid, target=t)
