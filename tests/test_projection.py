@@ -176,3 +176,131 @@ def test_sublayer_contributions_hf_telescopes(x):
     idx = t[:, None].expand(-1, 17)[..., None]
     total = proj.residual[:, -1].gather(-1, idx)[..., 0] - proj.embedding.gather(-1, idx)[..., 0]
     torch.testing.assert_close((c.attention + c.mlp).sum(1), total, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------- step 4: key-value memories
+def test_value_projection_by_hand(vit):
+    fc2, E, gamma = vit.blocks[1].mlp.fc2.weight, vit.head.weight, vit.norm.weight
+    v = fc2.T  # hidden x D
+    ref = ((v - v.mean(-1, keepdim=True)) * gamma) @ E.T
+    torch.testing.assert_close(P.value_projection(vit, 1), ref, atol=1e-5, rtol=1e-5)
+    cos = torch.stack([F.cosine_similarity(v, e[None], dim=-1) for e in E], dim=-1)
+    torch.testing.assert_close(P.value_projection(vit, -2, mode="cosine"), cos, atol=1e-5, rtol=1e-5)
+    top = P.unit_top_classes(vit, 1, k=2)
+    assert top.shape == (v.shape[0], 2)
+    assert torch.equal(top[:, 0], ref.argmax(-1))
+    with pytest.raises(ValueError, match="block"):
+        P.value_projection(vit, 3)
+
+
+def test_memory_agreement_by_hand(vit, x):
+    before = model_state(vit)
+    res = P.memory_agreement(vit, x, block=2, target=[0, 1, 4], k=4)
+    assert res.agreement.shape == (3, 17) and res.units.shape == (3, 17, 4)
+    with torch.no_grad():
+        _, states = hand_states(vit, x)
+        mlp = vit.blocks[2].mlp
+        acts = mlp.act(mlp.fc1(vit.blocks[2].norm2(states[2][1])))  # B x N x hidden
+    units = acts.topk(4, dim=-1).indices
+    assert torch.equal(res.units, units)
+    top = P.value_projection(vit, 2).argmax(-1)
+    ref = (top[units] == torch.tensor([0, 1, 4])[:, None, None]).float().mean(-1)
+    torch.testing.assert_close(res.agreement, ref)
+    assert model_state(vit) == before
+
+
+# ------------------------------------------------------------------ step 5: projection map
+def test_projection_map_by_hand(vit, x):
+    t = torch.tensor([1, 3, 0])
+    m = P.projection_map(vit, x, target=t)
+    assert m.shape == (3, 4, 4)
+    # hand-written forward whose attention matrices are kept with their gradients
+    kept = []
+    h = vit.norm_pre(vit._pos_embed(vit.patch_embed(x)))
+    loss = 0
+    for b in vit.blocks:
+        a_in, attn = b.norm1(h), b.attn
+        B, N, D = a_in.shape
+        q, k, v = attn.qkv(a_in).reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+        A = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(-1)
+        A.retain_grad()
+        kept.append(A)
+        h = h + attn.proj((A @ v).transpose(1, 2).reshape(B, N, D))
+        h = h + b.mlp(b.norm2(h))
+        loss = loss + F.cross_entropy(hand_head(vit, h[:, 0]), t, reduction="sum")
+    loss.backward()
+    vit.zero_grad(set_to_none=True)
+    ref = -sum(A.grad[:, :, 0, 1:].sum(1) for A in kept).reshape(3, 4, 4)
+    torch.testing.assert_close(m, ref, atol=1e-5, rtol=1e-4)
+    # batch = items
+    for b in range(3):
+        torch.testing.assert_close(P.projection_map(vit, x[b:b + 1], target=int(t[b]))[0], m[b],
+                                   atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------ step 6: context interventions
+@pytest.mark.parametrize("mode", ["self_only", "no_cls"])
+@pytest.mark.parametrize("from_block", [0, 1])
+def test_context_intervention_matches_masked_copy(vit, x, mode, from_block):
+    before = model_state(vit)
+    params = [p.detach().clone() for p in vit.parameters()]
+    proj = P.context_intervention(vit, x, mode, from_block=from_block)
+    N = 17
+    allowed = torch.ones(N, N, dtype=torch.bool)
+    if mode == "self_only":
+        allowed[1:] = torch.eye(N, dtype=torch.bool)[1:]
+    else:
+        allowed[1:, 0] = False
+    masked = copy.deepcopy(vit)
+    with torch.no_grad():
+        _, states = hand_states(masked, x, allowed=[None if l < from_block else allowed for l in range(3)])
+        for l, (_, mid, out) in enumerate(states):
+            torch.testing.assert_close(proj.residual[:, l], hand_head(masked, out), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(proj.mid[:, l], hand_head(masked, mid), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(proj.logits, proj.residual[:, -1, 0])
+    assert model_state(vit) == before
+    assert all(torch.equal(p, q) for p, q in zip(vit.parameters(), params))
+    # the unedited model still gives its own logits
+    torch.testing.assert_close(P.project(vit, x).logits, vit(x), atol=1e-6, rtol=1e-6)
+
+
+def test_context_intervention_hf_matches_model_mask(x):
+    model = tiny_hf()
+    before = model_state(model)
+    proj = P.context_intervention(model, x, "self_only")
+    assert model_state(model) == before
+    mask = P.intervention_mask("self_only", proj.layout)
+    bias = torch.zeros(1, 1, 17, 17).masked_fill(~mask, float("-inf"))
+    eager = copy.deepcopy(model)
+    eager.config._attn_implementation = "eager"
+    with torch.no_grad():
+        ref = eager(x, attention_mask=bias).logits
+    torch.testing.assert_close(proj.logits, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(proj.logits, model(x).logits, atol=1e-3)
+
+
+def test_attention_edit_model_unchanged_when_forward_raises(vit, x):
+    import vitlab
+
+    before = model_state(vit)
+    expected = vit(x)
+
+    def broken(layer, n):
+        if layer == 1:
+            raise ZeroDivisionError("edit failed")
+        return torch.ones(n, n, dtype=torch.bool)
+
+    with pytest.raises(ZeroDivisionError):
+        with vitlab.record(vit, attention_edit=broken, residual=True):
+            vit(x)
+    assert model_state(vit) == before
+    torch.testing.assert_close(vit(x), expected)
+    # a mask that allows everything changes nothing; a query with no key is refused
+    with torch.no_grad(), vitlab.record(vit, attention_edit=lambda l, n: torch.ones(n, n, dtype=torch.bool)):
+        torch.testing.assert_close(vit(x), expected, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="no key"):
+        with vitlab.record(vit, attention_edit=lambda l, n: torch.zeros(n, n, dtype=torch.bool)):
+            vit(x)
+    assert model_state(vit) == before
+    with pytest.raises(ValueError, match="mode"):
+        P.context_intervention(vit, x, "nothing")

@@ -41,7 +41,7 @@ from torch import nn
 
 from vitlab.attention import check_images
 from vitlab.layout import TokenLayout, is_hf_model, is_timm_vit, token_layout
-from vitlab.record import record
+from vitlab.record import blocks as record_blocks, record
 from vitlab.targets import _logits, check_target, require_class_head, resolve_target
 
 INTERVENTIONS = ("self_only", "no_cls")
@@ -311,3 +311,181 @@ def sublayer_contributions(model, x: torch.Tensor, target=None) -> Contributions
     before = torch.cat([proj.embedding[:, None], proj.residual[:, :-1]], dim=1)  # proj(h_{l-1})
     mid, after = _gather(proj.mid, t), _gather(proj.residual, t)
     return Contributions(attention=mid - _gather(before, t), mlp=after - mid, target=t)
+
+
+# --------------------------------------------------------------------------------------
+# Key-value memories (paper Sec. 5)
+# --------------------------------------------------------------------------------------
+VALUE_MODES = ("norm", "cosine")
+
+
+def _block(model, block: int) -> nn.Module:
+    all_blocks = record_blocks(model)
+    if isinstance(block, bool) or not isinstance(block, int) or not -len(all_blocks) <= block < len(all_blocks):
+        raise ValueError(f"block must be an int in [0, {len(all_blocks)}) (or negative from the end), got {block!r}")
+    return all_blocks[block]
+
+
+def value_projection(model, block: int, mode: str = "norm") -> torch.Tensor:
+    """Each MLP hidden unit's value vector of ``block`` in class space: ``hidden x C``.
+
+    Unit i writes ``act_i * v_i`` into the residual stream, ``v_i`` = column i of ``fc2``'s
+    weight (times the block's layer scale, where it has one). Its class scores:
+
+    - ``mode="norm"`` (default): ``W_head (gamma * (v_i - mean(v_i)))`` -- through the linear
+      part of the model's final LayerNorm(s) (centering and gain, not the division by the
+      token's std, which only scales by a positive per-token factor, nor the biases) and the
+      head's weight (no bias): the direction in which the unit moves every class logit.
+    - ``mode="cosine"``: the paper's code: cosine similarity of ``v_i`` with each class
+      embedding (row of the head's weight), no norm.
+    """
+    if mode not in VALUE_MODES:
+        raise ValueError(f"mode must be one of {VALUE_MODES}, got {mode!r}")
+    norms, head = _head_parts(model, token_layout(model), "value_projection")
+    b = _block(model, block)
+    fc2 = getattr(getattr(b, "mlp", None), "fc2", None)
+    if not isinstance(fc2, nn.Linear):
+        raise TypeError(f"value_projection: block {block} has no mlp.fc2 linear layer")
+    with torch.no_grad():
+        values = fc2.weight.T.clone()  # hidden x D
+        scale = getattr(getattr(b, "ls2", None), "gamma", None)
+        if isinstance(scale, torch.Tensor):
+            values = values * scale
+        E = head.weight  # C x D
+        if mode == "cosine":
+            return nn.functional.normalize(values, dim=-1) @ nn.functional.normalize(E, dim=-1).T
+        for norm in norms:
+            if not isinstance(norm, nn.LayerNorm):
+                raise TypeError(f"value_projection: mode='norm' reads LayerNorms, got {type(norm).__name__}")
+            values = values - values.mean(dim=-1, keepdim=True)
+            if norm.weight is not None:
+                values = values * norm.weight
+        return values @ E.T  # hidden x C
+
+
+def unit_top_classes(model, block: int, k: int = 5, mode: str = "norm") -> torch.Tensor:
+    """``hidden x k``: the k classes each MLP unit's value promotes most (best first), from
+    :func:`value_projection`."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    scores = value_projection(model, block, mode)
+    return scores.topk(min(k, scores.shape[-1]), dim=-1).indices
+
+
+class MemoryAgreement(NamedTuple):
+    """From :func:`memory_agreement`.
+
+    Attributes:
+        agreement: ``B x N`` share of the token's k most active units whose value's top class
+            is the sample's target.
+        units: ``B x N x k`` those units (most active first).
+        target: ``(B,)`` the class per sample.
+    """
+
+    agreement: torch.Tensor
+    units: torch.Tensor
+    target: torch.Tensor
+
+
+def memory_agreement(model, x: torch.Tensor, block: int, target=None, k: int = 10,
+                     mode: str = "norm") -> MemoryAgreement:
+    """Do the units that fire most on a token promote its class? (key-value memories, Sec. 5)
+
+    Per token: the ``k`` MLP units of ``block`` with the largest activation (after the
+    non-linearity, recorded by :func:`vitlab.record` with ``mlp=True``), and the share of them
+    whose value vector's top class (:func:`unit_top_classes`, ``k=1``) is the sample's
+    target (None: the predicted class). One forward pass, eval mode.
+    """
+    check_images(x, "memory_agreement")
+    check_target(target, x.shape[0])
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    top = unit_top_classes(model, block, 1, mode)[:, 0]  # hidden
+    index = record_blocks(model).index(_block(model, block))
+    with torch.no_grad(), record(model, eval_mode=True, mlp=True) as rec:
+        logits = _logits(model(x))
+    t = _target_for(target, logits)
+    acts = rec.mlp_activations[index]  # B x N x hidden
+    units = acts.topk(min(k, acts.shape[-1]), dim=-1).indices  # B x N x k
+    hits = top.to(units.device)[units] == t[:, None, None]
+    return MemoryAgreement(agreement=hits.to(acts.dtype).mean(-1), units=units, target=t)
+
+
+# --------------------------------------------------------------------------------------
+# Explanation map (paper RQ3)
+# --------------------------------------------------------------------------------------
+def projection_map(model, x: torch.Tensor, target=None) -> torch.Tensor:
+    """The paper's explanation map from the projection, ``B x gh x gw``.
+
+    ``loss = sum_l CE(proj(h_l[CLS]), t)``: the cross-entropy (softmax) of the target in the
+    projected CLS state after each block l, summed over blocks (and samples, each sample's
+    gradient being its own). The map is ``-sum_l sum_heads d loss / d A_l[CLS, patches]``,
+    the gradient with respect to each block's post-softmax CLS -> patch attention: positive
+    where attending more to a patch would make the CLS token more identifiable as t. Because
+    the per-block losses are summed, block l's gradient also counts the losses of later
+    blocks it feeds. One forward and one backward (``torch.autograd.grad`` on the recorded
+    attention; no parameter gradients). ``target``: int, one per sample, None (predicted).
+    """
+    check_images(x, "projection_map")
+    layout = token_layout(model, x)
+    norms, head = _head_parts(model, layout, "projection_map")
+    target = check_target(target, x.shape[0])
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError("projection_map needs gradients: call it outside torch.inference_mode()")
+    class_head = ClassHead(norms, head)
+    with torch.enable_grad():
+        x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
+        with record(model, detach=False, eval_mode=True) as rec:
+            logits = _logits(model(x_in))
+            t = resolve_target(target, logits)
+            cls_states = torch.stack([h[:, 0] for h in rec.hidden_states], dim=1)  # B x L x D
+            projected = class_head(cls_states)  # B x L x C
+            loss = nn.functional.cross_entropy(
+                projected.flatten(0, 1), t.repeat_interleave(projected.shape[1]), reduction="sum")
+            attentions = list(rec.attentions)
+            grads = torch.autograd.grad(loss, attentions)
+    P = rec.layout.num_prefix
+    cls_grad = sum(g[:, :, 0, P:].sum(dim=1) for g in grads)  # B x num_patches
+    return rec.layout.patches_to_grid(-cls_grad.detach())
+
+
+# --------------------------------------------------------------------------------------
+# Context interventions (paper RQ5)
+# --------------------------------------------------------------------------------------
+def intervention_mask(mode: str, layout: TokenLayout) -> torch.Tensor:
+    """``N x N`` boolean mask of allowed query -> key pairs for a context intervention:
+
+    - ``"self_only"``: each image (patch) token attends only to itself;
+    - ``"no_cls"``: image tokens may not attend to the CLS token (token 0).
+
+    Prefix tokens (CLS, distillation, registers) keep attending to every token."""
+    if mode not in INTERVENTIONS:
+        raise ValueError(f"mode must be one of {INTERVENTIONS}, got {mode!r}")
+    N, P = layout.num_tokens, layout.num_prefix
+    allowed = torch.ones(N, N, dtype=torch.bool)
+    if mode == "self_only":
+        allowed[P:] = False
+        allowed[P:, P:] |= torch.eye(N - P, dtype=torch.bool)
+    else:
+        allowed[P:, 0] = False
+    return allowed
+
+
+def context_intervention(model, x: torch.Tensor, mode: str, from_block: int = 0) -> Projection:
+    """:func:`project` with image tokens cut off from context in blocks ``from_block`` on
+    (paper RQ5): ``mode="self_only"`` (each image token attends only to itself) or
+    ``"no_cls"`` (image tokens do not attend to CLS); see :func:`intervention_mask`. The edit
+    masks the attention logits before the softmax through ``vitlab.record(attention_edit=...)``
+    for the one forward; the model is left exactly as it was, also when the forward raises.
+    ``logits`` are the edited model's output."""
+    check_images(x, "context_intervention")
+    layout = token_layout(model, x)
+    allowed = intervention_mask(mode, layout).to(x.device)
+    L = len(record_blocks(model))
+    if isinstance(from_block, bool) or not isinstance(from_block, int) or not 0 <= from_block <= L:
+        raise ValueError(f"from_block must be an int in [0, {L}], got {from_block!r}")
+
+    def edit(layer: int, num_tokens: int):
+        return allowed if layer >= from_block else None
+
+    return _project(model, x, "context_intervention", attention_edit=edit)

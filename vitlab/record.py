@@ -472,6 +472,13 @@ def _adapter_for(model: nn.Module):
     )
 
 
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a supported ViT, in the order they run (one per recorded layer)."""
+    if _adapter_for(model) is _attach_timm:
+        return [block for _, block, _ in _timm_attention_modules(model)]
+    return [layer for _, layer, _ in _hf_attention_modules(model)]
+
+
 def attention_size(model: nn.Module, num_tokens: int) -> int:
     """Entries of one sample's attention that a forward inside :func:`record` keeps: the sum
     over blocks of ``heads x N x N``, for ``N = num_tokens``. Methods size their chunks by it."""
@@ -503,8 +510,8 @@ def record(
             attention sublayer, what the second norm reads), B x N x D; with
             ``rec.hidden_states[l]`` (leaving it) they give ``rec.attention_outputs`` and
             ``rec.mlp_outputs``, what each sublayer adds to the stream.
-        attention_edit: edit the attention of the forwards in the block (knock out token
-            pairs, heads, ...): ``attention_edit(layer, num_tokens)`` is called in every block
+        attention_edit: edit the attention of the forwards in the block (cut query -> key
+            pairs, for all heads or per head): ``attention_edit(layer, num_tokens)`` is called in every block
             and returns a boolean mask of allowed query -> key pairs (``N x N``, or anything
             broadcasting to ``B x heads x N x N``; True = allowed) or None (no edit there).
             Disallowed pairs get -inf added to their attention logits before the softmax, so
