@@ -304,3 +304,10 @@ def test_attention_edit_model_unchanged_when_forward_raises(vit, x):
     assert model_state(vit) == before
     with pytest.raises(ValueError, match="mode"):
         P.context_intervention(vit, x, "nothing")
+
+
+def test_exported():
+    import vitlab
+
+    assert vitlab.project is P.project and vitlab.projection is P
+    assert "project" in vitlab.__all__ and "projection" in vitlab.__all__

@@ -6,6 +6,8 @@ The public API (names are fixed; the notebooks and chapters use them):
 - :func:`token_layout` — prefix tokens and patch grid of a model
 - :func:`record` — the true attention (and its gradient), queries, keys, values and
   hidden states of every block, without changing the model
+- :func:`project` — every token's state after every block read as class logits through the
+  model's own norm and head (:mod:`vitlab.projection`, chapter 6)
 - :mod:`vitlab.plot` — overlays and grids of maps
 
 Attributes are imported on first use, so ``import vitlab`` stays quick.
@@ -36,8 +38,9 @@ _EXPORTS = {
     "load_image": "vitlab.images",
     "is_multi_label": "vitlab.targets",        # how a classifier's logits are read: sigmoids or one softmax
     "class_probabilities": "vitlab.targets",
+    "project": "vitlab.projection",            # every token, block by block, as class logits (chapter 6)
 }
-_SUBMODULES = {"plot", "images", "shapes", "imgfocus", "faithfulness", "actmax", "widgets"}
+_SUBMODULES = {"plot", "images", "shapes", "imgfocus", "faithfulness", "actmax", "widgets", "projection"}
 
 __all__ = [
     "__version__", "TokenLayout", "token_layout", "Recording", "record", "EMBEDDED_MODELS",
