@@ -311,3 +311,27 @@ def test_exported():
 
     assert vitlab.project is P.project and vitlab.projection is P
     assert "project" in vitlab.__all__ and "projection" in vitlab.__all__
+
+
+def test_hf_deit_projected_and_teacher_refused(x):
+    from transformers import DeiTConfig, DeiTForImageClassification, DeiTForImageClassificationWithTeacher
+
+    cfg = DeiTConfig(image_size=32, patch_size=8, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
+                     intermediate_size=96, num_labels=5)
+    torch.manual_seed(4)
+    deit = randomize(DeiTForImageClassification(cfg), 4)  # CLS + distillation token, classifier on CLS
+    proj = P.project(deit, x)
+    assert proj.residual.shape == (3, 2, 18, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(proj.residual[:, -1, 0], deit(x).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="distilled"):
+        P.project(randomize(DeiTForImageClassificationWithTeacher(cfg), 4), x)
+
+
+def test_hf_dinov2_classifier_refused(x):
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    cfg = Dinov2Config(image_size=32, patch_size=8, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
+                       mlp_ratio=2, num_labels=5)
+    with pytest.raises(ValueError, match="mean of the patches"):
+        P.project(Dinov2ForImageClassification(cfg).eval(), x)

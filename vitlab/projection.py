@@ -54,7 +54,10 @@ def _head_parts(model: nn.Module, layout: TokenLayout, method: str) -> tuple[lis
     """(norms applied in order, the linear head) that turn a CLS state into the model's logits.
     Raises ``ValueError`` for models whose output is not one token's projection."""
     require_class_head(model, method)
-    if layout.has_distillation:
+    # timm's distilled DeiT; Hugging Face's DeiT...WithTeacher (its DeiTForImageClassification
+    # holds a distillation token too, but its classifier reads CLS alone, so it is projected)
+    distilled = hasattr(model, "distillation_classifier") if is_hf_model(model) else layout.has_distillation
+    if distilled:
         raise ValueError(
             f"{method}: this model is a distilled DeiT, whose output averages two heads on two tokens "
             "(head on CLS, head_dist on the distillation token), so no single token's projection "
@@ -273,7 +276,8 @@ def _target_for(target, logits: torch.Tensor) -> torch.Tensor:
 def class_identifiability(model, x: torch.Tensor, target=None) -> torch.Tensor:
     """``B x L x N``: identifiability of each sample's target in every token's residual-stream
     projection after every block. ``target``: int, one per sample, or None (predicted)."""
-    check_target(target, x.shape[0] if isinstance(x, torch.Tensor) and x.ndim == 4 else 0)
+    check_images(x, "class_identifiability")
+    check_target(target, x.shape[0])
     proj = project(model, x)
     return identifiability(proj.residual, _target_for(target, proj.logits))
 
@@ -305,7 +309,8 @@ def sublayer_contributions(model, x: torch.Tensor, target=None) -> Contributions
     logit, per token (``h_0`` = the tokens entering block 0). Because the norm sits inside
     ``proj``, these are differences of projections, not projections of the sublayer outputs;
     they telescope: summed over blocks, both give ``proj(h_L)[t] - proj(h_0)[t]``."""
-    check_target(target, x.shape[0] if isinstance(x, torch.Tensor) and x.ndim == 4 else 0)
+    check_images(x, "sublayer_contributions")
+    check_target(target, x.shape[0])
     proj = project(model, x)
     t = _target_for(target, proj.logits)
     before = torch.cat([proj.embedding[:, None], proj.residual[:, :-1]], dim=1)  # proj(h_{l-1})
