@@ -84,6 +84,12 @@ def test_class_grid_draws_each_label_in_its_own_colour_as_patch_blocks():
     assert len(colours) == 3  # three labels, three colours
     legend = fig.legends[0]
     assert [t.get_text() for t in legend.get_texts()] == ["a", "b", "c"]
+    outlined = plot.class_grid(labels, ["a", "b", "c"], outline=np.zeros((1, 8, 8), bool) | np.eye(8, dtype=bool))
+    assert outlined.axes[0].get_images()[0].get_alpha() in (None, 1.0)  # opaque without an image
+    assert outlined.axes[0].get_images()[0].get_extent() == [0, 8, 8, 0]
+    assert len(outlined.axes[1].collections) > 0  # the contour is drawn on every panel of the row
+    with pytest.raises(ValueError, match="outline must be 1 masks"):
+        plot.class_grid(labels, ["a", "b", "c"], outline=np.zeros((2, 8, 8), bool))
     with pytest.raises(ValueError, match="lie in 0 .. 1"):
         plot.class_grid(labels, ["a", "b"])
     with pytest.raises(ValueError, match="integer array"):

@@ -146,12 +146,15 @@ def map_grid(maps: Sequence, titles: Sequence[str] | None = None, image=None, nc
 
 def class_grid(labels, names: Sequence[str], image=None, titles: Sequence[str] | None = None,
                row_labels: Sequence[str] | None = None, alpha: float = 0.6, size: float = 1.8,
-               suptitle: str | None = None):
+               suptitle: str | None = None, outline=None):
     """Per-patch class labels, one colour per class, optionally over an image, with a legend.
 
     ``labels``: integer array ``R x C x gh x gw`` (e.g. each token's top class, scenes x
     blocks), values in ``0 .. len(names) - 1``. ``image``: None, one image for all panels, or
-    one per row (a sequence of R images). Patches are drawn as blocks (nearest), since a label
+    one per row (a sequence of R images); with an image the colours are blended with it
+    (``alpha``), without one they are drawn opaque, so they match the legend exactly.
+    ``outline``: optional ``R x H x W`` boolean masks (e.g. the objects) drawn as a white
+    contour on every panel of their row. Patches are drawn as blocks (nearest), since a label
     belongs to a whole token. Returns the Figure.
     """
     from matplotlib.colors import ListedColormap
@@ -169,6 +172,10 @@ def class_grid(labels, names: Sequence[str], image=None, titles: Sequence[str] |
     images = list(image) if isinstance(image, (list, tuple)) else [image] * rows
     if len(images) != rows:
         raise ValueError(f"got {len(images)} images for {rows} rows")
+    masks = None if outline is None else np.asarray(
+        outline.detach().cpu() if isinstance(outline, torch.Tensor) else outline, dtype=float)
+    if masks is not None and (masks.ndim != 3 or len(masks) != rows):
+        raise ValueError(f"outline must be {rows} masks H x W (one per row), got shape {masks.shape}")
     base = plt.get_cmap("tab10" if k <= 10 else "tab20")
     cmap = ListedColormap([base(i) for i in range(k)])
     fig, axes = plt.subplots(rows, cols, figsize=(size * cols, size * rows + 0.5), squeeze=False)
@@ -178,11 +185,16 @@ def class_grid(labels, names: Sequence[str], image=None, titles: Sequence[str] |
             ax = axes[r, c]
             ax.set_xticks([])
             ax.set_yticks([])
-            h, w = (img.shape[:2] if img is not None else lab.shape[2:])
+            h, w = (img.shape[:2] if img is not None else masks.shape[1:] if masks is not None else lab.shape[2:])
             if img is not None:
                 ax.imshow(img)
             ax.imshow(lab[r, c], cmap=cmap, vmin=-0.5, vmax=k - 0.5, interpolation="nearest",
                       alpha=alpha if img is not None else 1.0, extent=(0, w, h, 0))
+            if masks is not None:
+                ys, xs = (np.arange(n) + 0.5 for n in masks.shape[1:])
+                ax.contour(xs, ys, masks[r], levels=[0.5], colors="white", linewidths=1.2)
+                ax.set_xlim(0, w)
+                ax.set_ylim(h, 0)
             if titles is not None:
                 ax.set_title(titles[r * cols + c], fontsize=8)
         if row_labels is not None and r < len(row_labels):
