@@ -335,3 +335,131 @@ def test_hf_dinov2_classifier_refused(x):
                        mlp_ratio=2, num_labels=5)
     with pytest.raises(ValueError, match="mean of the patches"):
         P.project(Dinov2ForImageClassification(cfg).eval(), x)
+
+
+# ------------------------------------------------------- step 7: linear probes (paper RQ4)
+def test_train_probe_separable_reaches_full_accuracy():
+    g = torch.Generator().manual_seed(11)
+    centres = torch.randn(4, 16, generator=g) * 5
+    labels = torch.arange(4).repeat_interleave(50)
+    states = centres[labels] + torch.randn(200, 16, generator=g) * 0.5 + 100  # far from 0, large offset
+    assert (torch.cdist(centres, centres) + torch.eye(4) * 1e3).min() > 4  # well apart: linearly separable
+    weight, bias, acc, loss = P.train_probe(states, labels, num_classes=6, epochs=200, lr=0.05)
+    assert weight.shape == (6, 16) and bias.shape == (6,)
+    assert acc == 1.0 and loss < 0.1
+    # the folded standardisation: raw states through weight, bias classify them all
+    assert torch.equal((states @ weight.T + bias).argmax(-1), labels)
+    with pytest.raises(ValueError, match="labels"):
+        P.train_probe(states, labels.float(), 4)
+    with pytest.raises(ValueError, match="classes in 0 .. 2"):
+        P.train_probe(states, labels, 3)
+    with pytest.raises(ValueError, match="epochs"):
+        P.train_probe(states, labels, 4, epochs=0)
+    with pytest.raises(ValueError, match="lr"):
+        P.train_probe(states, labels, 4, lr=-1.0)
+
+
+def test_linear_probes_on_vit(vit, x):
+    before = model_state(vit)
+    params = [p.detach().clone() for p in vit.parameters()]
+    target = [1, 4, 1]
+    probes = P.linear_probes(vit, x, target, epochs=50)
+    L, C, D = TINY["depth"], TINY["num_classes"], TINY["embed_dim"]
+    assert probes.weight.shape == (L, C, D) and probes.bias.shape == (L, C)
+    assert probes.train_accuracy.shape == probes.train_loss.shape == (L,)
+    assert model_state(vit) == before
+    assert all(torch.equal(p, q) for p, q in zip(vit.parameters(), params))
+    # train accuracy recomputed from the probes on the image tokens' states, by hand
+    states = P.project(vit, x).block_outputs  # B x L x N x D
+    by_hand = torch.einsum("blnd,lcd->blnc", states, probes.weight) + probes.bias[None, :, None]
+    torch.testing.assert_close(P.probe_logits(probes, states), by_hand)
+    torch.testing.assert_close(probes.logits(states[:, 1], block=1), states[:, 1] @ probes.weight[1].T + probes.bias[1])
+    torch.testing.assert_close(P.probe_logits(probes, states[0, 2, 3], block=-1),
+                               states[0, 2, 3] @ probes.weight[2].T + probes.bias[2])
+    hits = by_hand[:, :, 1:].argmax(-1) == torch.tensor(target)[:, None, None]
+    torch.testing.assert_close(probes.train_accuracy, hits.float().mean(dim=(0, 2)), atol=1e-6, rtol=0)
+    # cls / all tokens; one int for every sample
+    cls = P.linear_probes(vit, x, 2, tokens="cls", epochs=50)
+    assert cls.train_accuracy.tolist() == [1.0] * L and cls.tokens == "cls"
+    with pytest.raises(ValueError, match="states must be B x 3 x N x 48"):
+        P.probe_logits(probes, states[:, :2])
+    with pytest.raises(ValueError, match="block"):
+        P.probe_logits(probes, states[:, 0], block=3)
+    with pytest.raises(ValueError, match="needs target"):
+        P.linear_probes(vit, x, None)
+    with pytest.raises(ValueError, match="target"):
+        P.linear_probes(vit, x, [1, 2])
+    with pytest.raises(ValueError, match="outside the model's classes"):
+        P.linear_probes(vit, x, [1, 2, 5])
+    with pytest.raises(ValueError, match="tokens"):
+        P.linear_probes(vit, x, 1, tokens="patches")
+    assert model_state(vit) == before
+
+
+def test_linear_probes_deterministic_per_seed(vit, x):
+    a = P.linear_probes(vit, x, [0, 1, 2], epochs=20, seed=3)
+    b = P.linear_probes(vit, x, [0, 1, 2], epochs=20, seed=3)
+    c = P.linear_probes(vit, x, [0, 1, 2], epochs=20, seed=4)
+    assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
+    assert torch.equal(a.train_accuracy, b.train_accuracy)
+    assert not torch.equal(a.weight, c.weight)
+
+
+# ------------------------------------------------------------ step 8: token removal (RQ4)
+def test_token_removal_matches_masked_copy(vit, x):
+    before = model_state(vit)
+    params = [p.detach().clone() for p in vit.parameters()]
+    ranking = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
+    target = torch.tensor([0, 3, 1])
+    for remove in ("highest", "lowest"):
+        res = P.token_removal(vit, x, ranking, 0.25, target=target, remove=remove)
+        # by hand: the 4 tokens per sample with the highest / lowest scores
+        idx = ranking.topk(4, dim=-1, largest=remove == "highest").indices
+        gone = torch.zeros(3, 16, dtype=torch.bool).scatter(1, idx, True)
+        assert torch.equal(res.removed, gone)
+        allowed = torch.ones(3, 1, 17, 17, dtype=torch.bool)
+        allowed[..., 1:] = ~gone[:, None, None, :]
+        masked = copy.deepcopy(vit)
+        with torch.no_grad():
+            _, states = hand_states(masked, x, allowed=[allowed] * 3)
+            ref = hand_head(masked, states[-1][2][:, 0])
+        torch.testing.assert_close(res.logits, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(res.predicted, ref.argmax(-1)) and torch.equal(res.target, target)
+        assert torch.equal(res.correct, ref.argmax(-1) == target)
+        assert res.accuracy == pytest.approx(float((ref.argmax(-1) == target).float().mean()))
+        # batch = items
+        for b in range(3):
+            one = P.token_removal(vit, x[b:b + 1], ranking[b:b + 1], 0.25, target=int(target[b]), remove=remove)
+            torch.testing.assert_close(one.logits[0], res.logits[b], atol=1e-5, rtol=1e-5)
+            assert torch.equal(one.removed[0], res.removed[b])
+    assert not torch.allclose(res.logits, vit(x), atol=1e-3)  # it did remove something
+    assert model_state(vit) == before
+    assert all(torch.equal(p, q) for p, q in zip(vit.parameters(), params))
+    torch.testing.assert_close(P.project(vit, x).logits, vit(x), atol=1e-6, rtol=1e-6)
+
+
+def test_token_removal_edges(vit, x):
+    with torch.no_grad():
+        plain = vit(x)
+    ranking = torch.arange(48.0).reshape(3, 4, 4)  # a B x gh x gw map works too
+    none = P.token_removal(vit, x, ranking, 0.0)
+    torch.testing.assert_close(none.logits, plain, atol=1e-6, rtol=1e-6)
+    assert not none.removed.any() and none.correct.all()  # target None: the unedited prediction
+    assert torch.equal(none.target, plain.argmax(-1))
+    # everything removed: only CLS is left to read, identical whichever way the tokens are ranked
+    everything = P.token_removal(vit, x, ranking, 1.0, remove="lowest")
+    assert everything.removed.all()
+    torch.testing.assert_close(everything.logits, P.token_removal(vit, x, -ranking, 1.0).logits)
+    # ties go to the earlier token
+    tied = P.token_removal(vit, x, torch.zeros(3, 16), 2 / 16)
+    assert tied.removed[:, :2].all() and not tied.removed[:, 2:].any()
+    with pytest.raises(ValueError, match="fraction"):
+        P.token_removal(vit, x, ranking, 1.5)
+    with pytest.raises(ValueError, match="ranking"):
+        P.token_removal(vit, x, torch.zeros(3, 17), 0.5)
+    with pytest.raises(ValueError, match="ranking must be finite"):
+        P.token_removal(vit, x, torch.full((3, 16), float("nan")), 0.5)
+    with pytest.raises(ValueError, match="remove"):
+        P.token_removal(vit, x, ranking, 0.5, remove="top")
+    with pytest.raises(ValueError, match="target"):
+        P.token_removal(vit, x, ranking, 0.5, target=[1, 2])

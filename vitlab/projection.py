@@ -19,6 +19,9 @@ tokens show what each token "already thinks it is".
 - :func:`projection_map` -- the paper's explanation map, ``B x gh x gw``.
 - :func:`context_intervention` -- the paper's RQ5: image tokens attend only to themselves, or
   not to CLS, from a chosen block on (an attention edit through :func:`vitlab.record`).
+- :func:`linear_probes`, :func:`probe_logits`, :func:`token_removal` -- the paper's RQ4:
+  per-block linear probes to compare with the projection, and accuracy with the tokens a
+  ranking puts highest (or lowest) removed from attention.
 
 Models: timm and Hugging Face ViT / DeiT classifiers whose head reads the CLS token. Refused
 with a ``ValueError`` that says why: models without a class head (timm ``num_classes=0``,
@@ -494,3 +497,224 @@ def context_intervention(model, x: torch.Tensor, mode: str, from_block: int = 0)
         return allowed if layer >= from_block else None
 
     return _project(model, x, "context_intervention", attention_edit=edit)
+
+
+# --------------------------------------------------------------------------------------
+# Linear probes and token removal (paper RQ4)
+# --------------------------------------------------------------------------------------
+PROBE_TOKENS = ("image", "cls", "all")
+REMOVE = ("highest", "lowest")
+
+
+@dataclass(eq=False)
+class Probes:
+    """What :func:`linear_probes` returns: one linear classifier per block, ``logits = h @ W.T + b``.
+
+    Attributes:
+        weight: ``L x C x D``, block l's probe reads the residual stream after block l.
+        bias: ``L x C``.
+        train_accuracy: ``(L,)`` share of the training tokens whose top-1 probe class is their
+            image's class.
+        train_loss: ``(L,)`` the final mean cross-entropy on the training tokens.
+        tokens: which tokens were trained on (``"image"``, ``"cls"`` or ``"all"``).
+        epochs, lr, seed: how they were trained.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    train_accuracy: torch.Tensor
+    train_loss: torch.Tensor
+    tokens: str
+    epochs: int
+    lr: float
+    seed: int
+
+    def logits(self, states: torch.Tensor, block: int | None = None) -> torch.Tensor:
+        """:func:`probe_logits` of these probes."""
+        return probe_logits(self, states, block)
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def train_probe(states: torch.Tensor, labels: torch.Tensor, num_classes: int, epochs: int = 300,
+                lr: float = 0.05, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """One softmax linear classifier on ``M x D`` states with ``(M,)`` labels in ``0 .. C - 1``.
+
+    Full-batch Adam (``epochs`` steps, learning rate ``lr``) on the mean cross-entropy, on
+    features standardised with the states' own per-dimension mean and std; the standardisation
+    is folded into the returned weights, so ``logits = states @ weight.T + bias`` on raw states.
+    Initial weights ``N(0, 0.01^2)`` from a generator seeded with ``seed`` (bias 0): the same
+    inputs and seed give the same probe. Returns ``(weight C x D, bias C, train accuracy,
+    final loss)``; runs with gradients even under ``torch.no_grad()``/``inference_mode()``.
+    """
+    if not isinstance(states, torch.Tensor) or states.ndim != 2 or states.shape[0] == 0:
+        raise ValueError(f"states must be a non-empty M x D tensor, got {getattr(states, 'shape', type(states))}")
+    labels = torch.as_tensor(labels)
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.shape != states.shape[:1]:
+        raise ValueError(f"labels must be {states.shape[0]} integer classes (one per state), "
+                         f"got dtype {labels.dtype}, shape {tuple(labels.shape)}")
+    C = _positive_int(num_classes, "num_classes")
+    if bool(((labels < 0) | (labels >= C)).any()):
+        raise ValueError(f"labels must be classes in 0 .. {C - 1}, got {labels.min().item()} .. {labels.max().item()}")
+    _positive_int(epochs, "epochs")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    with torch.inference_mode(False), torch.enable_grad():
+        h = states.detach().clone().float()  # a normal tensor even if states came from inference mode
+        y = labels.detach().clone().long().to(h.device)
+        if not bool(torch.isfinite(h).all()):
+            raise ValueError("states must be finite (no NaN or inf)")
+        mu, sigma = h.mean(0), h.std(0, unbiased=False).clamp_min(1e-6)
+        z = (h - mu) / sigma
+        g = torch.Generator().manual_seed(seed)
+        W = (torch.randn(C, h.shape[1], generator=g) * 0.01).to(h.device).requires_grad_(True)
+        b = torch.zeros(C, device=h.device, requires_grad=True)
+        opt = torch.optim.Adam([W, b], lr=float(lr))
+        for _ in range(epochs):
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(z @ W.T + b, y).backward()
+            opt.step()
+        with torch.no_grad():
+            out = z @ W.T + b
+            loss = float(nn.functional.cross_entropy(out, y))
+            accuracy = float((out.argmax(-1) == y).float().mean())
+            weight = W / sigma  # h @ (W / sigma).T + (b - (W / sigma) @ mu) = z @ W.T + b
+            bias = b - weight @ mu
+    return weight.to(states.dtype), bias.to(states.dtype), accuracy, loss
+
+
+def linear_probes(model, x: torch.Tensor, target, tokens: str = "image", epochs: int = 300,
+                  lr: float = 0.05, seed: int = 0) -> Probes:
+    """Per-block linear probes on the residual stream (Vilas et al. 2023, RQ4).
+
+    For every block l, :func:`train_probe` fits a ``D -> C`` softmax classifier (C = the
+    model's classes) on the states after block l (``project(model, x).block_outputs``) of the
+    chosen ``tokens`` of every image, each token labelled with its image's class ``target``
+    (one class per sample, or one int for all): ``"image"`` (the patch tokens), ``"cls"`` or
+    ``"all"``. Full-batch Adam, deterministic given ``seed``. One forward pass of the whole
+    batch (its states, ``B x L x N x D`` three times, are held in memory); the model is
+    unchanged. Score states with :func:`probe_logits`.
+    """
+    check_images(x, "linear_probes")
+    if target is None:
+        raise ValueError("linear_probes needs target: the true class of each image (one int per sample, or one for all)")
+    t = check_target(target, x.shape[0])
+    if tokens not in PROBE_TOKENS:
+        raise ValueError(f"tokens must be one of {PROBE_TOKENS}, got {tokens!r}")
+    _positive_int(epochs, "epochs")
+    proj = project(model, x)
+    t = resolve_target(t, proj.logits)
+    states = proj.block_outputs  # B x L x N x D
+    P = proj.layout.num_prefix
+    states = {"image": states[:, :, P:], "cls": states[:, :, :1], "all": states}[tokens]
+    B, L, T, D = states.shape
+    labels = t.repeat_interleave(T)  # token-major within each sample, as states[:, l].reshape(B * T, D)
+    C = proj.logits.shape[-1]
+    fits = [train_probe(states[:, l].reshape(B * T, D), labels, C, epochs, lr, seed) for l in range(L)]
+    return Probes(
+        weight=torch.stack([f[0] for f in fits]), bias=torch.stack([f[1] for f in fits]),
+        train_accuracy=torch.tensor([f[2] for f in fits]), train_loss=torch.tensor([f[3] for f in fits]),
+        tokens=tokens, epochs=epochs, lr=float(lr), seed=seed,
+    )
+
+
+def probe_logits(probes: Probes, states: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """Class scores of the probes: ``states @ W_l.T + b_l``.
+
+    ``block=None``: ``states`` is ``B x L x N x D`` (all blocks, as ``Projection.block_outputs``)
+    and block l's states are scored by probe l -> ``B x L x N x C`` (then e.g.
+    :func:`identifiability` ranks the class in them, like the projection's). ``block=l``:
+    any ``... x D`` states scored by probe l -> ``... x C``.
+    """
+    L, C, D = probes.weight.shape
+    if not isinstance(states, torch.Tensor) or states.ndim < 1 or states.shape[-1] != D:
+        raise ValueError(f"states must be a ... x {D} tensor, got {getattr(states, 'shape', type(states))}")
+    W, b = probes.weight.to(states.device, states.dtype), probes.bias.to(states.device, states.dtype)
+    if block is None:
+        if states.ndim != 4 or states.shape[1] != L:
+            raise ValueError(f"with block=None, states must be B x {L} x N x {D} (one entry per probe's block), "
+                             f"got {tuple(states.shape)}; pass block=l to score ... x D states with one probe")
+        return torch.einsum("blnd,lcd->blnc", states, W) + b[None, :, None]
+    if isinstance(block, bool) or not isinstance(block, int) or not -L <= block < L:
+        raise ValueError(f"block must be an int in [0, {L}) (or negative from the end), got {block!r}")
+    return states @ W[block].T + b[block]
+
+
+class TokenRemoval(NamedTuple):
+    """From :func:`token_removal`.
+
+    Attributes:
+        logits: ``B x C`` the model's output with the tokens removed.
+        predicted: ``(B,)`` its top-1 class.
+        target: ``(B,)`` the class each prediction is checked against.
+        correct: ``(B,)`` bool, ``predicted == target``.
+        removed: ``B x num_patches`` bool, the removed image tokens.
+    """
+
+    logits: torch.Tensor
+    predicted: torch.Tensor
+    target: torch.Tensor
+    correct: torch.Tensor
+    removed: torch.Tensor
+
+    @property
+    def accuracy(self) -> float:
+        """Share of samples still predicted as their target."""
+        return float(self.correct.float().mean())
+
+
+def token_removal(model, x: torch.Tensor, ranking: torch.Tensor, fraction: float, target=None,
+                  remove: str = "highest") -> TokenRemoval:
+    """The model's predictions with a share of each image's tokens removed (paper RQ4).
+
+    Per sample, the ``round(fraction * num_patches)`` image tokens with the highest (or, with
+    ``remove="lowest"``, lowest) score in ``ranking`` (``B x num_patches`` or a ``B x gh x gw``
+    map; ties go to the earlier token) are removed from every block: no query (CLS, the other
+    tokens, the token itself) may attend to them, through a per-sample ``B x 1 x N x N``
+    attention mask (:func:`vitlab.record`, ``attention_edit``). Removed tokens still compute
+    their own states but nothing reads them; prefix tokens are never removed. Rank by, e.g.,
+    the identifiability of the target in the projection or in :func:`probe_logits`: tokens
+    whose removal hurts accuracy hold features the model uses. ``target``: int, one per
+    sample, or None (the model's prediction without removal). One forward pass (two when
+    ``target`` is None), eval mode; the model is unchanged.
+    """
+    check_images(x, "token_removal")
+    t = check_target(target, x.shape[0])
+    if remove not in REMOVE:
+        raise ValueError(f"remove must be one of {REMOVE}, got {remove!r}")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
+        raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
+    layout = token_layout(model, x)
+    B, Pn, P, N = x.shape[0], layout.num_patches, layout.num_prefix, layout.num_tokens
+    if P == 0:
+        raise ValueError("token_removal: this model has no prefix token, so removing every image token would "
+                         "leave queries with nothing to attend to; it needs a CLS token")
+    if not isinstance(ranking, torch.Tensor) or ranking.shape not in ((B, Pn), (B, *layout.grid)):
+        raise ValueError(f"ranking must be a B x num_patches ({B} x {Pn}) or B x gh x gw ({B} x {layout.grid[0]} x "
+                         f"{layout.grid[1]}) tensor of scores, got {getattr(ranking, 'shape', type(ranking))}")
+    scores = ranking.detach().reshape(B, Pn).float()
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError("ranking must be finite (no NaN or inf)")
+    k = int(fraction * Pn + 0.5)
+    order = scores.argsort(dim=-1, descending=remove == "highest", stable=True)[:, :k].cpu()
+    removed = torch.zeros(B, Pn, dtype=torch.bool)
+    removed.scatter_(1, order, True)
+    allowed = torch.ones(B, 1, N, N, dtype=torch.bool)
+    allowed[:, :, :, P:] = ~removed[:, None, None, :]
+    allowed = allowed.to(x.device)
+    with torch.no_grad():
+        if t is None:
+            with record(model, eval_mode=True):
+                t = _logits(model(x)).argmax(-1)
+        with record(model, eval_mode=True, attention_edit=lambda layer, num_tokens: allowed):
+            logits = _logits(model(x))
+    t = resolve_target(t, logits)
+    predicted = logits.argmax(-1)
+    return TokenRemoval(logits=logits, predicted=predicted, target=t, correct=predicted == t,
+                        removed=removed.to(x.device))
