@@ -393,6 +393,10 @@ def test_linear_probes_on_vit(vit, x):
         P.linear_probes(vit, x, [1, 2, 5])
     with pytest.raises(ValueError, match="tokens"):
         P.linear_probes(vit, x, 1, tokens="patches")
+    with pytest.raises(ValueError, match="lr"):
+        P.linear_probes(vit, x, 1, lr=0)
+    with pytest.raises(ValueError, match="seed"):
+        P.linear_probes(vit, x, 1, seed=1.5)
     assert model_state(vit) == before
 
 
@@ -403,6 +407,9 @@ def test_linear_probes_deterministic_per_seed(vit, x):
     assert torch.equal(a.weight, b.weight) and torch.equal(a.bias, b.bias)
     assert torch.equal(a.train_accuracy, b.train_accuracy)
     assert not torch.equal(a.weight, c.weight)
+    with torch.inference_mode():  # trains with gradients anyway, to the same probes
+        d = P.linear_probes(vit, x, [0, 1, 2], epochs=20, seed=3)
+    torch.testing.assert_close(d.weight, a.weight)
 
 
 # ------------------------------------------------------------ step 8: token removal (RQ4)

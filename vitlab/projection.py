@@ -540,6 +540,14 @@ def _positive_int(value, name: str) -> int:
     return value
 
 
+def _check_fit(epochs, lr, seed) -> None:
+    _positive_int(epochs, "epochs")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+
+
 def train_probe(states: torch.Tensor, labels: torch.Tensor, num_classes: int, epochs: int = 300,
                 lr: float = 0.05, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """One softmax linear classifier on ``M x D`` states with ``(M,)`` labels in ``0 .. C - 1``.
@@ -560,11 +568,7 @@ def train_probe(states: torch.Tensor, labels: torch.Tensor, num_classes: int, ep
     C = _positive_int(num_classes, "num_classes")
     if bool(((labels < 0) | (labels >= C)).any()):
         raise ValueError(f"labels must be classes in 0 .. {C - 1}, got {labels.min().item()} .. {labels.max().item()}")
-    _positive_int(epochs, "epochs")
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
-        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    _check_fit(epochs, lr, seed)
     with torch.inference_mode(False), torch.enable_grad():
         h = states.detach().clone().float()  # a normal tensor even if states came from inference mode
         y = labels.detach().clone().long().to(h.device)
@@ -607,7 +611,7 @@ def linear_probes(model, x: torch.Tensor, target, tokens: str = "image", epochs:
     t = check_target(target, x.shape[0])
     if tokens not in PROBE_TOKENS:
         raise ValueError(f"tokens must be one of {PROBE_TOKENS}, got {tokens!r}")
-    _positive_int(epochs, "epochs")
+    _check_fit(epochs, lr, seed)  # before the forward
     proj = project(model, x)
     t = resolve_target(t, proj.logits)
     states = proj.block_outputs  # B x L x N x D
