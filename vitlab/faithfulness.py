@@ -446,3 +446,288 @@ def shift_masks(masks, down: int, right: int) -> torch.Tensor:
     dst_x = slice(max(0, right), W - max(0, -right))
     out[..., dst_y, dst_x] = m[..., src_y, src_x]
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Faithfulness: does the model's output respond to the pixels the map calls salient?
+# ---------------------------------------------------------------------------------------------
+#
+# SaCo (Wu et al., CVPR 2024, "On the Faithfulness of Vision Transformer Explanations",
+# Sec. 3, Alg. 1) perturbs K pixel groups *one at a time*; the perturbation curves of Chefer,
+# Gur and Wolf (CVPR 2021, Sec. 4.1) remove a growing fraction of pixels cumulatively. Both
+# only run the model forward (under no_grad, in eval mode, restored after); no hooks.
+
+
+def _module_modes(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
+    return [(m, m.training) for m in model.modules()]
+
+
+def _pixel_saliency(saliency, x: torch.Tensor) -> torch.Tensor:
+    """``B x gh x gw`` (bilinear upsampling) or ``B x H x W`` map -> ``B x H x W`` float on x's device."""
+    if x.ndim != 4:
+        raise ValueError(f"x must be B x C x H x W, got shape {tuple(x.shape)}")
+    s = saliency.detach() if isinstance(saliency, torch.Tensor) else torch.as_tensor(np.asarray(saliency))
+    s = s.to(device=x.device, dtype=torch.float32)
+    B, _, H, W = x.shape
+    if s.ndim != 3 or s.shape[0] != B:
+        raise ValueError(
+            f"saliency must be B x gh x gw (patch grid) or B x H x W (pixels) with B = {B}, "
+            f"got shape {tuple(s.shape)}"
+        )
+    if s.shape[1] > H or s.shape[2] > W or min(s.shape[1:]) < 1:
+        raise ValueError(f"saliency grid {tuple(s.shape[1:])} is larger than the input {H} x {W}")
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError("saliency holds NaN or infinite values")
+    if tuple(s.shape[1:]) != (H, W):
+        s = F.interpolate(s[:, None], size=(H, W), mode="bilinear", align_corners=False)[:, 0]
+    return s
+
+
+def _channel_means(x: torch.Tensor) -> torch.Tensor:
+    return x.mean(dim=(2, 3), keepdim=True)  # B x C x 1 x 1
+
+
+def _run_items(model, n_items: int, make_chunk, batch_size: int, progress: bool, desc: str) -> torch.Tensor:
+    """Logits of ``n_items`` inputs built chunk by chunk (``make_chunk(start, stop)``): one
+    forward per chunk of ``batch_size``, eval mode and no_grad; every module's mode restored."""
+    from vitlab.targets import _logits
+
+    from tqdm.auto import tqdm
+
+    modes = _module_modes(model)
+    out = []
+    try:
+        model.eval()
+        with torch.no_grad():
+            chunks = list(_batches(n_items, batch_size))
+            for s in tqdm(chunks, desc=desc, unit="forward", disable=not progress):
+                out.append(_logits(model(make_chunk(s.start, s.stop))).detach().float().cpu())
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    return torch.cat(out)
+
+
+def saco_from_drops(drops, sums) -> torch.Tensor:
+    """The Salience-guided Faithfulness Coefficient from per-group responses and saliences.
+
+    Wu et al. 2024, Alg. 1: for groups ordered by salience and every pair i < j,
+    ``w = s_i - s_j`` if ``d_i >= d_j`` else ``-(s_i - s_j)``; SaCo = ``sum w / sum |w|``,
+    in [-1, 1]. ``drops`` (d) and ``sums`` (s): ``K`` or ``B x K``; returns a scalar or ``B``.
+    When all s_i of a row are equal SaCo is undefined: ``ValueError``.
+    """
+    d = torch.as_tensor(drops, dtype=torch.float64)
+    s = torch.as_tensor(sums, dtype=torch.float64)
+    if d.shape != s.shape or d.ndim not in (1, 2) or d.shape[-1] < 2:
+        raise ValueError(f"drops and sums must both be K or B x K with K >= 2, got {tuple(d.shape)} and {tuple(s.shape)}")
+    if not (bool(torch.isfinite(d).all()) and bool(torch.isfinite(s).all())):
+        raise ValueError("drops and sums must be finite")
+    one = d.ndim == 1
+    d, s = d.reshape(-1, d.shape[-1]), s.reshape(-1, s.shape[-1])
+    K = d.shape[1]
+    i, j = torch.triu_indices(K, K, offset=1)
+    diff = s[:, i] - s[:, j]                                    # B x pairs
+    w = torch.where(d[:, i] >= d[:, j], diff, -diff)
+    total = diff.abs().sum(1)
+    if bool((total == 0).any()):
+        raise ValueError("all groups have the same salience (a constant map has no order): SaCo is undefined")
+    out = w.sum(1) / total
+    return out[0] if one else out
+
+
+class SaCoResult(NamedTuple):
+    """Everything :func:`saco_details` computes, per sample.
+
+    Attributes:
+        saco: ``B`` coefficients in [-1, 1].
+        drops: ``B x K`` drop of the target's softmax probability when group k (most salient
+            first) alone is replaced by the image's per-channel mean.
+        sums: ``B x K`` salience summed over each group.
+        probability: ``B`` target probability of the clean input.
+        target: ``B`` classes explained.
+    """
+
+    saco: torch.Tensor
+    drops: torch.Tensor
+    sums: torch.Tensor
+    probability: torch.Tensor
+    target: torch.Tensor
+
+
+def pixel_groups(saliency: torch.Tensor, k: int) -> torch.Tensor:
+    """``B x H x W`` pixel map -> ``B x H x W`` group index 0..k-1 (0 = most salient).
+
+    Pixels ranked by salience, high first (stable: ties keep raster order), split into ``k``
+    groups as ``numpy.array_split`` does (the first ``n % k`` groups one pixel larger).
+    """
+    B, H, W = saliency.shape
+    n = H * W
+    if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= n:
+        raise ValueError(f"k must be an int in 2 .. {n} (number of pixels), got {k!r}")
+    order = torch.argsort(saliency.reshape(B, n), dim=1, descending=True, stable=True)
+    sizes = [n // k + (1 if g < n % k else 0) for g in range(k)]
+    rank_group = torch.repeat_interleave(torch.arange(k, device=saliency.device),
+                                         torch.tensor(sizes, device=saliency.device))
+    groups = torch.empty(B, n, dtype=torch.long, device=saliency.device)
+    groups.scatter_(1, order, rank_group.expand(B, n))
+    return groups.reshape(B, H, W)
+
+
+def saco_details(model, x: torch.Tensor, saliency, target=None, k: int = 10, batch_size: int = 64,
+                 progress: bool = False) -> SaCoResult:
+    """:func:`saco` with its ingredients (groups' drops and salience sums); see there."""
+    from vitlab.targets import check_target, resolve_target
+
+    sal = _pixel_saliency(saliency, x)
+    B, C, H, W = x.shape
+    flat = sal.reshape(B, -1)
+    if bool((flat.amax(1) == flat.amin(1)).any()):
+        raise ValueError("a saliency map is constant: it ranks no pixel above another, so SaCo is undefined")
+    check_target(target, B)
+    groups = pixel_groups(sal, k)                                       # B x H x W
+    sums = torch.zeros(B, k, dtype=torch.float64, device=sal.device)
+    sums.scatter_add_(1, groups.reshape(B, -1), flat.double())
+    means = _channel_means(x)
+    x = x.detach()
+
+    def make_chunk(start, stop):  # item i: sample i // (k+1); 0 = clean, g + 1 = group g replaced
+        idx = torch.arange(start, stop, device=x.device)
+        b, g = idx // (k + 1), idx % (k + 1) - 1
+        xb = x[b]
+        replace = (groups[b] == g[:, None, None])[:, None]              # n x 1 x H x W (g = -1: none)
+        return torch.where(replace, means[b], xb)
+
+    logits = _run_items(model, B * (k + 1), make_chunk, batch_size, progress, "SaCo").reshape(B, k + 1, -1)
+    t = resolve_target(target, logits[:, 0]).cpu()
+    probs = torch.softmax(logits.double(), dim=-1)
+    p_t = probs.gather(2, t[:, None, None].expand(B, k + 1, 1))[..., 0]  # B x (k+1)
+    drops = p_t[:, :1] - p_t[:, 1:]
+    sums = sums.cpu()
+    return SaCoResult(saco_from_drops(drops, sums).float(), drops.float(), sums.float(), p_t[:, 0].float(), t)
+
+
+def saco(model, x: torch.Tensor, saliency, target=None, k: int = 10, batch_size: int = 64,
+         progress: bool = False) -> torch.Tensor:
+    """Salience-guided Faithfulness Coefficient (Wu et al., CVPR 2024, Alg. 1) per sample: ``B``.
+
+    Args:
+        model: a classifier (timm or Hugging Face); run in eval mode under no_grad, left as it was.
+        x: ``B x C x H x W`` inputs (as the model takes them).
+        saliency: ``B x gh x gw`` maps (upsampled bilinearly to ``H x W``) or ``B x H x W``
+            pixel maps. Wrong shape, NaN, or a constant map: ``ValueError``.
+        target: :mod:`vitlab.targets` conventions (None = predicted class of the clean input).
+        k: number of pixel groups (:func:`pixel_groups`: descending, stable, array_split sizes).
+        batch_size: inputs per forward; the ``B x (k + 1)`` inputs (clean and each group
+            replaced on its own by the image's per-channel mean) take
+            ``ceil(B (k + 1) / batch_size)`` forwards.
+        progress: show a tqdm bar over the forwards.
+
+    The response of group i is ``d_i = p(t|x) - p(t|x with G_i replaced)`` (softmax
+    probability), its salience ``s_i`` the map's sum over G_i; SaCo is
+    :func:`saco_from_drops`. 1: more salient groups always matter more; -1: the reverse.
+    """
+    return saco_details(model, x, saliency, target, k, batch_size, progress).saco
+
+
+def _blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Separable Gaussian blur of ``B x C x H x W`` (radius ``ceil(3 sigma)``, edges replicated)."""
+    radius = max(1, int(np.ceil(3 * sigma)))
+    t = torch.arange(-radius, radius + 1, dtype=x.dtype, device=x.device)
+    g = torch.exp(-0.5 * (t / sigma) ** 2)
+    g = g / g.sum()
+    C = x.shape[1]
+    y = F.pad(x, (radius, radius, radius, radius), mode="replicate")
+    y = F.conv2d(y, g.reshape(1, 1, -1, 1).expand(C, 1, -1, 1).contiguous(), groups=C)
+    return F.conv2d(y, g.reshape(1, 1, 1, -1).expand(C, 1, 1, -1).contiguous(), groups=C)
+
+
+#: What removed pixels become in :func:`perturbation_curve`.
+REPLACEMENTS = ("mean", "zero", "blur")
+
+#: Chefer et al.'s fractions: the clean point and 10% .. 90% removed.
+CHEFER_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(10))
+
+
+class PerturbationCurve(NamedTuple):
+    """Result of :func:`perturbation_curve`.
+
+    Attributes:
+        fractions: ``F`` fractions of pixels removed.
+        probability: ``B x F`` target softmax probability at each fraction.
+        correct: ``B x F`` whether the top-1 class is the target.
+        target: ``B`` classes.
+        auc: ``B`` trapezoid area under ``probability`` over ``fractions``.
+        auc_accuracy: ``B`` the same under ``correct`` (its mean over samples is the
+            accuracy AUC of Chefer et al.).
+    """
+
+    fractions: torch.Tensor
+    probability: torch.Tensor
+    correct: torch.Tensor
+    target: torch.Tensor
+    auc: torch.Tensor
+    auc_accuracy: torch.Tensor
+
+
+def _trapezoid(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    if y.shape[-1] < 2:
+        return torch.zeros(y.shape[:-1], dtype=y.dtype)
+    return ((y[..., 1:] + y[..., :-1]) / 2 * (t[1:] - t[:-1])).sum(-1)
+
+
+def perturbation_curve(model, x: torch.Tensor, saliency, target=None, positive: bool = True,
+                       fractions=CHEFER_FRACTIONS, replacement: str = "mean", batch_size: int = 64,
+                       blur_sigma: float | None = None, progress: bool = False) -> PerturbationCurve:
+    """Cumulative perturbation test (Chefer, Gur, Wolf 2021, Sec. 4.1) per sample.
+
+    At each fraction f, the ``int(f * H * W)`` most salient pixels (``positive``; the least
+    salient for ``positive=False``; stable order, ties in raster order) are replaced and the
+    target's softmax probability and top-1 correctness recorded. ``replacement``: ``"mean"``
+    (the image's per-channel mean), ``"zero"`` (0 in the model's input space, Chefer's
+    choice on normalised inputs) or ``"blur"`` (a Gaussian blur of the image, ``blur_sigma``
+    pixels, default ``min(H, W) / 16``). Lower positive AUC and higher negative AUC are
+    better. ``saliency``, ``target``, ``batch_size`` as in :func:`saco`; ``B x F`` inputs,
+    ``ceil(B F / batch_size)`` forwards. The target (None = predicted) is decided on the
+    clean input, which must be the first fraction 0 when ``target`` is None.
+    """
+    from vitlab.targets import check_target, resolve_target
+
+    if replacement not in REPLACEMENTS:
+        raise ValueError(f"replacement must be one of {REPLACEMENTS}, got {replacement!r}")
+    fr = torch.as_tensor(np.asarray(fractions, dtype=np.float64))
+    if fr.ndim != 1 or fr.numel() < 1 or bool(((fr < 0) | (fr > 1)).any()) or bool((fr[1:] <= fr[:-1]).any()):
+        raise ValueError(f"fractions must be increasing values in [0, 1], got {list(np.asarray(fractions).ravel())}")
+    if target is None and fr[0] != 0:
+        raise ValueError("with target=None the first fraction must be 0 (the clean input decides the predicted class)")
+    sal = _pixel_saliency(saliency, x)
+    B, C, H, W = x.shape
+    n = H * W
+    check_target(target, B)
+    x = x.detach()
+    if replacement == "mean":
+        fill = _channel_means(x).expand_as(x)
+    elif replacement == "zero":
+        fill = torch.zeros_like(x)
+    else:
+        sigma = float(blur_sigma) if blur_sigma is not None else min(H, W) / 16
+        if not sigma > 0:
+            raise ValueError(f"blur_sigma must be positive, got {blur_sigma}")
+        fill = _blur(x, sigma)
+    order = torch.argsort(sal.reshape(B, n), dim=1, descending=bool(positive), stable=True)
+    rank = torch.empty(B, n, dtype=torch.long, device=x.device)
+    rank.scatter_(1, order, torch.arange(n, device=x.device).expand(B, n))
+    rank = rank.reshape(B, 1, H, W)
+    counts = torch.tensor([int(float(f) * n + 1e-9) for f in fr], device=x.device)
+    Fn = fr.numel()
+
+    def make_chunk(start, stop):  # item i: sample i // F at fraction i % F
+        idx = torch.arange(start, stop, device=x.device)
+        b, f = idx // Fn, idx % Fn
+        return torch.where(rank[b] < counts[f][:, None, None, None], fill[b], x[b])
+
+    logits = _run_items(model, B * Fn, make_chunk, batch_size, progress, "perturbation").reshape(B, Fn, -1)
+    t = resolve_target(target, logits[:, 0]).cpu()
+    prob = torch.softmax(logits.double(), -1).gather(2, t[:, None, None].expand(B, Fn, 1))[..., 0].float()
+    correct = logits.argmax(-1) == t[:, None]
+    fr = fr.float()
+    return PerturbationCurve(fr, prob, correct, t, _trapezoid(prob, fr), _trapezoid(correct.float(), fr))
