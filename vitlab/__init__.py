@@ -40,7 +40,7 @@ _EXPORTS = {
     "class_probabilities": "vitlab.targets",
     "project": "vitlab.projection",            # every token, block by block, as class logits (chapter 6)
 }
-_SUBMODULES = {"plot", "images", "shapes", "imgfocus", "faithfulness", "actmax", "widgets", "projection"}
+_SUBMODULES = {"plot", "images", "shapes", "imgfocus", "localization", "chapters", "faithfulness", "actmax", "widgets", "projection"}
 
 __all__ = [
     "__version__", "TokenLayout", "token_layout", "Recording", "record", "EMBEDDED_MODELS",

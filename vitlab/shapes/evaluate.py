@@ -14,7 +14,7 @@ from seeds that training never uses (training seeds start at 1,000,000):
    often the own object's removal costs more. For a multi-label head: how often removing the
    object switches its class off (probability < 0.5) and removing the other leaves it on;
 4. class-specific explanations on the two-object scenes, each object asked for in turn
-   (:func:`vitlab.faithfulness.asked_object_maps`): how often the top patch of Chefer relevance
+   (:func:`vitlab.chapters.asked_object_maps`): how often the top patch of Chefer relevance
    and of gradient rollout lies on the asked object (touch: any of its pixels; strict: at least
    half the patch) or on the other one, explaining the class's logit and its log-probability;
 5. the pointing game of the last block's CLS attention, averaged over heads, on the
@@ -39,8 +39,9 @@ import numpy as np
 import torch
 
 from vitlab.attention import raw_attention
-from vitlab.faithfulness import TOUCH, asked_object_maps, grade_asked, mask_to_grid
-from vitlab.faithfulness import pointing_game as pointing_game_on_grid
+from vitlab.chapters import asked_object_maps
+from vitlab.localization import TOUCH, grade_asked, mask_to_grid
+from vitlab.localization import pointing_game as pointing_game_on_grid
 from vitlab.shapes.data import make_scenes, remove_objects, scenes_to_tensor
 from vitlab.targets import SCORES, is_multi_label
 
@@ -72,7 +73,7 @@ def pointing_game(maps: np.ndarray, masks: np.ndarray, min_fraction: float = 0.0
 
     "Lies on" means at least ``min_fraction`` of the patch's pixels belong to the mask
     (``n x H x W``); with the default 0, any object pixel in the patch counts
-    (:func:`vitlab.faithfulness.pointing_game` with its ``TOUCH`` threshold).
+    (:func:`vitlab.localization.pointing_game` with its ``TOUCH`` threshold).
     """
     threshold = min_fraction if min_fraction > 0 else TOUCH
     return pointing_game_on_grid(maps, masks, min_coverage=threshold).numpy()
@@ -144,7 +145,7 @@ def asked_object_pointing(model, x: torch.Tensor, labels, masks, batch: int = 10
     Returns ``{score: {method: {"touch", "strict", "other", "all_asks"}}}``: the share of asks
     whose top patch touches the asked object, is at least half on it, is (at least half) on the
     other object, and of scenes where both asks hit their own object strictly
-    (:func:`vitlab.faithfulness.grade_asked`).
+    (:func:`vitlab.localization.grade_asked`).
     """
     out = {}
     for score in scores:

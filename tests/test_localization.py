@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from vitlab import faithfulness as fa
+from vitlab import chapters as ch
+from vitlab import localization as loc
 
 
 def square_mask(H=8, W=8, rows=slice(0, 4), cols=slice(0, 4)):
@@ -16,7 +17,7 @@ def test_mask_to_grid_is_patch_coverage():
     m = np.zeros((1, 4, 4), bool)
     m[0, 0, 0] = m[0, 0, 1] = True     # half of the top-left 2x2 patch
     m[0, 2:, 2:] = True                 # all of the bottom-right patch
-    np.testing.assert_allclose(fa.mask_to_grid(m, (2, 2))[0].numpy(), [[0.5, 0.0], [0.0, 1.0]])
+    np.testing.assert_allclose(loc.mask_to_grid(m, (2, 2))[0].numpy(), [[0.5, 0.0], [0.0, 1.0]])
 
 
 def test_pointing_game_hits_and_misses():
@@ -24,41 +25,41 @@ def test_pointing_game_hits_and_misses():
     maps = torch.zeros(2, 2, 2)
     maps[0, 0, 0] = 1.0        # top patch on the object
     maps[1, 1, 1] = 1.0        # top patch off the object
-    assert fa.pointing_game(maps, masks).tolist() == [True, False]
+    assert loc.pointing_game(maps, masks).tolist() == [True, False]
 
 
 def test_pointing_game_coverage_threshold_and_ties():
     m = np.zeros((1, 4, 4), bool)
     m[0, 0, 0] = True                                             # a quarter of patch (0, 0)
     top_left = torch.tensor([[[1.0, 0.0], [0.0, 0.0]]])
-    assert fa.pointing_game(top_left, m, min_coverage=0.25).tolist() == [True]
-    assert fa.pointing_game(top_left, m, min_coverage=0.5).tolist() == [False]
+    assert loc.pointing_game(top_left, m, min_coverage=0.25).tolist() == [True]
+    assert loc.pointing_game(top_left, m, min_coverage=0.5).tolist() == [False]
     flat = torch.ones(1, 2, 2)                                    # all tied: not all on the object
-    assert fa.pointing_game(flat, np.stack([square_mask(4, 4, slice(0, 2), slice(0, 2))])).tolist() == [False]
-    assert fa.pointing_game(flat, np.ones((1, 4, 4), bool)).tolist() == [True]
+    assert loc.pointing_game(flat, np.stack([square_mask(4, 4, slice(0, 2), slice(0, 2))])).tolist() == [False]
+    assert loc.pointing_game(flat, np.ones((1, 4, 4), bool)).tolist() == [True]
 
 
 def test_mass_on_object_and_chance_level():
     masks = np.stack([square_mask()])                              # a quarter of the image
     uniform = torch.ones(1, 4, 4)
-    np.testing.assert_allclose(fa.mass_on_object(uniform, masks).numpy(), fa.object_area(masks).numpy())
-    np.testing.assert_allclose(fa.object_area(masks).numpy(), [0.25])
+    np.testing.assert_allclose(loc.mass_on_object(uniform, masks).numpy(), loc.object_area(masks).numpy())
+    np.testing.assert_allclose(loc.object_area(masks).numpy(), [0.25])
     peaked = torch.zeros(1, 4, 4)
     peaked[0, 0, 0], peaked[0, 3, 3], peaked[0, 3, 0] = 3.0, 1.0, -5.0   # negatives are clamped
-    np.testing.assert_allclose(fa.mass_on_object(peaked, masks).numpy(), [0.75])
+    np.testing.assert_allclose(loc.mass_on_object(peaked, masks).numpy(), [0.75])
 
 
 def test_bad_shapes_are_value_errors():
     with pytest.raises(ValueError, match="B x gh x gw"):
-        fa.pointing_game(torch.zeros(2, 2), np.zeros((1, 4, 4), bool))
+        loc.pointing_game(torch.zeros(2, 2), np.zeros((1, 4, 4), bool))
     with pytest.raises(ValueError, match="2 maps for 1 masks"):
-        fa.pointing_game(torch.zeros(2, 2, 2), np.zeros((1, 4, 4), bool))
+        loc.pointing_game(torch.zeros(2, 2, 2), np.zeros((1, 4, 4), bool))
     with pytest.raises(ValueError, match="not a multiple"):
-        fa.mass_on_object(torch.ones(1, 3, 3), np.zeros((1, 4, 4), bool))
+        loc.mass_on_object(torch.ones(1, 3, 3), np.zeros((1, 4, 4), bool))
     with pytest.raises(ValueError, match="no positive mass"):
-        fa.mass_on_object(torch.zeros(1, 2, 2), np.ones((1, 4, 4), bool))
+        loc.mass_on_object(torch.zeros(1, 2, 2), np.ones((1, 4, 4), bool))
     with pytest.raises(ValueError, match="min_coverage"):
-        fa.pointing_game(torch.zeros(1, 2, 2), np.zeros((1, 4, 4), bool), min_coverage=0)
+        loc.pointing_game(torch.zeros(1, 2, 2), np.zeros((1, 4, 4), bool), min_coverage=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,41 +104,41 @@ def test_attention_entropy_known_values():
     half = torch.zeros(4, 4)
     half[:2] = 1.0                                                   # 8 of 16 patches
     maps = torch.stack([uniform[0], one_patch, half])
-    np.testing.assert_allclose(fa.attention_entropy(maps).numpy(), [1.0, 0.0, 0.75], atol=1e-6)
-    np.testing.assert_allclose(fa.attention_entropy(half, normalized=False).numpy(), np.log(8), rtol=1e-6)
+    np.testing.assert_allclose(loc.attention_entropy(maps).numpy(), [1.0, 0.0, 0.75], atol=1e-6)
+    np.testing.assert_allclose(loc.attention_entropy(half, normalized=False).numpy(), np.log(8), rtol=1e-6)
     with pytest.raises(ValueError, match="no positive mass"):
-        fa.attention_entropy(torch.zeros(1, 2, 2))
+        loc.attention_entropy(torch.zeros(1, 2, 2))
     with pytest.raises(ValueError, match="non-negative"):
-        fa.attention_entropy(-torch.ones(1, 2, 2))
+        loc.attention_entropy(-torch.ones(1, 2, 2))
 
 
 def test_layer_mass_on_object_equals_one_map_at_a_time():
     g = torch.Generator().manual_seed(3)
     maps = torch.rand(2, 3, 4, 2, 2, generator=g)                 # B x L x H x gh x gw
     masks = np.stack([square_mask(), square_mask(rows=slice(4, 8))])
-    got = fa.layer_mass_on_object(maps, masks)
+    got = loc.layer_mass_on_object(maps, masks)
     assert got.shape == (2, 3, 4)
     for b in range(2):
         for l in range(3):
-            np.testing.assert_allclose(got[b, l].numpy(), fa.mass_on_object(maps[b, l], np.stack([masks[b]] * 4)).numpy())
+            np.testing.assert_allclose(got[b, l].numpy(), loc.mass_on_object(maps[b, l], np.stack([masks[b]] * 4)).numpy())
 
 
 def test_chance_pointing_is_the_share_of_hit_patches():
     m = np.zeros((2, 4, 4), bool)
     m[0, :2, :2] = True                                             # one of four 2 x 2 patches
     m[1, :, :2] = True                                              # two of four
-    np.testing.assert_allclose(fa.chance_pointing(m, (2, 2)).numpy(), [0.25, 0.5])
+    np.testing.assert_allclose(loc.chance_pointing(m, (2, 2)).numpy(), [0.25, 0.5])
 
 
 def test_cls_attention_profile_matches_cls_attention():
     model = _tiny_vit()
     x, masks, _ = _inputs(5)
-    prof = fa.cls_attention_profile(model, x, masks[:, 0], batch_size=2)   # batches of 2, 2, 1
+    prof = ch.cls_attention_profile(model, x, masks[:, 0], batch_size=2)   # batches of 2, 2, 1
     cls = cls_attention(model, x)
     assert prof.mass.shape == prof.entropy.shape == (5, 3, 3)
-    torch.testing.assert_close(prof.mass, fa.layer_mass_on_object(cls, masks[:, 0]))
-    torch.testing.assert_close(prof.entropy, fa.attention_entropy(cls))
-    torch.testing.assert_close(prof.area, fa.object_area(masks[:, 0]))
+    torch.testing.assert_close(prof.mass, loc.layer_mass_on_object(cls, masks[:, 0]))
+    torch.testing.assert_close(prof.entropy, loc.attention_entropy(cls))
+    torch.testing.assert_close(prof.area, loc.object_area(masks[:, 0]))
 
 
 @pytest.mark.parametrize("fusion,ratio", [("mean", 0.0), ("min", 0.5), ("max", 0.9)])
@@ -146,7 +147,7 @@ def test_rollout_from_attentions_equals_rollout(fusion, ratio):
     x, _, _ = _inputs(3)
     from vitlab.attention import _recorded_attentions
     attentions, layout = _recorded_attentions(model, x)
-    torch.testing.assert_close(fa.rollout_from_attentions(attentions, layout, fusion, ratio),
+    torch.testing.assert_close(ch.rollout_from_attentions(attentions, layout, fusion, ratio),
                                rollout(model, x, head_fusion=fusion, discard_ratio=ratio))
 
 
@@ -154,26 +155,26 @@ def test_grade_rollout_settings_equals_per_setting_grading():
     model = _tiny_vit()
     x, masks, _ = _inputs(7)
     settings = [("mean", 0.0), ("max", 0.9)]
-    rows = fa.grade_rollout_settings(model, x, masks[:, 0], settings, batch_size=3)
+    rows = ch.grade_rollout_settings(model, x, masks[:, 0], settings, batch_size=3)
     assert [(r["head_fusion"], r["discard_ratio"], r["n"]) for r in rows] == [("mean", 0.0, 7), ("max", 0.9, 7)]
     for r, (f, d) in zip(rows, settings):
         maps = rollout(model, x, head_fusion=f, discard_ratio=d)
-        assert r["pointing"] == pytest.approx(float(fa.pointing_game(maps, masks[:, 0]).float().mean()))
-        assert r["mass"] == pytest.approx(float(fa.mass_on_object(maps, masks[:, 0]).mean()), rel=1e-5)
-        assert r["touch"] == pytest.approx(float(fa.pointing_game(maps, masks[:, 0], fa.TOUCH).float().mean()))
+        assert r["pointing"] == pytest.approx(float(loc.pointing_game(maps, masks[:, 0]).float().mean()))
+        assert r["mass"] == pytest.approx(float(loc.mass_on_object(maps, masks[:, 0]).mean()), rel=1e-5)
+        assert r["touch"] == pytest.approx(float(loc.pointing_game(maps, masks[:, 0], loc.TOUCH).float().mean()))
         assert r["touch"] >= r["pointing"]
     with pytest.raises(ValueError, match="head_fusion"):
-        fa.grade_rollout_settings(model, x, masks[:, 0], [("median", 0.0)])
+        ch.grade_rollout_settings(model, x, masks[:, 0], [("median", 0.0)])
     with pytest.raises(ValueError, match="one B x H x W mask per input"):
-        fa.grade_rollout_settings(model, x, masks[:3, 0], settings)
+        ch.grade_rollout_settings(model, x, masks[:3, 0], settings)
 
 
 def test_maps_from_gradients_equal_the_methods():
     model = _tiny_vit()
     x, _, labels = _inputs(4)
     target = labels[:, 1]
-    maps = fa.maps_from_gradients(attention_gradients(model, x, target), ("max", 0.5), grad_discard_ratio=0.3)
-    assert tuple(maps) == fa.CLASS_METHODS
+    maps = ch.maps_from_gradients(attention_gradients(model, x, target), ("max", 0.5), grad_discard_ratio=0.3)
+    assert tuple(maps) == ch.CLASS_METHODS
     torch.testing.assert_close(maps["raw attention"], raw_attention(model, x))
     torch.testing.assert_close(maps["rollout"], rollout(model, x, "max", 0.5))
     torch.testing.assert_close(maps["GradCAM"], attention_gradcam(model, x, target))
@@ -184,18 +185,18 @@ def test_maps_from_gradients_equal_the_methods():
 def test_grade_asked_object_equals_asking_one_object_at_a_time():
     model = _tiny_vit()
     x, masks, labels = _inputs(5)
-    rows = {r["method"]: r for r in fa.grade_asked_object(model, x, labels, masks, batch_size=2)}
-    assert list(rows) == list(fa.CLASS_METHODS)
-    per_ask = {m: [] for m in fa.CLASS_METHODS}
-    per_other = {m: [] for m in fa.CLASS_METHODS}
-    per_touch = {m: [] for m in fa.CLASS_METHODS}
+    rows = {r["method"]: r for r in ch.grade_asked_object(model, x, labels, masks, batch_size=2)}
+    assert list(rows) == list(ch.CLASS_METHODS)
+    per_ask = {m: [] for m in ch.CLASS_METHODS}
+    per_other = {m: [] for m in ch.CLASS_METHODS}
+    per_touch = {m: [] for m in ch.CLASS_METHODS}
     for k in range(2):
-        maps = fa.maps_from_gradients(attention_gradients(model, x, labels[:, k]))
-        for m in fa.CLASS_METHODS:
-            per_ask[m].append(fa.pointing_game(maps[m], masks[:, k]))
-            per_other[m].append(fa.pointing_game(maps[m], masks[:, 1 - k]))
-            per_touch[m].append(fa.pointing_game(maps[m], masks[:, k], min_coverage=1e-6))
-    for m in fa.CLASS_METHODS:
+        maps = ch.maps_from_gradients(attention_gradients(model, x, labels[:, k]))
+        for m in ch.CLASS_METHODS:
+            per_ask[m].append(loc.pointing_game(maps[m], masks[:, k]))
+            per_other[m].append(loc.pointing_game(maps[m], masks[:, 1 - k]))
+            per_touch[m].append(loc.pointing_game(maps[m], masks[:, k], min_coverage=1e-6))
+    for m in ch.CLASS_METHODS:
         hits = torch.stack(per_ask[m], 1)                            # B x 2
         assert rows[m]["asked"] == pytest.approx(float(hits.float().mean()))
         assert rows[m]["all_asks"] == pytest.approx(float(hits.all(1).float().mean()))
@@ -204,23 +205,23 @@ def test_grade_asked_object_equals_asking_one_object_at_a_time():
         assert rows[m]["asked_touch"] == pytest.approx(float(torch.stack(per_touch[m], 1).float().mean()))
     # a class-agnostic map is the same for both asks: it cannot hit both disjoint objects
     assert rows["raw attention"]["all_asks"] == 0.0 and rows["rollout"]["all_asks"] == 0.0
-    one = fa.grade_asked_object(model, x, labels[:, :1], masks[:, :1])
+    one = ch.grade_asked_object(model, x, labels[:, :1], masks[:, :1])
     assert "other" not in one[0] and one[0]["asked"] == pytest.approx(
         float(torch.stack(per_ask["raw attention"], 1)[:, 0].float().mean()))
     with pytest.raises(ValueError, match="labels B x K"):
-        fa.grade_asked_object(model, x, labels, masks[:, :1])
+        ch.grade_asked_object(model, x, labels, masks[:, :1])
 
 
 def test_token_centres_of_a_plain_patchify_vit_are_the_patch_centres():
     model = _tiny_vit()                                          # 32 px, 8 px patches
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
-    centres = fa.token_centres(model, x)                         # random weights: inside the patch
+    centres = ch.token_centres(model, x)                         # random weights: inside the patch
     assert centres.shape == (4, 4, 2)
-    assert (centres - fa.patch_centres((4, 4), (32, 32))).abs().max() < 3.5
+    assert (centres - ch.patch_centres((4, 4), (32, 32))).abs().max() < 3.5
     with torch.no_grad():
         model.patch_embed.proj.weight.fill_(1.0)                 # every pixel of the patch counts the same
-    torch.testing.assert_close(fa.token_centres(model, x), fa.patch_centres((4, 4), (32, 32)), atol=1e-4, rtol=0)
-    np.testing.assert_allclose(fa.patch_centres((2, 2), (8, 8))[1, 0].numpy(), [5.5, 1.5])
+    torch.testing.assert_close(ch.token_centres(model, x), ch.patch_centres((4, 4), (32, 32)), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(ch.patch_centres((2, 2), (8, 8))[1, 0].numpy(), [5.5, 1.5])
 
 
 def test_token_centres_see_a_stem_that_looks_up_and_left():
@@ -230,33 +231,33 @@ def test_token_centres_see_a_stem_that_looks_up_and_left():
     with torch.no_grad():
         conv.weight.zero_()
         conv.weight[:, :, 0, 0] = 1.0
-    centres = fa.token_centres(model, torch.randn(1, 3, 32, 32))
+    centres = ch.token_centres(model, torch.randn(1, 3, 32, 32))
     np.testing.assert_allclose(centres[1, 2].numpy(), [8.0, 16.0], atol=1e-5)
 
 
 def test_shift_masks_moves_content_and_fills_background():
     m = torch.zeros(1, 4, 4, dtype=torch.bool)
     m[0, 0, 0] = m[0, 3, 3] = True
-    down = fa.shift_masks(m, 1, 2)
+    down = ch.shift_masks(m, 1, 2)
     assert down.dtype == torch.float32 and down.sum() == 1 and down[0, 1, 2] == 1   # (3, 3) left the image
-    up = fa.shift_masks(m, -3, -3)
+    up = ch.shift_masks(m, -3, -3)
     assert up.sum() == 1 and up[0, 0, 0] == 1
-    assert fa.shift_masks(m, 4, 0).sum() == 0
-    torch.testing.assert_close(fa.shift_masks(m, 0, 0), m.float())
+    assert ch.shift_masks(m, 4, 0).sum() == 0
+    torch.testing.assert_close(ch.shift_masks(m, 0, 0), m.float())
 
 
 def test_grade_maps_scores_and_empty_maps():
     masks = np.stack([square_mask(), square_mask()])                # object: top-left quarter
     maps = torch.zeros(2, 2, 2)
     maps[0, 0, 0] = 1.0                                              # on the object, all mass there
-    got = fa.grade_maps(maps, masks)                                 # map 1 is empty: a miss, mass 0
+    got = loc.grade_maps(maps, masks)                                 # map 1 is empty: a miss, mass 0
     assert got == {"pointing": 0.5, "touch": 0.5, "mass": 0.5, "n": 2}
 
 
 def test_rollout_settings_maps_stack_the_settings():
     model = _tiny_vit()
     x, _, _ = _inputs(5)
-    maps = fa.rollout_settings_maps(model, x, [("min", 0.0), ("max", 0.5)], batch_size=2)
+    maps = ch.rollout_settings_maps(model, x, [("min", 0.0), ("max", 0.5)], batch_size=2)
     assert maps.shape == (2, 5, 4, 4)
     torch.testing.assert_close(maps[1], rollout(model, x, "max", 0.5))
 
@@ -264,7 +265,7 @@ def test_rollout_settings_maps_stack_the_settings():
 def test_asked_object_maps_are_the_maps_of_each_ask():
     model = _tiny_vit()
     x, _, labels = _inputs(3)
-    maps = fa.asked_object_maps(model, x, labels, batch_size=2, grad_discard_ratio=0.2)
-    assert set(maps) == set(fa.CLASS_METHODS) and maps["Chefer relevance"].shape == (3, 2, 4, 4)
+    maps = ch.asked_object_maps(model, x, labels, batch_size=2, grad_discard_ratio=0.2)
+    assert set(maps) == set(ch.CLASS_METHODS) and maps["Chefer relevance"].shape == (3, 2, 4, 4)
     torch.testing.assert_close(maps["Chefer relevance"][:, 1], chefer_relevance(model, x, labels[:, 1]))
     torch.testing.assert_close(maps["gradient rollout"][:, 0], grad_rollout(model, x, labels[:, 0], discard_ratio=0.2))
