@@ -12,19 +12,12 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from vitlab.faithfulness import _batches
 from vitlab.localization import (
-    TOUCH, _as_tensor, attention_entropy, grade_asked, grade_maps, layer_mass_on_object, mask_to_grid, object_area,
-    pointing_game,
+    _as_tensor, attention_entropy, grade_asked, grade_maps, layer_mass_on_object, object_area, pointing_game,
 )
 
-
-def _batches(n: int, batch_size: int):
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    for start in range(0, n, batch_size):
-        yield slice(start, min(start + batch_size, n))
 
 class CLSProfile(NamedTuple):
     """Where the class token looks, layer by layer, from :func:`cls_attention_profile`.

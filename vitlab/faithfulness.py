@@ -17,7 +17,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitlab.chapters import _batches
+
+def _batches(n: int, batch_size: int):
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    for start in range(0, n, batch_size):
+        yield slice(start, min(start + batch_size, n))
+
 
 # ---------------------------------------------------------------------------------------------
 # Faithfulness: does the model's output respond to the pixels the map calls salient?

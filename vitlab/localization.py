@@ -18,8 +18,6 @@ They take maps and masks only; no model is called here.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
-
 import numpy as np
 import torch
 import torch.nn.functional as F
