@@ -130,7 +130,7 @@ def test_pixel_groups_follow_array_split_of_a_stable_descending_order():
 # --- saco on models ----------------------------------------------------------------------
 
 
-def loop_saco(model, x, saliency, target, k):
+def loop_saco(model, x, saliency, target, k, prob=lambda z: torch.softmax(z, -1)):
     """Independent reference: one sample, one group at a time, numpy grouping."""
     out = []
     model.eval()
@@ -143,14 +143,15 @@ def loop_saco(model, x, saliency, target, k):
             flat = s.flatten().double().numpy()
             parts = np.array_split(np.argsort(-flat, kind="stable"), k)
             xb = x[b]
-            p0 = torch.softmax(model(xb[None]).double(), -1)[0]
-            t = int(p0.argmax()) if target is None else int(target[b])
+            z0 = model(xb[None]).double()
+            p0 = prob(z0)[0]
+            t = int(z0.argmax()) if target is None else int(target[b])
             mean = xb.mean(dim=(1, 2))
             d, sums = [], []
             for part in parts:
                 xp = xb.clone().reshape(3, -1)
                 xp[:, torch.as_tensor(part)] = mean[:, None]
-                p = torch.softmax(model(xp.reshape(xb.shape)[None]).double(), -1)[0, t]
+                p = prob(model(xp.reshape(xb.shape)[None]).double())[0, t]
                 d.append(float(p0[t] - p))
                 sums.append(flat[part].sum())
             num = den = 0.0
@@ -380,3 +381,43 @@ def test_curve_blur_replacement_is_a_gaussian_blur():
         fa.perturbation_curve(Spy(), x, sal, target=0, fractions=(1.0,), replacement="blur", blur_sigma=sigma)
         ref = nd.gaussian_filter(x.numpy(), sigma=(0, 0, sigma, sigma), mode="nearest", truncate=3.0)
         np.testing.assert_allclose(torch.cat(seen).numpy(), ref, atol=1e-12)
+
+
+# --- which probability: softmax (the papers), sigmoid, or the head's own ----------------------
+
+class MultiLabel(nn.Module):
+    """Wraps a model; ``pretrained_cfg`` marks its head multi-label, as vitlab's shapes models do."""
+
+    def __init__(self, model, multi_label: bool):
+        super().__init__()
+        self.model = model
+        self.pretrained_cfg = {"multi_label": multi_label}
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def test_probability_options_read_the_asked_probability(vit, x):
+    sal = torch.rand(3, 4, 4, generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        vit.eval()
+        logits = vit(x).double()
+    t = logits.argmax(-1)
+    soft = fa.saco_details(vit, x, sal, k=5)
+    sig = fa.saco_details(vit, x, sal, k=5, probability="sigmoid")
+    torch.testing.assert_close(soft.probability, torch.softmax(logits, -1)[torch.arange(3), t].float())
+    torch.testing.assert_close(sig.probability, torch.sigmoid(logits)[torch.arange(3), t].float())
+    # SaCo from the sigmoid drops, recomputed by the loop with the sigmoid
+    torch.testing.assert_close(sig.saco, loop_saco(vit, x, sal, None, 5, prob=torch.sigmoid).float(),
+                               atol=1e-6, rtol=0)
+    # "head" follows the model's flag
+    for multi, want in ((True, sig), (False, soft)):
+        got = fa.saco_details(MultiLabel(vit, multi), x, sal, k=5, probability="head")
+        torch.testing.assert_close(got.drops, want.drops)
+    curve = fa.perturbation_curve(MultiLabel(vit, True), x, sal, probability="head")
+    torch.testing.assert_close(curve.probability[:, 0], sig.probability)
+    for bad in ("logit", "Softmax", None):
+        with pytest.raises(ValueError, match="probability"):
+            fa.saco(vit, x, sal, probability=bad)
+        with pytest.raises(ValueError, match="probability"):
+            fa.perturbation_curve(vit, x, sal, probability=bad)

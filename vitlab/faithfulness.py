@@ -85,6 +85,30 @@ def _run_items(model, n_items: int, make_chunk, batch_size: int, progress: bool,
     return torch.cat(out)
 
 
+#: How :func:`saco` and :func:`perturbation_curve` read the target's probability from the
+#: logits: ``"softmax"`` (the papers' choice, for any head), ``"sigmoid"`` (one independent
+#: probability per class), or ``"head"`` (the model's own: sigmoid for a multi-label head,
+#: see :func:`vitlab.targets.is_multi_label`, softmax otherwise).
+PROBABILITIES = ("softmax", "sigmoid", "head")
+
+
+def _check_probability(probability: str) -> str:
+    if probability not in PROBABILITIES:
+        raise ValueError(f"probability must be one of {PROBABILITIES}, got {probability!r}")
+    return probability
+
+
+def _target_probability(logits: torch.Tensor, t: torch.Tensor, probability: str, model) -> torch.Tensor:
+    """``logits``: ``B x n x C`` -> ``B x n`` float64 probability of class ``t[b]``."""
+    from vitlab.targets import is_multi_label
+
+    sigmoid = probability == "sigmoid" or (probability == "head" and is_multi_label(model))
+    logits = logits.double()
+    probs = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+    B, n, _ = logits.shape
+    return probs.gather(2, t[:, None, None].expand(B, n, 1))[..., 0]
+
+
 def saco_from_drops(drops, sums) -> torch.Tensor:
     """The Salience-guided Faithfulness Coefficient from per-group responses and saliences.
 
@@ -117,7 +141,7 @@ class SaCoResult(NamedTuple):
 
     Attributes:
         saco: ``B`` coefficients in [-1, 1].
-        drops: ``B x K`` drop of the target's softmax probability when group k (most salient
+        drops: ``B x K`` drop of the target's probability (``probability``) when group k (most salient
             first) alone is replaced by the image's per-channel mean.
         sums: ``B x K`` salience summed over each group.
         probability: ``B`` target probability of the clean input.
@@ -151,10 +175,11 @@ def pixel_groups(saliency: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def saco_details(model, x: torch.Tensor, saliency, target=None, k: int = 10, batch_size: int = 64,
-                 progress: bool = False) -> SaCoResult:
+                 progress: bool = False, probability: str = "softmax") -> SaCoResult:
     """:func:`saco` with its ingredients (groups' drops and salience sums); see there."""
     from vitlab.targets import check_target, resolve_target
 
+    _check_probability(probability)
     sal = _pixel_saliency(saliency, x)
     B, C, H, W = x.shape
     flat = sal.reshape(B, -1)
@@ -176,15 +201,14 @@ def saco_details(model, x: torch.Tensor, saliency, target=None, k: int = 10, bat
 
     logits = _run_items(model, B * (k + 1), make_chunk, batch_size, progress, "SaCo").reshape(B, k + 1, -1)
     t = resolve_target(target, logits[:, 0]).cpu()
-    probs = torch.softmax(logits.double(), dim=-1)
-    p_t = probs.gather(2, t[:, None, None].expand(B, k + 1, 1))[..., 0]  # B x (k+1)
+    p_t = _target_probability(logits, t, probability, model)            # B x (k+1)
     drops = p_t[:, :1] - p_t[:, 1:]
     sums = sums.cpu()
     return SaCoResult(saco_from_drops(drops, sums).float(), drops.float(), sums.float(), p_t[:, 0].float(), t)
 
 
 def saco(model, x: torch.Tensor, saliency, target=None, k: int = 10, batch_size: int = 64,
-         progress: bool = False) -> torch.Tensor:
+         progress: bool = False, probability: str = "softmax") -> torch.Tensor:
     """Salience-guided Faithfulness Coefficient (Wu et al., CVPR 2024, Alg. 1) per sample: ``B``.
 
     Args:
@@ -198,12 +222,14 @@ def saco(model, x: torch.Tensor, saliency, target=None, k: int = 10, batch_size:
             replaced on its own by the image's per-channel mean) take
             ``ceil(B (k + 1) / batch_size)`` forwards.
         progress: show a tqdm bar over the forwards.
+        probability: how the target's probability is read (:data:`PROBABILITIES`): the
+            paper's ``"softmax"``, ``"sigmoid"``, or the model's own ``"head"``.
 
-    The response of group i is ``d_i = p(t|x) - p(t|x with G_i replaced)`` (softmax
+    The response of group i is ``d_i = p(t|x) - p(t|x with G_i replaced)`` (by default the softmax
     probability), its salience ``s_i`` the map's sum over G_i; SaCo is
     :func:`saco_from_drops`. 1: more salient groups always matter more; -1: the reverse.
     """
-    return saco_details(model, x, saliency, target, k, batch_size, progress).saco
+    return saco_details(model, x, saliency, target, k, batch_size, progress, probability).saco
 
 
 def _blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -230,7 +256,7 @@ class PerturbationCurve(NamedTuple):
 
     Attributes:
         fractions: ``F`` fractions of pixels removed.
-        probability: ``B x F`` target softmax probability at each fraction.
+        probability: ``B x F`` target probability (``probability``) at each fraction.
         correct: ``B x F`` whether the top-1 class is the target.
         target: ``B`` classes.
         auc: ``B`` trapezoid area under ``probability`` over ``fractions``.
@@ -254,21 +280,23 @@ def _trapezoid(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def perturbation_curve(model, x: torch.Tensor, saliency, target=None, positive: bool = True,
                        fractions=CHEFER_FRACTIONS, replacement: str = "mean", batch_size: int = 64,
-                       blur_sigma: float | None = None, progress: bool = False) -> PerturbationCurve:
+                       blur_sigma: float | None = None, progress: bool = False,
+                       probability: str = "softmax") -> PerturbationCurve:
     """Cumulative perturbation test (Chefer, Gur, Wolf 2021, Sec. 4.1) per sample.
 
     At each fraction f, the ``int(f * H * W)`` most salient pixels (``positive``; the least
     salient for ``positive=False``; stable order, ties in raster order) are replaced and the
-    target's softmax probability and top-1 correctness recorded. ``replacement``: ``"mean"``
+    target's probability and top-1 correctness recorded. ``replacement``: ``"mean"``
     (the image's per-channel mean), ``"zero"`` (0 in the model's input space, Chefer's
     choice on normalised inputs) or ``"blur"`` (a Gaussian blur of the image, ``blur_sigma``
     pixels, default ``min(H, W) / 16``). Lower positive AUC and higher negative AUC are
-    better. ``saliency``, ``target``, ``batch_size`` as in :func:`saco`; ``B x F`` inputs,
+    better. ``saliency``, ``target``, ``batch_size``, ``probability`` as in :func:`saco`; ``B x F`` inputs,
     ``ceil(B F / batch_size)`` forwards. The target (None = predicted) is decided on the
     clean input, which must be the first fraction 0 when ``target`` is None.
     """
     from vitlab.targets import check_target, resolve_target
 
+    _check_probability(probability)
     if replacement not in REPLACEMENTS:
         raise ValueError(f"replacement must be one of {REPLACEMENTS}, got {replacement!r}")
     fr = torch.as_tensor(np.asarray(fractions, dtype=np.float64))
@@ -304,7 +332,7 @@ def perturbation_curve(model, x: torch.Tensor, saliency, target=None, positive: 
 
     logits = _run_items(model, B * Fn, make_chunk, batch_size, progress, "perturbation").reshape(B, Fn, -1)
     t = resolve_target(target, logits[:, 0]).cpu()
-    prob = torch.softmax(logits.double(), -1).gather(2, t[:, None, None].expand(B, Fn, 1))[..., 0].float()
+    prob = _target_probability(logits, t, probability, model).float()
     correct = logits.argmax(-1) == t[:, None]
     fr = fr.float()
     return PerturbationCurve(fr, prob, correct, t, _trapezoid(prob, fr), _trapezoid(correct.float(), fr))
