@@ -40,7 +40,8 @@ _EXPORTS = {
     "class_probabilities": "vitlab.targets",
     "project": "vitlab.projection",            # every token, block by block, as class logits (chapter 6)
 }
-_SUBMODULES = {"plot", "images", "shapes", "imgfocus", "localization", "chapters", "faithfulness", "actmax", "widgets", "projection"}
+_SUBMODULES = {"plot", "images", "shapes", "imgfocus", "localization", "chapters", "faithfulness", "actmax", "widgets",
+               "projection", "evaluate", "gradients"}
 
 __all__ = [
     "__version__", "TokenLayout", "token_layout", "Recording", "record", "EMBEDDED_MODELS",

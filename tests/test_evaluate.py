@@ -1,0 +1,207 @@
+"""The leaderboard (vitlab.evaluate): every cell against the measure computed on its own, the
+interval by hand, chunking and resuming give the same table, torchrun with 2 processes gives
+the table of 1 process, the model is left as it was."""
+import csv
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import TINY, randomize  # noqa: F401
+from vitlab import evaluate as ev
+from vitlab import faithfulness as fa
+from vitlab import localization as lo
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeData:
+    """n random 32 x 32 inputs; sample i has two square objects of classes (i % 5, (i + 1) % 5)."""
+
+    def __init__(self, n=6, labels=False):
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(n, 3, 32, 32, generator=g)
+        self.masks = np.zeros((n, 2, 32, 32), dtype=bool)
+        for i in range(n):
+            r, c = (i * 5) % 16, (i * 3) % 16
+            self.masks[i, 0, r:r + 12, c:c + 12] = True
+            self.masks[i, 1, 20:30, 18:30] = True
+            self.masks[i, 1] &= ~self.masks[i, 0]
+        self.labels = labels
+
+    def __len__(self):
+        return self.x.shape[0]
+
+    def batch(self, indices):
+        idx = list(indices)
+        obj = [(self.masks[i], np.array([i % 5, (i + 1) % 5])) for i in idx]
+        labels = torch.tensor([i % 5 for i in idx]) if self.labels else None
+        return ev.Batch(self.x[idx], labels, None if self.labels else obj)
+
+
+METHODS = ["random", "rollout", "attention GradCAM", "Chefer relevance", "input x gradient"]
+
+
+def test_cells_equal_each_measure_computed_on_its_own(vit):
+    data = FakeData(5)
+    board = ev.leaderboard(vit, data, METHODS, ks=(3, 6), chunk=5, batch_size=16, probability="softmax",
+                           progress=False)
+    assert board.measures == ev.measure_names((3, 6), masks=True)
+    x = data.x
+    with torch.no_grad():
+        t = vit(x).argmax(-1)
+    assert np.array_equal(board.target, t.numpy())
+    masks = np.stack([data.masks[i, int(np.flatnonzero(np.array([i % 5, (i + 1) % 5]) == int(t[i]))[0])]
+                      if int(t[i]) in (i % 5, (i + 1) % 5) else np.zeros((32, 32), bool) for i in range(5)])
+    for j, name in enumerate(METHODS):
+        maps = torch.cat([ev.METHODS[name](vit, x[i:i + 1], t[i:i + 1], [i]) for i in range(5)])
+        for q, k in enumerate((3, 6)):
+            for i in range(5):
+                if maps[i].max() > maps[i].min():
+                    want = float(fa.saco(vit, x[i:i + 1], maps[i:i + 1], target=t[i:i + 1], k=k))
+                    assert board.values[i, j, q] == pytest.approx(want, abs=1e-5)
+                else:
+                    assert math.isnan(board.values[i, j, q])
+        pos = fa.perturbation_curve(vit, x, maps, target=t, positive=True)
+        neg = fa.perturbation_curve(vit, x, maps, target=t, positive=False)
+        np.testing.assert_allclose(board.values[:, j, 2], pos.auc.numpy(), atol=1e-5)
+        np.testing.assert_allclose(board.values[:, j, 3], neg.auc.numpy(), atol=1e-5)
+        np.testing.assert_allclose(board.values[:, j, 4], pos.auc_accuracy.numpy(), atol=1e-6)
+        np.testing.assert_allclose(board.values[:, j, 5], neg.auc_accuracy.numpy(), atol=1e-6)
+        np.testing.assert_array_equal(board.values[:, j, 6], lo.pointing_game(maps, masks).double().numpy())
+        has = maps.clamp_min(0).flatten(1).sum(1) > 0
+        mass = np.full(5, np.nan)
+        if has.any():
+            mass[has.numpy()] = lo.mass_on_object(maps[has], masks[has.numpy()]).numpy()
+        np.testing.assert_allclose(board.values[:, j, 7], mass, atol=1e-6)
+
+
+def test_summary_is_mean_and_normal_interval_over_defined_samples():
+    values = np.array([[[1.0, np.nan]], [[2.0, 5.0]], [[4.0, np.nan]], [[5.0, np.nan]]])  # 4 x 1 x 2
+    rows = ev.summarize(values, ["m"], ["a", "b"])
+    a, b = rows
+    v = np.array([1.0, 2.0, 4.0, 5.0])
+    half = 1.96 * math.sqrt(((v - 3) ** 2).sum() / 3) / 2
+    assert a == {"method": "m", "measure": "a", "mean": 3.0, "ci_low": pytest.approx(3 - half),
+                 "ci_high": pytest.approx(3 + half), "n": 4}
+    assert b["n"] == 1 and b["mean"] == 5.0 and math.isnan(b["ci_low"])
+
+
+def test_random_maps_depend_on_the_sample_only():
+    a = ev.random_maps([0, 1, 2, 3], (4, 5), seed=2)
+    b = torch.cat([ev.random_maps([2, 3], (4, 5), seed=2), ev.random_maps([0, 1], (4, 5), seed=2)])
+    assert torch.equal(a, b[[2, 3, 0, 1]])
+    assert not torch.equal(a, ev.random_maps([0, 1, 2, 3], (4, 5), seed=3))
+    assert not torch.equal(a[0], a[1])
+
+
+def test_chunking_and_resuming_give_the_same_table(vit, tmp_path):
+    data = FakeData(6)
+    kw = dict(methods=["random", "rollout", "Chefer relevance"], ks=(4,), batch_size=7, progress=False)
+    whole = ev.leaderboard(vit, data, chunk=6, **kw)
+    out = tmp_path / "run"
+    first = ev.leaderboard(vit, data, chunk=4, out=out, **kw)
+    assert first.chunks_computed == 2 and first.chunks_loaded == 0
+    np.testing.assert_allclose(first.values, whole.values, atol=1e-5)
+    assert sorted(p.name for p in (out / "chunks").iterdir()) == ["0000000-0000004.npz", "0000004-0000006.npz"]
+    (out / "chunks" / "0000004-0000006.npz").unlink()
+    again = ev.leaderboard(vit, data, chunk=4, out=out, **kw)
+    assert again.chunks_computed == 1 and again.chunks_loaded == 1
+    np.testing.assert_array_equal(again.values, first.values)
+    with pytest.raises(ValueError, match="another configuration"):
+        ev.leaderboard(vit, data, chunk=3, out=out, **kw)
+    paths = ev.write(again, tmp_path / "table")
+    with open(paths[0]) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3 * len(again.measures)
+    assert float(rows[0]["mean"]) == pytest.approx(again.table[0]["mean"])
+    saved = np.load(paths[2])
+    np.testing.assert_array_equal(saved["values"], again.values)
+
+
+def test_model_unchanged(vit):
+    state = {k: v.clone() for k, v in vit.state_dict().items()}
+    vit.train()
+    flags = [(n, m.training, getattr(m, "fused_attn", None), len(m._forward_hooks)) for n, m in vit.named_modules()]
+    grads = [p.requires_grad for p in vit.parameters()]
+    try:
+        ev.leaderboard(vit, FakeData(3), ["random", "Chefer relevance", "input x gradient"], ks=(3,),
+                       progress=False)
+        assert flags == [(n, m.training, getattr(m, "fused_attn", None), len(m._forward_hooks))
+                         for n, m in vit.named_modules()]
+        assert grads == [p.requires_grad for p in vit.parameters()]
+        assert all(p.grad is None for p in vit.parameters())
+        assert all(torch.equal(state[k], v) for k, v in vit.state_dict().items())
+    finally:
+        vit.eval()
+
+
+def test_label_target_and_errors(vit):
+    data = FakeData(4, labels=True)
+    board = ev.leaderboard(vit, data, ["random"], ks=(3,), progress=False, target="label")
+    assert list(board.target) == [0, 1, 2, 3]
+    assert board.measures == ev.measure_names((3,), masks=False)
+    with pytest.raises(ValueError, match="label"):
+        ev.leaderboard(vit, FakeData(4), ["random"], ks=(3,), progress=False, target="label")
+    for bad in (dict(methods=["nope"]), dict(methods=[]), dict(methods=["random", "random"]), dict(ks=(1,)),
+                dict(ks=()), dict(chunk=0), dict(probability="logit"), dict(target="true")):
+        with pytest.raises(ValueError):
+            ev.leaderboard(vit, data, **{"methods": ["random"], "progress": False, **bad})
+
+
+def test_image_folder(tmp_path):
+    from PIL import Image
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = randomize(VisionTransformer(**TINY), 1)
+    model.pretrained_cfg = {"input_size": (3, 32, 32), "mean": (0.5,) * 3, "std": (0.5,) * 3,
+                            "interpolation": "bilinear", "crop_pct": 1.0}
+    rng = np.random.default_rng(0)
+    for cls in ("3", "1"):
+        (tmp_path / cls).mkdir()
+        for i in range(2):
+            Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(tmp_path / cls / f"{i}.png")
+    (tmp_path / "1" / "notes.txt").write_text("not an image")
+    data = ev.ImageFolderData(model, tmp_path)
+    assert len(data) == 4 and [lab for _, lab in data.files] == [1, 1, 3, 3]
+    b = data.batch([0, 3])
+    assert b.x.shape == (2, 3, 32, 32) and b.labels.tolist() == [1, 3] and b.object_masks is None
+    with pytest.raises(ValueError, match="does not exist"):
+        ev.ImageFolderData(model, tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="class folders"):
+        ev.ImageFolderData(model, tmp_path / "empty")
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None
+                    and shutil.which("torchrun") is None, reason="torchrun not installed")
+def test_torchrun_two_processes_write_the_table_of_one(tmp_path):
+    args = ["--samples", "4", "--methods", "random,rollout,Chefer relevance", "--k", "4", "--chunk", "1",
+            "--threads", "1", "--no-progress", "--device", "cpu"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "vitlab.evaluate", *args, "--out", str(tmp_path / "one")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    two = subprocess.run([torchrun, "--nproc_per_node=2", "--master_port=29517", "-m", "vitlab.evaluate", *args,
+                          "--out", str(tmp_path / "two")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr
+    assert "2 processes" in two.stdout and "4 chunks computed" in two.stdout
+    assert (tmp_path / "one" / "leaderboard.csv").read_text() == (tmp_path / "two" / "leaderboard.csv").read_text()
+    a, b = np.load(tmp_path / "one" / "per_sample.npz"), np.load(tmp_path / "two" / "per_sample.npz")
+    np.testing.assert_array_equal(a["values"], b["values"])
+    # each process computed its own chunks: both wrote into their folder's chunk files
+    assert len(list((tmp_path / "two" / "chunks").iterdir())) == 4
+
+
+def test_command_line_errors(tmp_path):
+    assert ev.main(["--samples", "2", "--methods", "nope", "--out", str(tmp_path), "--no-progress"]) == 2

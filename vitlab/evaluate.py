@@ -1,0 +1,633 @@
+"""The leaderboard: every explanation method of the tutorial x every measure, with intervals.
+
+    python -m vitlab.evaluate                               # 500 held-out shapes scenes
+    python -m vitlab.evaluate --images DIR --model NAME     # your own labelled photos
+    torchrun --nproc_per_node=4 -m vitlab.evaluate ...      # the same table, 4 processes
+
+Rows are methods (:data:`METHODS`: a random map, attention read directly, rollout,
+gradient-weighted attention, Chefer's relevance, the class-embedding map of chapter 6 and
+input x gradient); columns are measures (:func:`measure_names`):
+
+- faithfulness (:mod:`vitlab.faithfulness`): SaCo for each K, and the area under the
+  positive and negative perturbation curves of Chefer et al. (probability and top-1);
+- plausibility (:mod:`vitlab.localization`, only where object masks exist): the pointing
+  game and the share of the map's mass on the object.
+
+Every sample is explained for one class, the model's prediction on the clean input, and
+every measure is computed per sample; a cell is the mean over samples with a 95% interval
+(normal approximation, ``mean +- 1.96 sd / sqrt(n)``). A measure that is undefined for a
+sample (SaCo of a constant map, the mass of a map with no positive value) is left out of
+that cell, and the cell's ``n`` says how many samples it holds.
+
+Scaling out: samples are cut into chunks of ``--chunk`` scenes, in a fixed order; a
+chunk is always computed whole, by one process. Under ``torchrun`` (gloo on CPU, nccl on
+GPU) process r takes the chunks ``c`` with ``c % world_size == r``, and the results are
+gathered to process 0, which writes the same files a single process writes. With
+``--out``, every finished chunk is saved, so an interrupted run resumes where it stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+#: Seed of the leaderboard's held-out shapes scenes (training uses seeds >= 1,000,000).
+SHAPES_SEED = 7100
+
+
+# --------------------------------------------------------------------------------------
+# Methods: (model, x, target, indices) -> B x gh x gw
+# --------------------------------------------------------------------------------------
+
+def random_maps(indices: Sequence[int], grid: tuple[int, int], seed: int = 0) -> torch.Tensor:
+    """Uniform random maps, one per sample, each drawn from its own sample index (and
+    ``seed``): the same map for a sample whichever chunk or process computes it."""
+    out = torch.empty(len(indices), *grid)
+    for row, i in enumerate(indices):
+        g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(i))
+        out[row] = torch.rand(*grid, generator=g)
+    return out
+
+
+def _random(model, x, target, indices):
+    from vitlab.layout import token_layout
+    return random_maps(indices, token_layout(model, x).grid)
+
+
+def _raw(model, x, target, indices):
+    from vitlab.attention import raw_attention
+    return raw_attention(model, x)
+
+
+def _cls_mean(model, x, target, indices):
+    from vitlab.attention import cls_attention
+    return cls_attention(model, x).mean(dim=(1, 2))
+
+
+def _rollout(model, x, target, indices):
+    from vitlab.rollout import rollout
+    return rollout(model, x)
+
+
+def _rollout_max(model, x, target, indices):
+    from vitlab.rollout import rollout
+    return rollout(model, x, head_fusion="max", discard_ratio=0.9)
+
+
+def _gradcam(model, x, target, indices):
+    from vitlab.attention import attention_gradcam
+    return attention_gradcam(model, x, target)
+
+
+def _grad_rollout(model, x, target, indices):
+    from vitlab.rollout import grad_rollout
+    return grad_rollout(model, x, target)
+
+
+def _chefer(model, x, target, indices):
+    from vitlab.relevance import chefer_relevance
+    return chefer_relevance(model, x, target)
+
+
+def _projection(model, x, target, indices):
+    from vitlab.projection import projection_map
+    return projection_map(model, x, target)
+
+
+def _input_x_gradient(model, x, target, indices):
+    from vitlab.gradients import input_x_gradient
+    return input_x_gradient(model, x, target)
+
+
+#: Method name -> ``fn(model, x, target, indices) -> B x gh x gw``, in the table's order.
+METHODS: dict[str, Callable] = {
+    "random": _random,
+    "raw attention (last block)": _raw,
+    "CLS attention (mean of blocks)": _cls_mean,
+    "rollout": _rollout,
+    "rollout (max, discard 0.9)": _rollout_max,
+    "attention GradCAM": _gradcam,
+    "gradient rollout": _grad_rollout,
+    "Chefer relevance": _chefer,
+    "class-embedding map": _projection,
+    "input x gradient": _input_x_gradient,
+}
+
+#: Whether a higher value of a measure is better (SaCo, negative AUC, plausibility) or lower
+#: (positive AUC: removing the most salient pixels first should hurt the most).
+HIGHER_IS_BETTER = {"SaCo": True, "AUC+": False, "AUC-": True, "pointing": True, "mass on object": True}
+
+PLAUSIBILITY = ("pointing", "mass on object")
+
+
+def measure_names(ks: Sequence[int] = (5, 10, 20), masks: bool = True) -> list[str]:
+    """The leaderboard's columns for SaCo at each K, with the plausibility ones if ``masks``."""
+    names = [f"SaCo K={k}" for k in ks] + ["AUC+ probability", "AUC- probability", "AUC+ top-1", "AUC- top-1"]
+    return names + (list(PLAUSIBILITY) if masks else [])
+
+
+def higher_is_better(measure: str) -> bool:
+    """Direction of a column of :func:`measure_names`."""
+    return HIGHER_IS_BETTER[measure.split(" ")[0] if not measure.startswith("mass") else "mass on object"]
+
+
+# --------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------
+
+class Batch(NamedTuple):
+    """A chunk of samples: ``x`` (B x 3 x H x W, as the model takes it), ``labels`` (B ints or
+    None) and ``object_masks`` (per sample a ``K x H x W`` bool array and its ``K`` classes,
+    or None where no masks exist)."""
+
+    x: torch.Tensor
+    labels: torch.Tensor | None
+    object_masks: list[tuple[np.ndarray, np.ndarray]] | None
+
+
+class ShapesData:
+    """Held-out shapes scenes (:func:`vitlab.shapes.make_scenes`): half with one object, half
+    with two (``objects="mixed"``: even indices one object, odd indices two), or all with
+    ``objects`` = 1 or 2. Labels are per object, so the class explained is the prediction."""
+
+    def __init__(self, model, n: int = 500, objects: str | int = "mixed", seed: int = SHAPES_SEED):
+        from vitlab.models import preprocess_batch
+        from vitlab.shapes import make_scenes
+
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int, got {n!r}")
+        if objects not in ("mixed", 1, 2):
+            raise ValueError(f"objects must be 'mixed', 1 or 2, got {objects!r}")
+        self.n, self.objects, self.seed = n, objects, seed
+        self._model = model
+        self._preprocess = preprocess_batch
+        if objects == "mixed":
+            n1 = (n + 1) // 2
+            self._parts = [make_scenes(n1, seed, 1)] + ([make_scenes(n - n1, seed + 1, 2)] if n > n1 else [])
+        else:
+            self._parts = [make_scenes(n, seed, int(objects))]
+        self.classes = self._parts[0].classes
+
+    def __len__(self) -> int:
+        return self.n
+
+    def describe(self) -> dict:
+        return {"data": "shapes", "n": self.n, "objects": self.objects, "seed": self.seed}
+
+    def _item(self, i: int):
+        if self.objects == "mixed":  # even indices: one object; odd: two
+            part, j = self._parts[i % 2], i // 2
+        else:
+            part, j = self._parts[0], i
+        return part.images[j], part.labels[j], part.masks[j]
+
+    def batch(self, indices: Sequence[int]) -> Batch:
+        items = [self._item(int(i)) for i in indices]
+        x = self._preprocess([im for im, _, _ in items], self._model)
+        return Batch(x, None, [(m, lab) for _, lab, m in items])
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".JPEG", ".JPG", ".PNG")
+
+
+class ImageFolderData:
+    """Labelled photos in the ImageNet layout: ``root/<class>/<image>``.
+
+    A folder named by an integer gives that class index; otherwise the classes are the
+    folder names in sorted order, indexed 0, 1, ... (torchvision's ``ImageFolder``
+    convention, which matches the model's classes for a full ImageNet validation set in
+    synset folders). No masks: the plausibility columns are left out.
+    """
+
+    def __init__(self, model, root, n: int | None = None):
+        from vitlab.models import preprocess_batch
+
+        root = Path(root)
+        if not root.is_dir():
+            raise ValueError(f"image folder {str(root)!r} does not exist or is not a folder")
+        folders = sorted(p for p in root.iterdir() if p.is_dir())
+        if not folders:
+            raise ValueError(f"{str(root)!r} holds no class folders (expected root/<class>/<image>)")
+        numeric = all(p.name.isdigit() for p in folders)
+        files = []
+        for idx, folder in enumerate(folders):
+            label = int(folder.name) if numeric else idx
+            files += [(p, label) for p in sorted(folder.iterdir()) if p.suffix in IMAGE_SUFFIXES]
+        if not files:
+            raise ValueError(f"no images ({', '.join(IMAGE_SUFFIXES[:5])}) under {str(root)!r}")
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"n must be a positive int, got {n!r}")
+            files = files[:n]
+        self.root, self.files = root, files
+        self._model = model
+        self._preprocess = preprocess_batch
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def describe(self) -> dict:
+        return {"data": "images", "root": str(self.root), "n": len(self.files)}
+
+    def batch(self, indices: Sequence[int]) -> Batch:
+        from vitlab.images import load_image
+
+        chosen = [self.files[int(i)] for i in indices]
+        x = self._preprocess([load_image(str(p)) for p, _ in chosen], self._model)
+        return Batch(x, torch.tensor([lab for _, lab in chosen]), None)
+
+
+# --------------------------------------------------------------------------------------
+# Scoring one chunk
+# --------------------------------------------------------------------------------------
+
+def _target_masks(object_masks, target: torch.Tensor) -> np.ndarray:
+    """Per sample the mask of the object whose class is the target (empty if none is)."""
+    out = []
+    for (masks, labels), t in zip(object_masks, target.tolist()):
+        hit = np.flatnonzero(np.asarray(labels) == t)
+        out.append(masks[hit[0]] if hit.size else np.zeros(masks.shape[1:], dtype=bool))
+    return np.stack(out)
+
+
+def _predicted(model, x: torch.Tensor) -> torch.Tensor:
+    """The model's top-1 class per sample, in eval mode (each module's mode put back)."""
+    from vitlab.targets import _logits
+
+    was = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        with torch.no_grad():
+            return _logits(model(x)).argmax(-1).cpu()
+    finally:
+        for m, mode in was:
+            m.training = mode
+
+
+def _non_constant(maps: torch.Tensor) -> torch.Tensor:
+    flat = maps.flatten(1)
+    return flat.amax(1) > flat.amin(1)
+
+
+TARGETS = ("predicted", "label")
+
+
+def score_chunk(model, batch: Batch, indices: Sequence[int], methods: Sequence[str], ks: Sequence[int],
+                probability: str = "head", batch_size: int = 128,
+                target: str = "predicted") -> tuple[np.ndarray, np.ndarray]:
+    """Every measure of every method on one chunk: ``(values, target)``.
+
+    The class explained is the model's prediction on the clean input (``target="predicted"``,
+    as in the papers) or the batch's label (``"label"``, for labelled photos).
+
+    ``values``: ``B x methods x measures`` float64 (NaN where a measure is undefined for a
+    sample), measures as :func:`measure_names` with masks when ``batch.object_masks``
+    exists; ``target``: the ``B`` classes explained.
+    """
+    from vitlab import faithfulness as fa
+    from vitlab import localization as lo
+
+    x = batch.x
+    B = x.shape[0]
+    if target == "label":
+        if batch.labels is None:
+            raise ValueError("target='label' needs labelled data (an image folder); these samples have no single label")
+        target = torch.as_tensor(batch.labels).cpu()
+    elif target != "predicted":
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    else:
+        target = _predicted(model, x)
+    masks = None if batch.object_masks is None else _target_masks(batch.object_masks, target)
+    names = measure_names(ks, masks is not None)
+    values = np.full((B, len(methods), len(names)), np.nan)
+    maps = {name: METHODS[name](model, x, target, indices).detach().float().cpu() for name in methods}
+
+    # faithfulness: all methods' maps in one call per measure (longer batches, same numbers per sample)
+    M = len(methods)
+    all_maps = torch.cat([maps[m] for m in methods])               # (M B) x gh x gw
+    xs = x.repeat(M, 1, 1, 1)
+    ts = target.repeat(M)
+    ok = _non_constant(all_maps)
+    col = 0
+    for k in ks:
+        if bool(ok.any()):
+            s = fa.saco(model, xs[ok], all_maps[ok], target=ts[ok], k=k, batch_size=batch_size,
+                        probability=probability)
+            v = torch.full((M * B,), float("nan"), dtype=torch.float64)
+            v[ok] = s.double()
+            values[:, :, col] = v.reshape(M, B).T.numpy()
+        col += 1
+    for positive in (True, False):
+        curve = fa.perturbation_curve(model, xs, all_maps, target=ts, positive=positive, batch_size=batch_size,
+                                      probability=probability)
+        values[:, :, col] = curve.auc.double().reshape(M, B).T.numpy()
+        values[:, :, col + 2] = curve.auc_accuracy.double().reshape(M, B).T.numpy()
+        col += 1
+    col += 2
+    if masks is not None:
+        for j, name in enumerate(methods):
+            values[:, j, col] = lo.pointing_game(maps[name], masks).double().numpy()
+            positive_mass = maps[name].clamp_min(0).flatten(1).sum(1) > 0
+            if bool(positive_mass.any()):
+                mass = torch.full((B,), float("nan"), dtype=torch.float64)
+                mass[positive_mass] = lo.mass_on_object(maps[name][positive_mass], masks[positive_mass.numpy()]).double()
+                values[:, j, col + 1] = mass.numpy()
+    return values, target.numpy()
+
+
+# --------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------
+
+def summarize(values: np.ndarray, methods: Sequence[str], measures: Sequence[str]) -> list[dict]:
+    """One row per (method, measure): ``mean``, 95% interval ``ci_low``/``ci_high`` (normal
+    approximation) and ``n`` (samples where the measure is defined)."""
+    rows = []
+    for j, m in enumerate(methods):
+        for q, name in enumerate(measures):
+            v = values[:, j, q]
+            v = v[~np.isnan(v)]
+            n = int(v.size)
+            mean = float(v.mean()) if n else float("nan")
+            half = 1.96 * float(v.std(ddof=1)) / math.sqrt(n) if n > 1 else float("nan")
+            rows.append({"method": m, "measure": name, "mean": mean, "ci_low": mean - half,
+                         "ci_high": mean + half, "n": n})
+    return rows
+
+
+@dataclass
+class Leaderboard:
+    """Result of :func:`leaderboard`.
+
+    Attributes:
+        methods, measures: the row and column names.
+        values: ``n x methods x measures`` per-sample values (NaN = undefined).
+        indices: the ``n`` sample indices, in order; ``target``: the class explained for each.
+        table: :func:`summarize` of ``values``.
+        config: what was run (data, model, K's, probability, chunking).
+        seconds: wall time of the computation in this call (cached chunks excluded).
+    """
+
+    methods: list[str]
+    measures: list[str]
+    values: np.ndarray
+    indices: np.ndarray
+    target: np.ndarray
+    table: list[dict]
+    config: dict
+    seconds: float = 0.0
+    chunks_computed: int = 0
+    chunks_loaded: int = 0
+
+    def cell(self, method: str, measure: str) -> dict:
+        for row in self.table:
+            if row["method"] == method and row["measure"] == measure:
+                return row
+        raise KeyError(f"no cell ({method!r}, {measure!r}); methods {self.methods}, measures {self.measures}")
+
+    def means(self) -> np.ndarray:
+        """``methods x measures`` array of the cells' means."""
+        return np.array([[self.cell(m, q)["mean"] for q in self.measures] for m in self.methods])
+
+    def format(self, digits: int = 3) -> str:
+        """The table as text: one line per method, ``mean +- half-interval`` per measure."""
+        width = max(len(m) for m in self.methods) + 2
+        head = "".join(f"{q:>22}" for q in self.measures)
+        lines = [" " * width + head]
+        for m in self.methods:
+            cells = []
+            for q in self.measures:
+                c = self.cell(m, q)
+                half = (c["ci_high"] - c["ci_low"]) / 2
+                cells.append(f"{c['mean']:>13.{digits}f} ±{half:<7.{digits}f}")
+            lines.append(f"{m:<{width}}" + "".join(cells))
+        return "\n".join(lines)
+
+
+def _chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
+
+
+def _dist_info() -> tuple[int, int]:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _check_config(out: Path, config: dict) -> None:
+    path = out / "config.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != json.loads(json.dumps(config)):
+            raise ValueError(
+                f"{str(out)!r} holds results of another configuration ({path}); use another --out folder, "
+                "or remove it to start over"
+            )
+
+
+def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[int] = (5, 10, 20),
+                chunk: int = 20, batch_size: int = 128, probability: str = "head", out=None,
+                progress: bool = True, model_name: str | None = None, target: str = "predicted") -> Leaderboard:
+    """Grade every method on every measure, sample by sample.
+
+    Args:
+        model: a ViT classifier with a class head (left as it was).
+        data: :class:`ShapesData`, :class:`ImageFolderData`, or anything with ``len`` and
+            ``batch(indices) -> Batch``.
+        methods: names from :data:`METHODS` (default: all), in the order of the table.
+        ks: SaCo group counts.
+        chunk: samples computed together (and saved together with ``out``).
+        batch_size: inputs per forward inside the measures.
+        probability: how SaCo and the perturbation curves read the target's probability
+            (:data:`vitlab.faithfulness.PROBABILITIES`; ``"head"``: the model's own).
+        out: folder for resumable per-chunk results (``chunks/``) and ``config.json``; the
+            table files are written by :func:`write` (the command line does both).
+        progress: a progress bar over this process's chunks (process 0 only).
+        model_name: recorded in the config (and so checked when resuming).
+        target: explain the model's prediction (``"predicted"``, the papers' choice) or the
+            data's label (``"label"``, labelled photos only).
+
+    Under ``torch.distributed`` (initialised by the caller, e.g. the command line under
+    torchrun), each process computes its share of the chunks and every process returns the
+    gathered result.
+    """
+    from tqdm.auto import tqdm
+
+    from vitlab.faithfulness import PROBABILITIES
+
+    methods = list(METHODS) if methods is None else list(methods)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods or len(set(methods)) != len(methods):
+        raise ValueError(f"methods must be distinct names from {list(METHODS)}, got {methods}")
+    ks = [int(k) for k in ks]
+    if not ks or any(k < 2 for k in ks) or len(set(ks)) != len(ks):
+        raise ValueError(f"ks must be distinct SaCo group counts >= 2, got {ks}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    if probability not in PROBABILITIES:
+        raise ValueError(f"probability must be one of {PROBABILITIES}, got {probability!r}")
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    n = len(data)
+    has_masks = data.batch([0]).object_masks is not None
+    measures = measure_names(ks, has_masks)
+    config = {"data": data.describe() if hasattr(data, "describe") else {"n": n}, "model": model_name,
+              "methods": methods, "ks": ks, "chunk": chunk, "probability": probability, "target": target}
+    rank, world = _dist_info()
+    out = None if out is None else Path(out)
+    if out is not None:
+        _check_config(out, config)
+        (out / "chunks").mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+    mine = [c for i, c in enumerate(_chunks(n, chunk)) if i % world == rank]
+    results, computed, loaded = {}, 0, 0
+    t0 = time.perf_counter()
+    for start, stop in tqdm(mine, desc="leaderboard", unit="chunk", disable=not progress or rank != 0):
+        path = None if out is None else out / "chunks" / f"{start:07d}-{stop:07d}.npz"
+        if path is not None and path.exists():
+            saved = np.load(path)
+            results[start] = (saved["values"], saved["target"])
+            loaded += 1
+            continue
+        idx = list(range(start, stop))
+        results[start] = score_chunk(model, data.batch(idx), idx, methods, ks, probability, batch_size, target)
+        values, explained = results[start]
+        computed += 1
+        if path is not None:
+            tmp = path.with_name(path.stem + ".tmp.npz")
+            np.savez(tmp, values=values, target=explained)
+            os.replace(tmp, path)
+    seconds = time.perf_counter() - t0
+
+    if world > 1:
+        import torch.distributed as dist
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (results, computed, loaded, seconds))
+        results = {k: v for part in gathered for k, v in part[0].items()}
+        computed = sum(p[1] for p in gathered)
+        loaded = sum(p[2] for p in gathered)
+        seconds = max(p[3] for p in gathered)
+    starts = sorted(results)
+    values = np.concatenate([results[s][0] for s in starts])
+    explained = np.concatenate([results[s][1] for s in starts])
+    return Leaderboard(methods, measures, values, np.arange(n), explained, summarize(values, methods, measures),
+                       config, seconds, computed, loaded)
+
+
+def write(board: Leaderboard, out) -> list[Path]:
+    """Write ``leaderboard.csv`` (one row per cell), ``leaderboard.json`` (config, cells,
+    timing) and ``per_sample.npz`` (values, targets, names) into ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "leaderboard.csv", out / "leaderboard.json", out / "per_sample.npz"]
+    with open(paths[0], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["method", "measure", "mean", "ci_low", "ci_high", "n"])
+        w.writeheader()
+        w.writerows(board.table)
+    paths[1].write_text(json.dumps({"config": board.config, "cells": board.table, "seconds": board.seconds,
+                                    "chunks_computed": board.chunks_computed, "chunks_loaded": board.chunks_loaded},
+                                   indent=1) + "\n")
+    np.savez(paths[2], values=board.values, target=board.target, indices=board.indices,
+             methods=np.array(board.methods), measures=np.array(board.measures))
+    return paths
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m vitlab.evaluate", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="shapes-vit-tiny", help="a name vitlab.load_model accepts")
+    p.add_argument("--images", default=None, help="labelled photos, root/<class>/<image> (default: shapes scenes)")
+    p.add_argument("--samples", type=int, default=500, help="samples (shapes: scenes; images: the first ones, sorted)")
+    p.add_argument("--objects", default="mixed", choices=["mixed", "1", "2"], help="objects per shapes scene")
+    p.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
+    p.add_argument("--k", default="5,10,20", help="comma-separated SaCo group counts")
+    p.add_argument("--probability", default="head", choices=["head", "softmax", "sigmoid"],
+                   help="how the target's probability is read (head: the model's own)")
+    p.add_argument("--target", default="predicted", choices=list(TARGETS),
+                   help="the class explained: the prediction, or the folder's label (--images only)")
+    p.add_argument("--chunk", type=int, default=20, help="samples per chunk (the unit of work and of resuming)")
+    p.add_argument("--batch-size", type=int, default=128, help="inputs per forward inside the measures")
+    p.add_argument("--out", default="runs/leaderboard", help="folder for the table and the resumable chunks")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    import torch.distributed as dist
+
+    from vitlab.models import load_model
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    launched = dist.is_available() and dist.is_torchelastic_launched()
+    if launched:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
+        ks = [int(k) for k in args.k.split(",") if k.strip()]
+        model = load_model(args.model).to(device)
+        objects = "mixed" if args.objects == "mixed" else int(args.objects)
+        data = (ShapesData(model, args.samples, objects) if args.images is None
+                else ImageFolderData(model, args.images, args.samples))
+        data = _OnDevice(data, device)
+        board = leaderboard(model, data, methods, ks, args.chunk, args.batch_size, args.probability, args.out,
+                            progress=not args.no_progress, model_name=args.model, target=args.target)
+        rank, world = _dist_info()
+        if rank == 0:
+            paths = write(board, args.out)
+            print(board.format())
+            print(f"\n{len(board.indices)} samples, {world} process{'es' if world > 1 else ''}: "
+                  f"{board.chunks_computed} chunks computed in {board.seconds:.1f} s, {board.chunks_loaded} resumed; "
+                  f"written: {', '.join(str(p) for p in paths)}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if launched:
+            dist.destroy_process_group()
+    return 0
+
+
+@dataclass
+class _OnDevice:
+    """A data source whose batches are moved to ``device``."""
+
+    data: object
+    device: torch.device
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def describe(self) -> dict:
+        return self.data.describe()
+
+    def batch(self, indices):
+        b = self.data.batch(indices)
+        return b._replace(x=b.x.to(self.device))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
