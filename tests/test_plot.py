@@ -35,6 +35,8 @@ def test_overlay_draws_image_and_upsampled_map():
     heat_arr = np.asarray(heat.get_array())
     assert heat_arr.shape == (32, 48) and heat.get_alpha() == 0.4
     assert heat_arr[0, 0] == 0.0 and heat_arr[0, -1] == 1.0 and heat_arr[-1, 0] == 0.5
+    assert (heat.norm.vmin, heat.norm.vmax) == (0.0, 1.0) and heat.get_cmap().name.startswith(plot.SEQUENTIAL_CMAP)
+    assert ax.figure.axes == [ax]                                    # no colour bar unless asked
     assert ax.get_title() == "t"
     plt.close("all")
 
@@ -48,18 +50,176 @@ def test_overlay_rejects_bad_input():
         plot.overlay(np.zeros((8, 8, 5)), np.zeros((2, 2)))
 
 
+def _panels(fig):
+    return [a for a in fig.axes if a.get_label() != "<colorbar>"]
+
+
+def _colorbars(fig):
+    return [a for a in fig.axes if a.get_label() == "<colorbar>"]
+
+
+def _heat(ax):
+    """The map drawn on a panel (the last image: over the photo when there is one)."""
+    return ax.get_images()[-1]
+
+
 def test_map_grid_shapes_and_titles():
     maps = torch.rand(2, 3, 4, 4)
     fig = plot.map_grid(maps, titles=[f"m{i}" for i in range(6)], image=np.zeros((16, 16, 3)))
-    axes = fig.axes
-    assert len(axes) == 6
+    axes = _panels(fig)
+    assert len(axes) == 6 and len(_colorbars(fig)) == 1
     assert [a.get_title() for a in axes] == [f"m{i}" for i in range(6)]
     np.testing.assert_allclose(np.asarray(axes[4].get_images()[1].get_array())[::4, ::4].shape, (4, 4))
     with pytest.raises(ValueError, match="2 titles for 6 maps"):
         plot.map_grid(maps, titles=["a", "b"])
     fig2 = plot.map_grid([np.eye(3)] * 5, ncols=2)
-    assert len(fig2.axes) == 6  # 3 rows x 2 columns, the last one blank
-    np.testing.assert_array_equal(fig2.axes[0].get_images()[0].get_array(), np.eye(3))
+    assert len(_panels(fig2)) == 6  # 3 rows x 2 columns, the last one blank
+    np.testing.assert_array_equal(_panels(fig2)[0].get_images()[0].get_array(), np.eye(3))
+    assert _panels(fig2)[5].get_images() == []
+    plt.close("all")
+
+
+def test_shared_grid_puts_every_panel_on_the_range_over_all_panels():
+    maps = torch.stack([torch.rand(4, 4) * s + o for s, o in [(1.0, 0.0), (5.0, 2.0), (0.1, 0.3)]])
+    fig = plot.map_grid(list(maps), image=np.zeros((16, 16, 3)), label="rollout")
+    lo, hi = float(maps.min()), float(maps.max())
+    for ax in _panels(fig):
+        assert (_heat(ax).norm.vmin, _heat(ax).norm.vmax) == pytest.approx((lo, hi))
+    (bar,) = _colorbars(fig)                    # one bar for the grid, with the shared limits
+    assert bar.get_ylim() == pytest.approx((lo, hi))
+    assert bar.get_ylabel() == "rollout"
+    # shared=False: every panel on its own range, with its own bar
+    own = plot.map_grid(list(maps), shared=False)
+    want = np.array([(float(m.min()), float(m.max())) for m in maps])
+    np.testing.assert_allclose([(_heat(a).norm.vmin, _heat(a).norm.vmax) for a in _panels(own)], want, rtol=1e-6)
+    np.testing.assert_allclose([b.get_ylim() for b in _colorbars(own)], want, rtol=1e-6)
+    # explicit limits win, and colorbar=False draws none
+    fixed = plot.map_grid(list(maps), vmin=0.0, vmax=2.0, colorbar=False)
+    assert _colorbars(fixed) == []
+    assert {(_heat(a).norm.vmin, _heat(a).norm.vmax) for a in _panels(fixed)} == {(0.0, 2.0)}
+    plt.close("all")
+
+
+def test_grid_shared_per_row_and_per_column():
+    maps = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 2, 2)   # rows x cols x gh x gw
+    by_row = plot.map_grid(maps, shared="row")
+    limits = [(_heat(a).norm.vmin, _heat(a).norm.vmax) for a in _panels(by_row)]
+    assert limits == [(0.0, 11.0)] * 3 + [(12.0, 23.0)] * 3
+    assert [b.get_ylim() for b in _colorbars(by_row)] == [(0.0, 11.0), (12.0, 23.0)]
+    by_col = plot.map_grid(maps, shared="col")
+    limits = [(_heat(a).norm.vmin, _heat(a).norm.vmax) for a in _panels(by_col)]
+    assert limits == [(0.0, 15.0), (4.0, 19.0), (8.0, 23.0)] * 2
+    assert [b.get_xlim() for b in _colorbars(by_col)] == [(0.0, 15.0), (4.0, 19.0), (8.0, 23.0)]  # bars below
+    plt.close("all")
+
+
+def test_percentile_scale_clips_the_bar_at_the_percentile_and_says_so():
+    rng = np.random.default_rng(0)
+    maps = [rng.random((8, 8)) * 0.1 for _ in range(3)]
+    maps[1][3, 4] = 10.0                                       # one spike among 192 patch values
+    fig = plot.map_grid(maps, scale="percentile", percentile=95, label="rollout")
+    top = float(np.percentile(np.concatenate([m.ravel() for m in maps]), 95))
+    assert top < 0.1
+    for ax in _panels(fig):
+        assert _heat(ax).norm.vmin == pytest.approx(min(m.min() for m in maps))
+        assert _heat(ax).norm.vmax == pytest.approx(top)
+    (bar,) = _colorbars(fig)
+    assert bar.get_ylim()[1] == pytest.approx(top)
+    assert bar.get_ylabel() == "rollout\n(clipped at the 95th percentile)"
+    # a percentile above every value but the spike's clips nothing: plain limits, no note
+    ms = plot.map_scale([np.array([[0.0, 1.0], [2.0, 3.0]])], "percentile", percentile=100)
+    assert (ms.norm.vmin, ms.norm.vmax, ms.note, ms.extend) == (0.0, 3.0, "", "neither")
+    assert plot.map_scale(maps, "percentile", percentile=95).extend == "max"
+    plt.close("all")
+
+
+def test_log_scale_and_signed_maps():
+    m = np.array([[1e-4, 1e-2], [0.0, 1.0]])
+    ax = plot.show_map(m, scale="log", colorbar=True)
+    norm = ax.get_images()[0].norm
+    assert isinstance(norm, matplotlib.colors.LogNorm)
+    assert (norm.vmin, norm.vmax) == pytest.approx((1e-4, 1.0))   # the smallest positive value to the largest
+    assert "log scale" in _colorbars(ax.figure)[0].get_ylabel()
+    with pytest.raises(ValueError, match="scale='log' needs maps without negative values"):
+        plot.show_map(m - 0.5, scale="log")
+    with pytest.raises(ValueError, match="positive lower limit"):
+        plot.map_scale([m], "log", vmin=0.0)
+    # a signed map: diverging colormap, limits symmetric about 0
+    signed = np.array([[-0.5, 0.1], [0.2, 2.0]])
+    ms = plot.map_scale([signed])
+    assert (ms.norm.vmin, ms.norm.vmax) == (-2.0, 2.0) and ms.cmap.name.startswith(plot.DIVERGING_CMAP)
+    assert ms.norm(0.0) == pytest.approx(0.5)
+    assert plot.map_scale([np.abs(signed)]).cmap.name.startswith(plot.SEQUENTIAL_CMAP)
+    pct = plot.map_scale([signed], "percentile", percentile=50)
+    a = float(np.percentile(np.abs(signed), 50))
+    assert (pct.norm.vmin, pct.norm.vmax) == pytest.approx((-a, a)) and pct.extend == "both"
+    plt.close("all")
+
+
+def test_nearest_view_is_constant_within_each_patch_and_both_draws_both():
+    m = torch.tensor([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])         # 2 x 3 patches
+    img = np.zeros((20, 30, 3))                                   # 10-px patches
+    ax = plot.overlay(img, m, mode="nearest")
+    drawn = np.asarray(_heat(ax).get_array())
+    for r in range(2):
+        for c in range(3):
+            np.testing.assert_array_equal(drawn[10 * r:10 * r + 10, 10 * c:10 * c + 10], float(m[r, c]))
+    fig = plot.map_grid([m, 2 * m], titles=["a", "b"], image=img, mode="both")
+    axes = _panels(fig)
+    assert [a.get_title() for a in axes] == ["a\nsmooth", "a\nper patch", "b\nsmooth", "b\nper patch"]
+    smooth, blocky = (np.asarray(_heat(a).get_array()) for a in axes[2:])
+    np.testing.assert_array_equal(blocky, np.kron(2 * m.numpy(), np.ones((10, 10))))
+    assert len(np.unique(smooth)) > 6                            # bilinear: values between the patches
+    assert smooth.min() >= 0.0 and smooth.max() <= 10.0 + 1e-5   # within the patch values
+    assert {(_heat(a).norm.vmin, _heat(a).norm.vmax) for a in axes} == {(0.0, 10.0)}
+    plt.close("all")
+
+
+def test_grid_labels_name_blocks_and_heads():
+    maps = torch.rand(3, 2, 4, 4)                                  # blocks x heads
+    fig = plot.map_grid(maps, image=np.zeros((8, 8, 3)), row_labels=[f"block {b}" for b in range(3)],
+                        col_labels=["head 0", "head 1"])
+    axes = _panels(fig)
+    assert [axes[2 * b].get_ylabel() for b in range(3)] == ["block 0", "block 1", "block 2"]
+    assert [axes[0].get_title(), axes[1].get_title()] == ["head 0", "head 1"]
+    with pytest.raises(ValueError, match="2 row labels for 3 rows"):
+        plot.map_grid(maps, row_labels=["a", "b"])
+    with pytest.raises(ValueError, match="1 column labels for 2 columns"):
+        plot.map_grid(maps, col_labels=["a"])
+    plt.close("all")
+
+
+def test_overlay_draws_the_image_in_grey_under_the_map():
+    img = np.zeros((4, 4, 3), np.float32)
+    img[..., 0] = 1.0                                               # pure red
+    base = plot.overlay(img, np.eye(2)).get_images()[0].get_array()
+    np.testing.assert_allclose(base, 0.299)                          # its luma, in all three channels
+    colour = plot.overlay(img, np.eye(2), gray_image=False).get_images()[0].get_array()
+    np.testing.assert_array_equal(colour, img)
+    plt.close("all")
+
+
+def test_bad_scale_arguments_raise_clear_errors():
+    m = [np.eye(3)]
+    with pytest.raises(ValueError, match="scale must be one of"):
+        plot.map_grid(m, scale="loud")
+    with pytest.raises(ValueError, match="shared must be True, False, 'row' or 'col'"):
+        plot.map_grid(m, shared="diagonal")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        plot.map_grid(m, mode="cubic")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        plot.overlay(np.zeros((6, 6, 3)), m[0], mode="both")
+    for p in (0, 150, True):
+        with pytest.raises(ValueError, match="percentile must be a number in \\(0, 100\\]"):
+            plot.map_grid(m, scale="percentile", percentile=p)
+    with pytest.raises(ValueError, match="vmin must be below vmax, got vmin=1.0, vmax=0.5"):
+        plot.map_grid(m, vmin=1.0, vmax=0.5)
+    with pytest.raises(ValueError, match="no finite value"):
+        plot.map_scale([np.full((2, 2), np.nan)])
+    with pytest.raises(ValueError, match="ncols must be a positive int"):
+        plot.map_grid(m, ncols=0)
+    assert [plot.ordinal(p) for p in (1, 2, 3, 11, 12, 22, 95, 99.5)] == [
+        "1st", "2nd", "3rd", "11th", "12th", "22nd", "95th", "99.5th"]
     plt.close("all")
 
 

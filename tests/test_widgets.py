@@ -37,28 +37,40 @@ def test_qk_images_equal_qk_maps(model, x):
 
 def test_qk_explorer_sliders_cover_the_model_and_redraw(model, x):
     image = np.zeros((32, 32, 3), np.uint8)
-    ex = widgets.QKExplorer(model, x[:1], image=image, layer=1, head=2, channel=3)
-    assert {n: (s.min, s.max) for n, s in ex.sliders.items()} == {"layer": (0, 2), "head": (0, 2), "channel": (0, 15)}
-    assert ex.values() == {"layer": 1, "head": 2, "channel": 3}
+    ex = widgets.QKExplorer(model, x[:1], image=image, block=1, head=2, channel=3)
+    assert {n: (s.min, s.max) for n, s in ex.sliders.items()} == {"block": (0, 2), "head": (0, 2), "channel": (0, 15)}
+    assert [s.description for s in ex.sliders.values()] == ["block", "head", "channel"]
+    assert ex.values() == {"block": 1, "head": 2, "channel": 3}
     drawn = ex.draws
     ex.sliders["channel"].value = 7
     assert ex.draws == drawn + 1
-    fig = ex.figure(layer=2, head=0, channel=7)
-    assert [ax.get_title() for ax in fig.axes] == ["sigmoid(q)  L2 h0 ch7", "sigmoid(k)", "where the mean query is sent"]
+    fig = ex.figure(block=2, head=0, channel=7)
+    assert [ax.get_title() for ax in fig.axes[:3]] == ["sigmoid(q)  block 2 head 0 ch 7", "sigmoid(k)",
+                                                       "where the mean query is sent"]
     q, _ = widgets.qk_images(ex.qk, 2, 0, 7)
     np.testing.assert_allclose(fig.axes[0].images[0].get_array(), q.numpy(), rtol=1e-6)
     plt.close("all")
 
 
 def test_cls_attention_explorer_draws_the_chosen_map(model, x):
-    cls = cls_attention(model, x[:1])[0]                 # layers x heads x gh x gw
-    ex = widgets.CLSAttentionExplorer(cls, image=None, layer=2, head=1)
-    assert {n: (s.min, s.max) for n, s in ex.sliders.items()} == {"layer": (0, 2), "head": (0, 2)}
-    ex.sliders["layer"].value = 0
+    cls = cls_attention(model, x[:1])[0]                 # blocks x heads x gh x gw
+    ex = widgets.CLSAttentionExplorer(cls, image=None, block=2, head=1)
+    assert {n: (s.min, s.max) for n, s in ex.sliders.items()} == {"block": (0, 2), "head": (0, 2)}
+    assert [s.description for s in ex.sliders.values()] == ["block", "head"]
+    ex.sliders["block"].value = 0
     fig = ex.figure(**ex.values())
-    assert fig.axes[0].get_title() == "CLS attention  layer 0 head 1"
+    assert fig.axes[0].get_title() == "CLS attention  block 0 head 1"
     np.testing.assert_allclose(fig.axes[0].images[0].get_array(), cls[0, 1].numpy(), rtol=1e-6)
-    with pytest.raises(ValueError, match="layers x heads x gh x gw"):
+    # every slider setting on one scale: the smallest value to the 99th percentile of all blocks and heads
+    lo, hi = float(cls.min()), float(np.percentile(cls.numpy(), 99))
+    for b, h in [(0, 1), (2, 0), (1, 2)]:
+        drawn = ex.figure(b, h)
+        assert drawn.axes[0].images[0].get_clim() == pytest.approx((lo, hi))
+        assert drawn.axes[1].get_label() == "<colorbar>" and drawn.axes[1].get_ylim() == pytest.approx((lo, hi))
+        assert "one scale for all blocks and heads" in drawn.axes[1].get_ylabel()
+    own = widgets.CLSAttentionExplorer(cls, shared=False).figure(2, 0)
+    assert own.axes[0].images[0].get_clim() == pytest.approx((float(cls[2, 0].min()), float(cls[2, 0].max())))
+    with pytest.raises(ValueError, match="blocks x heads x gh x gw"):
         widgets.CLSAttentionExplorer(cls[0])
     plt.close("all")
 
@@ -68,22 +80,28 @@ def test_top_channels_equals_rank_qk_channels_and_skips_layers(model, x):
 
     scores = qk_channel_scores(model, x, "two_way")
     assert widgets.top_channels(scores, 4) == rank_qk_channels(model, x, "two_way", top=4)
-    deep = widgets.top_channels(scores, 3, first_layer=2)
+    deep = widgets.top_channels(scores, 3, first_block=2)
     assert all(c.layer == 2 for c in deep)
     assert [c.score for c in deep] == sorted(scores[2].flatten().tolist(), reverse=True)[:3]
     assert scores[deep[0].layer, deep[0].head, deep[0].channel] == pytest.approx(deep[0].score)
-    with pytest.raises(ValueError, match="layers x heads x channels"):
+    with pytest.raises(ValueError, match="blocks x heads x channels"):
         widgets.top_channels(scores[0])
 
 
 def test_qk_channels_figure_rows(model, x):
     qk = widgets.record_qk(model, x)
     fig = widgets.qk_channels_figure(qk, [(0, 1, 2), (2, 0, 5)], image=np.zeros((32, 32, 3)), scores=["a", "b"])
-    assert len(fig.axes) == 6
-    assert [fig.axes[3].get_title(), fig.axes[4].get_title()] == ["sigmoid(q)  L2 h0 ch5", "sigmoid(k)  b"]
+    panels = [a for a in fig.axes if a.get_label() != "<colorbar>"]
+    assert len(panels) == 6
+    assert [fig.axes[3].get_title(), fig.axes[4].get_title()] == ["sigmoid(q)  block 2 head 0 ch 5", "sigmoid(k)  b"]
     _, k = widgets.qk_images(qk, 2, 0, 5)
     np.testing.assert_allclose(fig.axes[4].images[0].get_array(), k.numpy(), rtol=1e-6)
     assert fig.axes[5].get_title() == "where the mean query is sent"
+    push = widgets.mean_query_push(qk, 2, 0, 5)                       # signed: diverging, centred at 0
+    a = float(push.abs().max())
+    assert fig.axes[5].images[1].get_clim() == pytest.approx((-a, a))
+    bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    assert len(bars) == 2 and bars[1].get_ylim() == pytest.approx((-a, a))
     assert fig.axes[0].images[0].get_clim() == (0.0, 1.0)
     with pytest.raises(ValueError, match="2 scores for 1 channels"):
         widgets.qk_channels_figure(qk, [(0, 0, 0)], scores=["a", "b"])
@@ -104,7 +122,7 @@ def test_mean_query_push_is_the_mean_logit_contribution(model, x):
 
 def test_explorer_shows_the_current_figure_as_png(model, x):
     cls = cls_attention(model, x[:1])[0]
-    ex = widgets.CLSAttentionExplorer(cls, layer=1, head=0)
+    ex = widgets.CLSAttentionExplorer(cls, block=1, head=0)
     first = ex.image_widget.value
     assert first[:8] == b"\x89PNG\r\n\x1a\n"
     ex.sliders["head"].value = 2

@@ -1,16 +1,34 @@
-"""Drawing helpers used by every notebook: a grid-shaped map over an image, grids of maps
-with titles, and small tables. They only draw what they are given; no explanation is
-computed here.
+"""Drawing helpers used by every notebook: grid-shaped maps over an image, grids of maps
+with titles and colour bars, and small tables. They only draw what they are given; no
+explanation is computed here.
+
+Colour is a measurement, so the maps are drawn the way the numbers are:
+
+- a perceptually uniform colormap (:data:`SEQUENTIAL_CMAP`) for maps of one sign, and a
+  diverging one (:data:`DIVERGING_CMAP`) centred at 0, with limits symmetric about 0, for
+  maps with negative values;
+- one colour scale for panels that are compared (:func:`map_grid` ``shared=True``, the
+  default, or per row / column), shown by a colour bar;
+- ``scale="percentile"`` clips a peaked map at a high percentile of its patch values (the
+  bar says where), ``scale="log"`` draws it on a log scale;
+- ``mode="nearest"`` draws one block per patch, as the maps are graded;
+  ``mode="both"`` draws the smooth (bilinear) and the per-patch view side by side.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
+from typing import NamedTuple, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import torch.nn.functional as F
+from matplotlib import colors as mcolors
+from matplotlib.cm import ScalarMappable
+
+SEQUENTIAL_CMAP = "inferno"   # maps of one sign: dark = low, bright = high, uniform in lightness
+DIVERGING_CMAP = "RdBu_r"     # signed maps: blue < 0 < red, white at 0
+SCALES = ("linear", "percentile", "log")
+MODES = ("bilinear", "nearest", "both")
 
 
 def _to_numpy_image(image) -> np.ndarray:
@@ -61,86 +79,318 @@ def normalize_map(m) -> np.ndarray:
     return (m - lo) / (hi - lo) if hi > lo else np.zeros_like(m)
 
 
-def overlay(image, m, ax=None, cmap: str = "jet", alpha: float = 0.5, mode: str = "bilinear",
-            normalize: bool = True, title: str | None = None, colorbar: bool = False):
+# ---------------------------------------------------------------------------------------------
+# colour scales
+
+
+class MapScale(NamedTuple):
+    """How maps are coloured: ``norm`` (value -> [0, 1]), ``cmap``, and what a colour bar says.
+
+    ``note`` names the scale when it is not plain linear ("clipped at the 99th percentile",
+    "log scale"); ``extend`` is ``"neither"``, ``"min"``, ``"max"`` or ``"both"``: which
+    ends of the bar stand for values beyond its limits (drawn as arrows).
+    """
+
+    norm: mcolors.Normalize
+    cmap: mcolors.Colormap
+    note: str
+    extend: str
+
+    def colorbar_label(self, label: str | None = None) -> str:
+        return "\n".join(s for s in (label, self.note and f"({self.note})") if s)
+
+
+def ordinal(p: float) -> str:
+    """``99`` -> ``'99th'``, ``1`` -> ``'1st'``, ``92.5`` -> ``'92.5th'`` (for percentiles in labels)."""
+    n = f"{p:g}"
+    if "." in n or "e" in n:
+        return n + "th"
+    i = int(n)
+    suffix = "th" if 10 <= i % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(i % 10, "th")
+    return n + suffix
+
+
+def map_scale(maps, scale: str = "linear", vmin: float | None = None, vmax: float | None = None,
+              percentile: float = 99.0, cmap=None) -> MapScale:
+    """One colour scale for a set of maps that are compared (each a ``gh x gw`` map).
+
+    ``scale``: ``"linear"`` from the smallest to the largest value; ``"percentile"`` from the
+    smallest value to the ``percentile``-th percentile of all the maps' patch values (larger
+    values get the top colour, and the note says so); ``"log"``: logarithmic from the smallest
+    positive value to the largest (positive maps only). Maps with negative values get limits
+    symmetric about 0 (``-a .. a``, with ``a`` the largest ``|value|`` or its percentile) and,
+    unless ``cmap`` is given, the diverging colormap. ``vmin`` / ``vmax`` override the limits.
+    """
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0.0 < percentile <= 100.0:
+        raise ValueError(f"percentile must be a number in (0, 100], got {percentile!r}")
+    arrays = [_to_numpy_map(m) for m in maps]
+    if not arrays:
+        raise ValueError("map_scale needs at least one map")
+    values = np.concatenate([a.ravel() for a in arrays])
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        raise ValueError("the maps hold no finite value to scale")
+    signed = bool(values.min() < 0.0)
+    note, extend = "", "neither"
+    if scale == "log":
+        if signed:
+            raise ValueError(f"scale='log' needs maps without negative values, got values down to "
+                             f"{values.min():.3g}; use scale='linear' or 'percentile'")
+        positive = values[values > 0]
+        lo = float(positive.min()) if vmin is None and positive.size else vmin
+        hi = float(values.max()) if vmax is None else vmax
+        if lo is None or lo <= 0:
+            raise ValueError(f"scale='log' needs a positive lower limit, got vmin={lo!r} "
+                             "(the maps have no positive value)" if lo is None else
+                             f"scale='log' needs a positive lower limit, got vmin={lo!r}")
+        note = "log scale"
+    elif scale == "percentile":
+        if signed:
+            a = float(np.percentile(np.abs(values), percentile))
+            a = a if a > 0 else float(np.abs(values).max())   # mostly zeros: clip nothing
+            lo, hi = -a, a
+        else:
+            lo, hi = float(values.min()), float(np.percentile(values, percentile))
+            hi = hi if hi > lo else float(values.max())        # mostly the minimum: clip nothing
+        note = f"clipped at the {ordinal(percentile)} percentile"
+    else:
+        if signed:
+            a = float(np.abs(values).max())
+            lo, hi = -a, a
+        else:
+            lo, hi = float(values.min()), float(values.max())
+    lo = lo if vmin is None else float(vmin)
+    hi = hi if vmax is None else float(vmax)
+    if hi == lo and vmin is None and vmax is None:   # a constant map: a bar that starts at its value
+        hi = lo + max(abs(lo), 1.0)
+    if not hi > lo:
+        raise ValueError(f"vmin must be below vmax, got vmin={lo!r}, vmax={hi!r}")
+    below, above = bool((values < lo).any()), bool((values > hi).any())
+    if scale == "percentile" and not (below or above):
+        note = ""                                              # nothing was clipped
+    extend = {(False, False): "neither", (True, False): "min", (False, True): "max", (True, True): "both"}[(below, above)]
+    if scale == "log":
+        norm = mcolors.LogNorm(vmin=lo, vmax=hi)
+    else:
+        norm = mcolors.Normalize(vmin=lo, vmax=hi)
+    base = plt.get_cmap(cmap if cmap is not None else DIVERGING_CMAP if signed else SEQUENTIAL_CMAP)
+    # values at or below 0 on a log scale are masked by LogNorm: draw them in the lowest colour
+    base = base.with_extremes(bad=base(0.0))
+    return MapScale(norm, base, note, extend)
+
+
+def _add_colorbar(fig, ms: MapScale, ax, label: str | None = None, location: str = "right", **kwargs):
+    """A colour bar for ``ms`` next to ``ax`` (one Axes or several). Returns the Colorbar."""
+    cbar = fig.colorbar(ScalarMappable(norm=ms.norm, cmap=ms.cmap), ax=ax, location=location,
+                        extend=ms.extend, **kwargs)
+    cbar.set_label(ms.colorbar_label(label), fontsize=8)
+    cbar.ax.tick_params(labelsize=7)
+    return cbar
+
+
+def _check_mode(mode: str, allowed=MODES[:2]):
+    if mode not in allowed:
+        raise ValueError(f"mode must be one of {allowed}, got {mode!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# one map
+
+
+def _grayscale(img: np.ndarray) -> np.ndarray:
+    """H x W x 3 -> the same image in grey (luma, ITU-R BT.601), still H x W x 3."""
+    luma = img @ np.array([0.299, 0.587, 0.114], dtype=np.float32)
+    return np.repeat(luma[..., None], 3, axis=-1)
+
+
+def _draw_overlay(ax, img: np.ndarray, m: np.ndarray, ms: MapScale, alpha: float, mode: str, gray: bool):
+    heat = upsample_map(m, img.shape[:2], mode=mode)
+    ax.imshow(_grayscale(img) if gray else img)
+    ax.imshow(heat, cmap=ms.cmap, norm=ms.norm, alpha=alpha, interpolation="nearest")
+    ax.set_axis_off()
+
+
+def _draw_map(ax, m: np.ndarray, ms: MapScale, mode: str):
+    ax.imshow(m, cmap=ms.cmap, norm=ms.norm, interpolation="nearest" if mode == "nearest" else mode)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def overlay(image, m, ax=None, cmap=None, alpha: float = 0.5, mode: str = "bilinear",
+            normalize: bool = False, title: str | None = None, colorbar: bool = False,
+            scale: str = "linear", vmin: float | None = None, vmax: float | None = None,
+            percentile: float = 99.0, label: str | None = None, gray_image: bool = True):
     """Draw ``image`` with the grid-shaped map ``m`` upsampled to its size on top.
 
-    Returns the matplotlib Axes.
+    The image is drawn in grey (``gray_image=False``: in colour), so that every colour on
+    the panel is a value of the map. ``mode``: ``"bilinear"`` (smooth) or ``"nearest"``
+    (one block per patch). The colours
+    follow :func:`map_scale` (``scale``, ``vmin``, ``vmax``, ``percentile``, ``cmap``);
+    ``colorbar=True`` adds a bar with ``label``. ``normalize=True`` first rescales the map
+    to [0, 1] (min-max). Returns the matplotlib Axes.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    _check_mode(mode)
     img = _to_numpy_image(image)
-    heat = normalize_map(m) if normalize else _to_numpy_map(m)
-    heat = upsample_map(heat, img.shape[:2], mode=mode)
+    arr = normalize_map(m) if normalize else _to_numpy_map(m)
+    ms = map_scale([arr], scale, vmin, vmax, percentile, cmap)
     if ax is None:
-        _, ax = plt.subplots(figsize=(4, 4))
-    ax.imshow(img)
-    im = ax.imshow(heat, cmap=cmap, alpha=alpha, vmin=0.0 if normalize else None, vmax=1.0 if normalize else None)
+        _, ax = plt.subplots(figsize=(4.6 if colorbar else 4, 4))
+    _draw_overlay(ax, img, arr, ms, alpha, mode, gray_image)
     if colorbar:
-        ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-    ax.set_axis_off()
+        _add_colorbar(ax.figure, ms, ax, label, fraction=0.046, pad=0.04)
     if title:
         ax.set_title(title, fontsize=9)
     return ax
 
 
-def show_map(m, ax=None, cmap: str = "viridis", title: str | None = None, vmin=None, vmax=None):
-    """Draw a grid-shaped map on its own (one cell per patch)."""
+def show_map(m, ax=None, cmap=None, title: str | None = None, vmin: float | None = None,
+             vmax: float | None = None, colorbar: bool = False, scale: str = "linear",
+             percentile: float = 99.0, label: str | None = None, mode: str = "nearest"):
+    """Draw a grid-shaped map on its own, one cell per patch (``mode="bilinear"``: smoothed).
+
+    Colours as in :func:`overlay`. Returns the Axes.
+    """
+    _check_mode(mode)
     arr = _to_numpy_map(m)
+    ms = map_scale([arr], scale, vmin, vmax, percentile, cmap)
     if ax is None:
-        _, ax = plt.subplots(figsize=(3, 3))
-    ax.imshow(arr, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
-    ax.set_xticks([])
-    ax.set_yticks([])
+        _, ax = plt.subplots(figsize=(3.6 if colorbar else 3, 3))
+    _draw_map(ax, arr, ms, mode)
+    if colorbar:
+        _add_colorbar(ax.figure, ms, ax, label, fraction=0.046, pad=0.04)
     if title:
         ax.set_title(title, fontsize=9)
     return ax
+
+
+# ---------------------------------------------------------------------------------------------
+# grids of maps
+
+
+def _scale_groups(shared, rows: int, cols: int, n: int) -> list[list[int]]:
+    """Indices of the maps (row-major on the ``rows x cols`` grid) that share one scale."""
+    if shared is True:
+        return [list(range(n))]
+    if shared is False:
+        return [[i] for i in range(n)]
+    if shared == "row":
+        return [g for g in ([i for i in range(r * cols, min((r + 1) * cols, n))] for r in range(rows)) if g]
+    if shared == "col":
+        return [g for g in ([i for i in range(c, n, cols)] for c in range(cols)) if g]
+    raise ValueError(f"shared must be True, False, 'row' or 'col', got {shared!r}")
 
 
 def map_grid(maps: Sequence, titles: Sequence[str] | None = None, image=None, ncols: int | None = None,
-             cmap: str | None = None, alpha: float = 0.5, size: float = 2.2, suptitle: str | None = None,
-             row_labels: Sequence[str] | None = None, **kwargs):
+             cmap=None, alpha: float = 0.5, size: float = 2.2, suptitle: str | None = None,
+             row_labels: Sequence[str] | None = None, col_labels: Sequence[str] | None = None,
+             shared=True, scale: str = "linear", vmin: float | None = None, vmax: float | None = None,
+             percentile: float = 99.0, colorbar: bool = True, label: str | None = None,
+             mode: str = "bilinear", gray_image: bool = True):
     """A grid of maps, each overlaid on ``image`` (or drawn alone when ``image`` is None).
 
     ``maps`` is a sequence of ``gh x gw`` maps, or a tensor/array ``R x C x gh x gw`` (then
-    the grid has R rows and C columns). ``image`` is one image for all maps or a sequence of
-    images, one per map. Returns the Figure.
+    the grid has R rows and C columns, e.g. blocks x heads). ``image`` is one image for all
+    maps or a sequence of images, one per map. ``row_labels`` / ``col_labels`` name the rows
+    (left) and columns (top), e.g. ``"block 3"`` / ``"head 1"``.
+
+    Colour (see :func:`map_scale`): ``shared=True`` colours every panel on one scale (the
+    minimum to the maximum over all panels, or as ``scale``, ``vmin``, ``vmax`` ask), drawn as
+    one colour bar for the grid; ``"row"`` / ``"col"``: one scale and bar per row / column;
+    ``False``: each panel on its own scale with its own bar. ``colorbar=False`` leaves the bars
+    out; ``label`` names the bars' quantity.
+
+    ``mode``: ``"bilinear"`` (smooth), ``"nearest"`` (one block per patch, as the maps are
+    graded) or ``"both"``: each map twice, smooth and then per patch, side by side.
+    Images are drawn in grey under the maps (``gray_image=False``: in colour).
+    Returns the Figure.
     """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    _check_mode(mode, MODES)
     if isinstance(maps, (torch.Tensor, np.ndarray)) and maps.ndim == 4:
         rows, cols = maps.shape[:2]
         flat = [maps[r, c] for r in range(rows) for c in range(cols)]
     else:
         flat = list(maps)
+        if ncols is not None and (isinstance(ncols, bool) or not isinstance(ncols, int) or ncols < 1):
+            raise ValueError(f"ncols must be a positive int, got {ncols!r}")
         cols = ncols or min(len(flat), 6)
         rows = int(np.ceil(len(flat) / cols)) if flat else 0
     if not flat:
         raise ValueError("map_grid needs at least one map")
-    if titles is not None and len(titles) != len(flat):
-        raise ValueError(f"got {len(titles)} titles for {len(flat)} maps")
-    images = image if isinstance(image, (list, tuple)) else [image] * len(flat)
-    if len(images) != len(flat):
-        raise ValueError(f"got {len(images)} images for {len(flat)} maps")
-    fig, axes = plt.subplots(rows, cols, figsize=(size * cols, size * rows), squeeze=False)
-    for i, ax in enumerate(axes.flat):
-        if i >= len(flat):
-            ax.set_axis_off()
-            continue
-        t = titles[i] if titles is not None else None
-        if images[i] is None:
-            show_map(flat[i], ax=ax, cmap=cmap or "viridis", title=t, **kwargs)
-        else:
-            overlay(images[i], flat[i], ax=ax, cmap=cmap or "jet", alpha=alpha, title=t, **kwargs)
+    flat = [_to_numpy_map(m) for m in flat]
+    n = len(flat)
+    if titles is not None and len(titles) != n:
+        raise ValueError(f"got {len(titles)} titles for {n} maps")
+    if row_labels is not None and len(row_labels) != rows:
+        raise ValueError(f"got {len(row_labels)} row labels for {rows} rows")
+    if col_labels is not None and len(col_labels) != cols:
+        raise ValueError(f"got {len(col_labels)} column labels for {cols} columns")
+    images = list(image) if isinstance(image, (list, tuple)) else [image] * n
+    if len(images) != n:
+        raise ValueError(f"got {len(images)} images for {n} maps")
+    groups = _scale_groups(shared, rows, cols, n)
+    scales: list[MapScale | None] = [None] * n
+    for g in groups:
+        ms = map_scale([flat[i] for i in g], scale, vmin, vmax, percentile, cmap)
+        for i in g:
+            scales[i] = ms
+
+    views = ("bilinear", "nearest") if mode == "both" else (mode,)
+    k = len(views)
+    bar_right = colorbar and shared in (True, False, "row")
+    fig, axes = plt.subplots(rows, cols * k, squeeze=False, layout="constrained",
+                             figsize=(size * cols * k + (0.9 if bar_right else 0.2),
+                                      size * rows + (0.7 if colorbar and shared == "col" else 0.0)
+                                      + (0.3 if col_labels is not None else 0.0) + (0.4 if suptitle else 0.0)))
+    for ax in axes.flat:
+        ax.set_axis_off()
+    for i, m in enumerate(flat):
+        r, c = divmod(i, cols)
+        for v, view in enumerate(views):
+            ax = axes[r, c * k + v]
+            if images[i] is None:
+                _draw_map(ax, m, scales[i], view)
+            else:
+                _draw_overlay(ax, _to_numpy_image(images[i]), m, scales[i], alpha, view, gray_image)
+            t = titles[i] if titles is not None else ""
+            if mode == "both":
+                t = f"{t}\n{'smooth' if view == 'bilinear' else 'per patch'}" if t else ("smooth" if view == "bilinear" else "per patch")
+            if t:
+                ax.set_title(t, fontsize=8)
     if row_labels is not None:
-        for r, label in enumerate(row_labels[:rows]):
-            axes[r, 0].set_axis_on()
-            axes[r, 0].set_xticks([])
-            axes[r, 0].set_yticks([])
-            for spine in axes[r, 0].spines.values():
+        for r, text in enumerate(row_labels):
+            ax = axes[r, 0]
+            ax.set_axis_on()
+            ax.set_xticks([])
+            ax.set_yticks([])
+            for spine in ax.spines.values():
                 spine.set_visible(False)
-            axes[r, 0].set_ylabel(label, fontsize=9)
+            ax.set_ylabel(text, fontsize=9)
+    if col_labels is not None:
+        for c, text in enumerate(col_labels):
+            ax = axes[0, c * k]
+            ax.set_title(f"{text}\n{ax.get_title()}" if ax.get_title() else text, fontsize=9)
+    if colorbar:
+        if shared is True:
+            _add_colorbar(fig, scales[0], axes, label, shrink=min(1.0, 0.5 + 0.25 * rows), aspect=max(20, 12 * rows))
+        elif shared == "row":
+            for r in range(rows):
+                if r * cols < n:
+                    _add_colorbar(fig, scales[r * cols], axes[r, :], label, aspect=12)
+        elif shared == "col":
+            for c in range(min(cols, n)):
+                _add_colorbar(fig, scales[c], axes[:, c * k:(c + 1) * k], label, location="bottom", aspect=12)
+        else:
+            for i in range(n):
+                r, c = divmod(i, cols)
+                _add_colorbar(fig, scales[i], axes[r, c * k:(c + 1) * k], label, fraction=0.05, pad=0.02)
     if suptitle:
         fig.suptitle(suptitle)
-    fig.tight_layout()
     return fig
 
 

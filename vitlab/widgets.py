@@ -1,16 +1,19 @@
-"""Interactive explorers for the notebooks (ipywidgets): pick a layer, head or channel and see it.
+"""Interactive explorers for the notebooks (ipywidgets): pick a block, head or channel and see it.
 
 - :class:`QKExplorer` -- the sigmoid images of one channel of the query and the key of a
   head (Gildenblat 2020, "Exploring Explainability for Vision Transformers"), chosen with
-  layer / head / channel sliders. The model runs once, when the explorer is built; moving
+  block / head / channel sliders. The model runs once, when the explorer is built; moving
   a slider only redraws.
 - :class:`CLSAttentionExplorer` -- the class token's attention to the patches for a
-  layer / head chosen with sliders, over the image.
+  block / head chosen with sliders, over the image, on one colour scale for all blocks and
+  heads (a map that looks dimmer after a slider move holds less attention).
 - :func:`record_qk` and :func:`qk_images` -- the recorded queries and keys, and the q / k
   images of one channel from them (the same numbers as :func:`vitlab.attention.qk_maps`,
   without a forward per channel); :func:`mean_query_push` shows where a channel sends the
   average query; :func:`top_channels` ranks channels of a score tensor
-  (:func:`vitlab.attention.qk_channel_scores`) from a chosen layer on.
+  (:func:`vitlab.attention.qk_channel_scores`) from a chosen block on.
+
+Blocks, heads and channels are counted from 0, as in ``model.blocks[i]``.
 
 Every figure is drawn by :mod:`vitlab.plot`. An explorer shows itself when it is the last
 expression of a cell; :meth:`figure` draws one setting without widgets (for scripts and tests).
@@ -52,10 +55,10 @@ def _index(name: str, value: int, size: int) -> int:
     return value % size
 
 
-def _qk_channel(qk: RecordedQK, layer: int, head: int, channel: int, sample: int = 0):
+def _qk_channel(qk: RecordedQK, block: int, head: int, channel: int, sample: int = 0):
     """Raw query and key of one channel on the patch grid: two ``gh x gw`` tensors."""
-    layer = _index("layer", layer, len(qk.queries))
-    q, k = qk.queries[layer], qk.keys[layer]  # B x H x N x D
+    block = _index("block", block, len(qk.queries))
+    q, k = qk.queries[block], qk.keys[block]  # B x H x N x D
     sample = _index("sample", sample, q.shape[0])
     head = _index("head", head, q.shape[1])
     channel = _index("channel", channel, q.shape[-1])
@@ -63,71 +66,73 @@ def _qk_channel(qk: RecordedQK, layer: int, head: int, channel: int, sample: int
     return grid(q[sample, head, :, channel]), grid(k[sample, head, :, channel])
 
 
-def qk_images(qk: RecordedQK, layer: int, head: int, channel: int, sample: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_images(qk: RecordedQK, block: int, head: int, channel: int, sample: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid images (``gh x gw``, values in (0, 1)) of the query and key of one channel.
 
-    ``sigmoid(q[sample, head, patches, channel])`` of block ``layer`` on the patch grid, and
+    ``sigmoid(q[sample, head, patches, channel])`` of block ``block`` on the patch grid, and
     the same for the key: bright where the channel is positive, dark where negative.
     """
-    q, k = _qk_channel(qk, layer, head, channel, sample)
+    q, k = _qk_channel(qk, block, head, channel, sample)
     return q.sigmoid(), k.sigmoid()
 
 
-def mean_query_push(qk: RecordedQK, layer: int, head: int, channel: int, sample: int = 0) -> torch.Tensor:
+def mean_query_push(qk: RecordedQK, block: int, head: int, channel: int, sample: int = 0) -> torch.Tensor:
     """What one channel adds, on average over the query patches, to the logit towards each key patch.
 
     ``mean_i(q_ic) * k_jc`` on the patch grid (``gh x gw``, patches only, before the
     ``1/sqrt(d)`` scale): high on the patches this channel makes the typical patch attend to.
     For a one-way channel it is high exactly on the few patches that every query is drawn to.
     """
-    q, k = _qk_channel(qk, layer, head, channel, sample)
+    q, k = _qk_channel(qk, block, head, channel, sample)
     return q.mean() * k
 
 
-def top_channels(scores: torch.Tensor, top: int = 5, first_layer: int = 0) -> list:
-    """The ``top`` highest entries of a ``layers x heads x channels`` score tensor, best first.
+def top_channels(scores: torch.Tensor, top: int = 5, first_block: int = 0) -> list:
+    """The ``top`` highest entries of a ``blocks x heads x channels`` score tensor, best first.
 
-    Layers before ``first_layer`` are left out. Returns
-    :class:`vitlab.attention.QKChannel` tuples ``(layer, head, channel, score)``; with
-    ``first_layer=0`` the same list as :func:`vitlab.attention.rank_qk_channels`.
+    Blocks before ``first_block`` are left out. Returns
+    :class:`vitlab.attention.QKChannel` tuples ``(block, head, channel, score)``; with
+    ``first_block=0`` the same list as :func:`vitlab.attention.rank_qk_channels`.
     """
     from vitlab.attention import QKChannel
 
     if scores.ndim != 3:
-        raise ValueError(f"scores must be layers x heads x channels, got shape {tuple(scores.shape)}")
+        raise ValueError(f"scores must be blocks x heads x channels, got shape {tuple(scores.shape)}")
     L, H, D = scores.shape
-    first_layer = _index("first_layer", first_layer, L)
+    first_block = _index("first_block", first_block, L)
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be a positive int, got {top!r}")
-    kept = scores[first_layer:].flatten()
+    kept = scores[first_block:].flatten()
     values, flat = kept.topk(min(top, kept.numel()))
-    return [QKChannel(first_layer + int(i) // (H * D), int(i) // D % H, int(i) % D, float(v))
+    return [QKChannel(first_block + int(i) // (H * D), int(i) // D % H, int(i) % D, float(v))
             for v, i in zip(values.tolist(), flat.tolist())]
 
 
 def qk_channels_figure(qk: RecordedQK, channels, image=None, scores=None, sample: int = 0):
     """One row per channel: sigmoid(query), sigmoid(key) (grey, 0.5 = zero) and, when
-    ``image`` is given, :func:`mean_query_push` over the image (rescaled to its own range):
-    where the channel sends the average query.
+    ``image`` is given, :func:`mean_query_push` over the image, on a diverging scale centred
+    at 0 with a colour bar: red where the channel draws the average query, blue where it
+    pushes it away.
 
-    ``channels``: ``(layer, head, channel)`` triples (or :class:`~vitlab.attention.QKChannel`
+    ``channels``: ``(block, head, channel)`` triples (or :class:`~vitlab.attention.QKChannel`
     tuples); ``scores``: an optional label per row, shown in the titles. Returns the Figure.
     """
     channels = [tuple(c)[:3] for c in channels]
     if not channels:
-        raise ValueError("qk_channels_figure needs at least one (layer, head, channel)")
+        raise ValueError("qk_channels_figure needs at least one (block, head, channel)")
     if scores is not None and len(scores) != len(channels):
         raise ValueError(f"got {len(scores)} scores for {len(channels)} channels")
     ncols = 2 if image is None else 3
     fig, axes = plt.subplots(len(channels), ncols, figsize=(2.8 * ncols, 2.9 * len(channels)), squeeze=False)
-    for r, (layer, head, channel) in enumerate(channels):
-        q, k = qk_images(qk, layer, head, channel, sample)
+    for r, (block, head, channel) in enumerate(channels):
+        q, k = qk_images(qk, block, head, channel, sample)
         label = f"  {scores[r]}" if scores is not None else ""
-        plot.show_map(q, ax=axes[r, 0], cmap="gray", vmin=0.0, vmax=1.0, title=f"sigmoid(q)  L{layer} h{head} ch{channel}")
+        plot.show_map(q, ax=axes[r, 0], cmap="gray", vmin=0.0, vmax=1.0, title=f"sigmoid(q)  block {block} head {head} ch {channel}")
         plot.show_map(k, ax=axes[r, 1], cmap="gray", vmin=0.0, vmax=1.0, title=f"sigmoid(k){label}")
         if image is not None:
-            push = mean_query_push(qk, layer, head, channel, sample)
-            plot.overlay(image, push, ax=axes[r, 2], title="where the mean query is sent")
+            push = mean_query_push(qk, block, head, channel, sample)
+            plot.overlay(image, push, ax=axes[r, 2], title="where the mean query is sent", colorbar=True,
+                         label="mean(q) k")
     fig.tight_layout()
     return fig
 
@@ -181,58 +186,73 @@ class _Explorer(abc.ABC):
 
 
 class QKExplorer(_Explorer):
-    """Layer / head / channel sliders over the query and key sign images of one image.
+    """Block / head / channel sliders over the query and key sign images of one image.
 
     Args:
         model: a timm or Hugging Face ViT (eval mode).
         x: ``1 x 3 x H x W`` input (a batch: the first sample is shown).
         image: the picture ``x`` was made from, drawn next to the maps (optional).
-        layer, head, channel: where the sliders start.
+        block, head, channel: where the sliders start.
     """
 
-    def __init__(self, model, x: torch.Tensor, image=None, layer: int = 0, head: int = 0, channel: int = 0):
+    def __init__(self, model, x: torch.Tensor, image=None, block: int = 0, head: int = 0, channel: int = 0):
         self.qk = record_qk(model, x)
         self.image = image
         L = len(self.qk.queries)
         _, H, _, D = self.qk.queries[0].shape
         w = _widgets()
         self._build({
-            "layer": w.IntSlider(value=_index("layer", layer, L), min=0, max=L - 1, description="layer"),
+            "block": w.IntSlider(value=_index("block", block, L), min=0, max=L - 1, description="block"),
             "head": w.IntSlider(value=_index("head", head, H), min=0, max=H - 1, description="head"),
             "channel": w.IntSlider(value=_index("channel", channel, D), min=0, max=D - 1, description="channel"),
         })
 
-    def figure(self, layer: int, head: int, channel: int):
+    def figure(self, block: int, head: int, channel: int):
         """sigmoid(q) and sigmoid(k) of one channel, and where it sends the mean query.
 
         Returns the Figure.
         """
-        return qk_channels_figure(self.qk, [(layer, head, channel)], image=self.image)
+        return qk_channels_figure(self.qk, [(block, head, channel)], image=self.image)
 
 
 class CLSAttentionExplorer(_Explorer):
-    """Layer / head sliders over precomputed class-token attention maps of one image.
+    """Block / head sliders over precomputed class-token attention maps of one image.
 
     Args:
-        cls_maps: ``layers x heads x gh x gw`` (one sample of
+        cls_maps: ``blocks x heads x gh x gw`` (one sample of
             :func:`vitlab.attention.cls_attention`).
         image: the picture the maps belong to (optional; without it the maps are drawn alone).
-        layer, head: where the sliders start.
+        block, head: where the sliders start.
+        shared: colour every setting on one scale, from the smallest value of all blocks and
+            heads to the ``percentile``-th percentile of all their values (shown by the colour
+            bar; larger values get the top colour), so that moving a slider compares values;
+            ``False``: each map on its own range.
     """
 
-    def __init__(self, cls_maps: torch.Tensor, image=None, layer: int = 0, head: int = 0):
+    def __init__(self, cls_maps: torch.Tensor, image=None, block: int = 0, head: int = 0, shared: bool = True,
+                 percentile: float = 99.0):
         if cls_maps.ndim != 4:
-            raise ValueError(f"cls_maps must be layers x heads x gh x gw (one sample), got shape {tuple(cls_maps.shape)}")
+            raise ValueError(f"cls_maps must be blocks x heads x gh x gw (one sample), got shape {tuple(cls_maps.shape)}")
         self.cls_maps = cls_maps.detach().cpu()
+        self.vmin = self.vmax = None
+        self.label = "CLS attention"
+        if shared:
+            norm = plot.map_scale(list(self.cls_maps.flatten(0, 1)), "percentile", percentile=percentile).norm
+            self.vmin, self.vmax = float(norm.vmin), float(norm.vmax)
+            if float(self.cls_maps.max()) > self.vmax:
+                self.label += f"\n(one scale for all blocks and heads,\nclipped at their {plot.ordinal(percentile)} percentile)"
+            else:
+                self.label += "\n(one scale for all blocks and heads)"
         self.image = image
         L, H = self.cls_maps.shape[:2]
         w = _widgets()
         self._build({
-            "layer": w.IntSlider(value=_index("layer", layer, L), min=0, max=L - 1, description="layer"),
+            "block": w.IntSlider(value=_index("block", block, L), min=0, max=L - 1, description="block"),
             "head": w.IntSlider(value=_index("head", head, H), min=0, max=H - 1, description="head"),
         })
 
-    def figure(self, layer: int, head: int):
-        """The CLS attention of one layer and head (over the image if given). Returns the Figure."""
-        m = self.cls_maps[layer, head]
-        return plot.map_grid([m], [f"CLS attention  layer {layer} head {head}"], image=self.image, size=3.6)
+    def figure(self, block: int, head: int):
+        """The CLS attention of one block and head (over the image if given). Returns the Figure."""
+        m = self.cls_maps[block, head]
+        return plot.map_grid([m], [f"CLS attention  block {block} head {head}"], image=self.image, size=3.6,
+                             vmin=self.vmin, vmax=self.vmax, label=self.label)
