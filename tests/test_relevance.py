@@ -1,4 +1,4 @@
-"""vitlab.relevance: Chefer, Gur & Wolf (ICCV 2021) eq. 5-6, against hand-built cases and loops.
+"""vitlab.relevance: Chefer, Gur & Wolf (ICCV 2021) eq. 1-11, against hand-built cases and loops.
 
 The end-to-end check on a Hugging Face ViT takes its attentions from the model's own eager
 ``output_attentions`` and its gradients from autograd, independent of vitlab.record.
@@ -13,10 +13,18 @@ from timm.models.deit import VisionTransformerDistilled
 
 from vitlab.attention import attention_gradients
 from vitlab.relevance import (
+    AttentionEvent,
+    Relevances,
+    bimodal_rule,
     chefer_relevance,
     head_averaged_relevance,
+    initial_relevances,
+    normalized_self_relevance,
+    propagate,
+    read_rows,
     relevance_matrix,
     relevance_row,
+    self_attention_events,
     self_attention_rule,
 )
 
@@ -139,3 +147,451 @@ def test_chefer_relevance_batch_equals_items_and_none_is_the_predicted_class(vit
 def test_chefer_relevance_rejects_bad_targets(vit, x, target, message):
     with pytest.raises(ValueError, match=message):
         chefer_relevance(vit, x, target)
+
+
+# --- the generic engine (eq. 1-11) -------------------------------------------------------------------
+def event(query, key, abar, heads=1):
+    """An event whose eq. 5 average is exactly ``abar`` (float64, batch 1): head 0 carries
+    ``2 * abar`` with gradient 1, any further head has gradient -1 (clamped to 0 by eq. 5),
+    so the head average is ``2 * abar / heads``; the attention is scaled by ``heads / 2``."""
+    abar = torch.tensor(abar, dtype=torch.float64)
+    A = abar.expand(1, heads, *abar.shape).clone() * heads
+    G = -torch.ones_like(A)
+    G[:, 0] = 1
+    return AttentionEvent(query, key, A, G)
+
+
+def loop_propagate(steps, sizes, normalize=True):
+    """Eq. 1-11 for one sample (index 0 of every batch dimension), with explicit loops over
+    tokens and heads in float64 numpy: an independent dense implementation. ``steps``: lists
+    of events whose additions are computed from the state before the step."""
+    names = list(sizes)
+    R = {(s, q): (np.eye(sizes[s]) if s == q else np.zeros((sizes[s], sizes[q]))) for s in names for q in names}
+
+    def abar_of(e):
+        A = e.attention.double().numpy().reshape(-1, *e.attention.shape[-3:])[0]
+        G = e.grad.double().numpy().reshape(-1, *e.grad.shape[-3:])[0]
+        H, n, m = A.shape
+        out = np.zeros((n, m))
+        for i in range(n):
+            for j in range(m):
+                out[i, j] = sum(max(A[h, i, j] * G[h, i, j], 0.0) for h in range(H)) / H
+        return out
+
+    def rbar(M):
+        n = M.shape[0]
+        out = np.eye(n)
+        for i in range(n):
+            row = [M[i, j] - (1.0 if i == j else 0.0) for j in range(n)]
+            total = sum(row)
+            for j in range(n):
+                out[i, j] += row[j] / total if total > 0 else 0.0
+        return out
+
+    def matmul(X, Y):
+        out = np.zeros((X.shape[0], Y.shape[1]))
+        for i in range(X.shape[0]):
+            for k in range(Y.shape[1]):
+                out[i, k] = sum(X[i, j] * Y[j, k] for j in range(X.shape[1]))
+        return out
+
+    for step in steps:
+        adds = []
+        for e in step:
+            if e.grad is None:
+                continue
+            Ab, s, q = abar_of(e), e.query, e.key
+            if s == q:
+                adds += [((s, x), matmul(Ab, R[s, x])) for x in names]
+            else:
+                Rs, Rq = (rbar(R[s, s]), rbar(R[q, q])) if normalize else (R[s, s], R[q, q])
+                adds.append(((s, q), matmul(Rs.T, matmul(Ab, Rq))))
+                adds.append(((s, s), matmul(Ab, R[q, s])))
+        new = {k: v.copy() for k, v in R.items()}
+        for k, v in adds:
+            new[k] += v
+        R = new
+    return R
+
+
+def random_event(g, query, key, sizes, batch=(2,), heads=2, dtype=torch.float32):
+    A = torch.rand(*batch, heads, sizes[query], sizes[key], generator=g, dtype=dtype).softmax(-1)
+    G = torch.randn(*batch, heads, sizes[query], sizes[key], generator=g, dtype=dtype)
+    return AttentionEvent(query, key, A, G)
+
+
+def lxmert_like(g, sizes, batch=(2,), dtype=torch.float32):
+    """LXMERT's order: language layers, vision layers, then per cross-modality layer the two
+    co-attention directions together, then each modality's self-attention."""
+    e = lambda q, k: random_event(g, q, k, sizes, batch, dtype=dtype)  # noqa: E731
+    steps = [e("text", "text") for _ in range(2)] + [e("image", "image") for _ in range(2)]
+    for _ in range(2):
+        steps += [(e("text", "image"), e("image", "text")), e("text", "text"), e("image", "image")]
+    return steps
+
+
+def detr_like(g, sizes, batch=(2,)):
+    """DETR's order: encoder self-attention, then per decoder layer query self-attention and
+    query <- image cross-attention."""
+    e = lambda q, k: random_event(g, q, k, sizes, batch)  # noqa: E731
+    steps = [e("image", "image") for _ in range(2)]
+    for _ in range(3):
+        steps += [e("query", "query"), e("query", "image")]
+    return steps
+
+
+def as_steps(events):
+    return [list(s) if isinstance(s, tuple) else [s] for s in events]
+
+
+def item(events, b):
+    """The same events for batch item b alone (batch shape (1,))."""
+    pick = lambda e: AttentionEvent(e.query, e.key, e.attention[b : b + 1], e.grad[b : b + 1])  # noqa: E731
+    return [tuple(pick(e) for e in s) if isinstance(s, tuple) else pick(s) for s in events]
+
+
+def test_eq1_2_initial_relevances():
+    R = initial_relevances({"text": 2, "image": 3}, (4,), torch.float64)
+    assert set(R) == {("text", "text"), ("text", "image"), ("image", "text"), ("image", "image")}
+    assert torch.equal(R["text", "text"], torch.eye(2, dtype=torch.float64).expand(4, 2, 2))
+    assert torch.equal(R["image", "image"], torch.eye(3, dtype=torch.float64).expand(4, 3, 3))
+    assert R["text", "image"].shape == (4, 2, 3) and not R["text", "image"].any()
+    assert R["image", "text"].shape == (4, 3, 2) and not R["image", "text"].any()
+
+
+def test_hand_built_co_attention_graph():
+    """2 text + 3 image tokens, one head (two in the first event), worked out by hand:
+
+    1. image self-attention, i0 -> i1:  R^{ii} = I + A = [[1,1,0],[0,1,0],[0,0,1]]
+    2. one step: text <- image [[.5,0,.5],[0,0,1]] and image <- text (i1 -> t0), both read
+       the state before the step. Rbar^{tt} = I (R^{tt} - I has no entries: identity rows,
+       not 0/0); Rbar^{ii} = [[1,1,0],[0,1,0],[0,0,1]] (row 0 of R - I already sums to 1).
+       R^{ti} = I^T A Rbar^{ii} = [[.5,.5,.5],[0,0,1]]; R^{it} = (Rbar^{ii})^T A I: row 1 =
+       Rbar^{ii}[0,1] A[0] + Rbar^{ii}[1,1] A[1] = [1, 0], rows 0 and 2 zero. Eq. 11 adds
+       A R^{it} = 0 and A R^{ti} = 0 (both 0 before the step).
+    3. text <- image, t0 -> i1: R^{ti} += e0 ⊗ Rbar^{ii}[1] = [0,1,0] in row 0 -> [[.5,1.5,.5],
+       [0,0,1]]; eq. 11: R^{tt} += A R^{it}, row 0 gains R^{it}[1] = [1, 0] -> [[2,0],[0,1]].
+    4. text self-attention, t0 -> t1: R^{tt} += A R^{tt} -> [[2,1],[0,1]]; eq. 7: R^{ti} +=
+       A R^{ti}, row 0 gains row 1 [0,0,1] -> [[.5,1.5,1.5],[0,0,1]].
+    5. text <- image, t0 -> i0: R^{tt} - I = [[1,1],[0,0]] -> Rbar^{tt} = [[1.5,.5],[0,1]];
+       A Rbar^{ii} = [[1,1,0],[0,0,0]]; (Rbar^{tt})^T puts t0's row, times 1.5 and 0.5, into
+       rows 0 and 1: R^{ti} += [[1.5,1.5,0],[.5,.5,0]] -> [[2,3,1.5],[.5,.5,1]].
+    """
+    events = [
+        event("image", "image", [[0, 1, 0], [0, 0, 0], [0, 0, 0]], heads=2),
+        (event("text", "image", [[.5, 0, .5], [0, 0, 1]]), event("image", "text", [[0, 0], [1, 0], [0, 0]])),
+        event("text", "image", [[0, 1, 0], [0, 0, 0]]),
+        event("text", "text", [[0, 1], [0, 0]]),
+        event("text", "image", [[1, 0, 0], [0, 0, 0]]),
+    ]
+    R = propagate(events, {"text": 2, "image": 3})
+    assert isinstance(R, Relevances) and R.sizes == {"text": 2, "image": 3}
+    assert R["text", "text"][0].tolist() == [[2, 1], [0, 1]]
+    assert R["text", "image"][0].tolist() == [[2, 3, 1.5], [.5, .5, 1]]
+    assert R["image", "text"][0].tolist() == [[0, 0], [1, 0], [0, 0]]
+    assert R["image", "image"][0].tolist() == [[1, 1, 0], [0, 1, 0], [0, 0, 1]]
+    # the LXMERT readouts: CLS = first text token
+    assert R.rows("text", "image", 0).tolist() == [[2, 3, 1.5]]
+    assert R.rows("text", "text", 0).tolist() == [[2, 1]]
+    assert R.rows("text", "text", 0, drop_self=True).tolist() == [[0, 1]]
+    # the loop implementation agrees
+    loop = loop_propagate(as_steps(events), R.sizes)
+    for pair, M in R.matrices.items():
+        assert np.array_equal(M[0].numpy(), loop[pair]), pair
+
+
+def test_one_step_reads_the_state_before_it():
+    """Step 2 of the hand-built graph run as two consecutive events: image <- text then reads
+    the new R^{ti} through eq. 11, R^{ii} += A R^{ti}: i1 gains t0's row [.5,.5,.5]."""
+    t_i = event("text", "image", [[.5, 0, .5], [0, 0, 1]])
+    i_t = event("image", "text", [[0, 0], [1, 0], [0, 0]])
+    first = event("image", "image", [[0, 1, 0], [0, 0, 0], [0, 0, 0]])
+    together = propagate([first, (t_i, i_t)], {"text": 2, "image": 3})
+    in_turn = propagate([first, t_i, i_t], {"text": 2, "image": 3})
+    assert together["image", "image"][0].tolist() == [[1, 1, 0], [0, 1, 0], [0, 0, 1]]
+    assert in_turn["image", "image"][0].tolist() == [[1, 1, 0], [.5, 1.5, .5], [0, 0, 1]]
+    # the other order: text <- image reads R^{it} = [[0,0],[1,0],[0,0]] through eq. 11 (t0 -> i0: row 0 of R^{it} is 0;
+    # t1 -> i2: row 2 is 0) and R^{ii} through eq. 10 -- R^{tt} stays I, R^{ti} is the same.
+    reverse = propagate([first, i_t, t_i], {"text": 2, "image": 3})
+    assert torch.equal(reverse["text", "image"], together["text", "image"])
+    # a step's events are summed: two identical self events in one step add twice A R
+    a = event("text", "text", [[0, 1], [0, 0]])
+    assert propagate([(a, a)], {"text": 2})["text", "text"][0].tolist() == [[1, 2], [0, 1]]
+
+
+def test_eq10_uses_the_transpose_of_rbar_ss():
+    """(Rbar^{ss})^T, as in the paper and its code: t0's cross-attention lands in the rows of
+    the tokens t0 is relevant to -- here t1 (t1 attended to t0), not t0 itself."""
+    events = [event("text", "text", [[0, 0], [1, 0]]), event("text", "image", [[1, 0], [0, 0]])]
+    R = propagate(events, {"text": 2, "image": 2})
+    # t1 attended to t0: R^{tt} = Rbar^{tt} = [[1,0],[1,1]]; ((Rbar^{tt})^T A)[k] = sum_i Rbar[i,k] A[i]:
+    # k = 0: Rbar[0,0] A[0] + Rbar[1,0] A[1] = [1,0]; k = 1: Rbar[0,1] A[0] + Rbar[1,1] A[1] = 0
+    assert R["text", "image"][0].tolist() == [[1, 0], [0, 0]]
+    events = [event("text", "text", [[0, 1], [0, 0]]), event("text", "image", [[1, 0], [0, 0]])]
+    R = propagate(events, {"text": 2, "image": 2})
+    # t0 attended to t1: Rbar^{tt} = [[1,1],[0,1]], and k = 1 gains Rbar[0,1] A[0] = [1,0]
+    # (without the transpose it would be the other way round: t0 would gain, t1 not)
+    assert R["text", "image"][0].tolist() == [[1, 0], [1, 0]]
+
+
+def test_eq7_updates_every_other_modality():
+    """Self-attention in a carries a's rows of R^{ab} and R^{ac} along, and leaves b's and c's rows alone."""
+    sizes = {"a": 2, "b": 1, "c": 3}
+    events = [event("a", "b", [[1], [0]]), event("a", "c", [[0, 0, 0], [0, 2, 0]]), event("a", "a", [[0, 1], [0, 0]])]
+    R = propagate(events, sizes)
+    assert R["a", "b"][0].tolist() == [[1], [0]]  # row 0 gains row 1 = 0
+    assert R["a", "c"][0].tolist() == [[0, 2, 0], [0, 2, 0]]  # row 0 gains row 1
+    assert R["a", "a"][0].tolist() == [[1, 1], [0, 1]]
+    for pair in [("b", "b"), ("c", "c")]:
+        assert torch.equal(R[pair][0], torch.eye(sizes[pair[0]], dtype=torch.float64))
+    for pair in [("b", "a"), ("c", "a"), ("b", "c"), ("c", "b")]:
+        assert not R[pair].any()
+    loop = loop_propagate(as_steps(events), sizes)
+    for pair, M in R.matrices.items():
+        assert np.allclose(M[0].numpy(), loop[pair], rtol=0, atol=1e-15), pair
+
+
+@pytest.mark.parametrize("build, sizes", [
+    (lxmert_like, {"text": 3, "image": 4}),
+    (detr_like, {"image": 4, "query": 3}),
+])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_propagate_equals_the_loop_implementation(build, sizes, normalize):
+    g = torch.Generator().manual_seed(11)
+    events = build(g, sizes)
+    R = propagate(events, sizes, normalize=normalize)
+    for b in range(2):
+        loop = loop_propagate(as_steps(item(events, b)), sizes, normalize=normalize)
+        for pair, M in R.matrices.items():
+            assert M.shape == (2, sizes[pair[0]], sizes[pair[1]])
+            assert np.allclose(M[b].double().numpy(), loop[pair], rtol=1e-5, atol=1e-6), (pair, b)
+    # every entry non-negative, every self-relevance at least I on the diagonal
+    for pair, M in R.matrices.items():
+        assert (M >= 0).all() and torch.isfinite(M).all()
+        if pair[0] == pair[1]:
+            assert (torch.diagonal(M, dim1=-2, dim2=-1) >= 1).all()
+
+
+def test_eq8_9_normalisation_makes_a_difference():
+    g = torch.Generator().manual_seed(3)
+    sizes = {"text": 3, "image": 4}
+    events = lxmert_like(g, sizes, dtype=torch.float64)
+    assert not torch.allclose(propagate(events, sizes)["text", "image"],
+                              propagate(events, sizes, normalize=False)["text", "image"])
+
+
+def test_detr_rows_of_every_detected_query_at_once():
+    g = torch.Generator().manual_seed(5)
+    sizes = {"image": 6, "query": 4}
+    R = propagate(detr_like(g, sizes, batch=(3,)), sizes)
+    Rqi = R["query", "image"]
+    detected = torch.tensor([[0, 2], [3, 1], [1, 1]])  # B x K
+    rows = R.rows("query", "image", detected)
+    assert rows.shape == (3, 2, 6)
+    for b in range(3):
+        for k in range(2):
+            assert torch.equal(rows[b, k], Rqi[b, detected[b, k]])
+    assert torch.equal(R.rows("query", "image", [2, 0, 3]), torch.stack([Rqi[0, 2], Rqi[1, 0], Rqi[2, 3]]))
+    assert torch.equal(R.rows("query", "image", 1), Rqi[:, 1])
+    # eq. 11 never fires in DETR: image tokens do not attend to queries, so R^{iq} stays 0 and R^{qq} has only self terms
+    assert not R["image", "query"].any()
+
+
+def test_read_rows_with_two_batch_dimensions_and_drop_self():
+    R = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4)
+    idx = torch.tensor([[0, 1, 2], [3, 3, 0]])
+    rows = read_rows(R, idx, drop_self=True)
+    assert rows.shape == (2, 3, 4)
+    for a in range(2):
+        for b in range(3):
+            expected = R[a, b, idx[a, b]].clone()
+            expected[idx[a, b]] = 0
+            assert torch.equal(rows[a, b], expected)
+    many = read_rows(R, torch.tensor([[[0, 3]] * 3] * 2))
+    assert many.shape == (2, 3, 2, 4) and torch.equal(many[1, 2, 1], R[1, 2, 3])
+    assert torch.equal(read_rows(R, 2), R[:, :, 2])
+
+
+@pytest.mark.parametrize("index, error, message", [
+    (4, ValueError, r"row index 4 is outside 0 \.\. 3 \(4 tokens\)"),
+    (-1, ValueError, r"row index -1 is outside"),
+    ([0, 1], ValueError, r"index must be an int, one row per item \(shape \(3,\)\)"),
+    (1.0, TypeError, "index must be an int"),
+    (torch.tensor([0.0, 1, 2]), TypeError, "index must hold integers"),
+])
+def test_read_rows_rejects_bad_indices(index, error, message):
+    with pytest.raises(error, match=message):
+        read_rows(torch.zeros(3, 4, 5), index)
+
+
+def test_read_rows_drop_self_needs_a_square_matrix():
+    with pytest.raises(ValueError, match="drop_self needs a square"):
+        read_rows(torch.zeros(3, 4, 5), 0, drop_self=True)
+
+
+# --- eq. 8-9 ----------------------------------------------------------------------------------------
+def test_eq8_9_by_hand_with_an_empty_row():
+    R = torch.tensor([[3.0, 1, 1], [0, 1, 0], [0, 2, 1]])
+    # R - I = [[2,1,1],[0,0,0],[0,2,0]] -> rows / 4, / (nothing: stays 0), / 2 -> + I
+    assert normalized_self_relevance(R).tolist() == [[1.5, .25, .25], [0, 1, 0], [0, 1, 1]]
+
+
+def test_eq8_9_identity_stays_identity_without_nan():
+    R = torch.eye(4).expand(2, 3, 4, 4)
+    out = normalized_self_relevance(R)
+    assert torch.equal(out, R)
+    # the literal formula divides 0 by 0
+    assert torch.isnan((R - torch.eye(4)) / (R - torch.eye(4)).sum(-1, keepdim=True)).all()
+
+
+def test_eq8_9_rows_of_rbar_minus_i_sum_to_one_or_zero():
+    g = torch.Generator().manual_seed(4)
+    added = torch.rand(5, 6, 6, generator=g, dtype=torch.float64)
+    added[:, 2] = 0  # an empty row in every item
+    added[3] = 0  # an item with nothing added at all
+    Rbar = normalized_self_relevance(added + torch.eye(6, dtype=torch.float64))
+    sums = (Rbar - torch.eye(6, dtype=torch.float64)).sum(-1)
+    expected = torch.ones(5, 6, dtype=torch.float64)
+    expected[:, 2] = 0
+    expected[3] = 0
+    assert torch.allclose(sums, expected, atol=1e-12)
+    # the non-empty rows are the plain formula
+    assert torch.allclose(Rbar[0, 0], added[0, 0] / added[0, 0].sum() + torch.eye(6, dtype=torch.float64)[0])
+
+
+def test_bimodal_rule_is_eq10_11():
+    g = torch.Generator().manual_seed(8)
+    R_ss, R_qq = (torch.eye(n, dtype=torch.float64) + torch.rand(2, n, n, generator=g, dtype=torch.float64) for n in (2, 3))
+    R_sq, R_qs = torch.rand(2, 2, 3, generator=g, dtype=torch.float64), torch.rand(2, 3, 2, generator=g, dtype=torch.float64)
+    Abar = torch.rand(2, 2, 3, generator=g, dtype=torch.float64)
+    new_ss, new_sq = bimodal_rule(R_ss, R_sq, R_qq, R_qs, Abar)
+    for b in range(2):
+        Rs = (R_ss[b] - torch.eye(2, dtype=torch.float64))
+        Rs = Rs / Rs.sum(1, keepdim=True) + torch.eye(2, dtype=torch.float64)
+        Rq = (R_qq[b] - torch.eye(3, dtype=torch.float64))
+        Rq = Rq / Rq.sum(1, keepdim=True) + torch.eye(3, dtype=torch.float64)
+        assert torch.allclose(new_sq[b], R_sq[b] + Rs.T @ Abar[b] @ Rq)
+        assert torch.allclose(new_ss[b], R_ss[b] + Abar[b] @ R_qs[b])
+    plain_ss, plain_sq = bimodal_rule(R_ss, R_sq, R_qq, R_qs, Abar, normalize=False)
+    assert torch.allclose(plain_sq, R_sq + R_ss.mT @ Abar @ R_qq) and torch.equal(plain_ss, new_ss)
+
+
+# --- batches, missing gradients, errors ------------------------------------------------------------------
+def test_batch_equals_items_with_two_batch_dimensions():
+    g = torch.Generator().manual_seed(9)
+    sizes = {"text": 3, "image": 4}
+    events = lxmert_like(g, sizes, batch=(2, 3))
+    R = propagate(events, sizes)
+    assert R["text", "image"].shape == (2, 3, 3, 4)
+    flat = [AttentionEvent(e.query, e.key, e.attention.flatten(0, 1), e.grad.flatten(0, 1))
+            for s in events for e in (s if isinstance(s, tuple) else (s,))]
+    # rebuild the steps over a flat batch of 6, then each of the 6 alone
+    it = iter(flat)
+    flat_steps = [tuple(next(it) for _ in s) if isinstance(s, tuple) else next(it) for s in events]
+    for b in range(6):
+        one = propagate(item(flat_steps, b), sizes)
+        for pair, M in R.matrices.items():
+            assert torch.allclose(M.flatten(0, 1)[b], one[pair][0], rtol=1e-6, atol=1e-7), (pair, b)
+
+
+def test_an_event_without_gradient_changes_nothing():
+    g = torch.Generator().manual_seed(10)
+    sizes = {"text": 3, "image": 4}
+    events = lxmert_like(g, sizes)
+    silent = AttentionEvent("image", "text", events[4][1].attention, None)
+    zero = AttentionEvent("image", "text", events[4][1].attention, torch.zeros_like(events[4][1].attention))
+    a = propagate(events[:4] + [(events[4][0], silent)] + events[5:], sizes)
+    b = propagate(events[:4] + [(events[4][0], zero)] + events[5:], sizes)
+    for pair in a.matrices:
+        assert torch.equal(a[pair], b[pair])
+    loop = loop_propagate(as_steps(item(events[:4], 0)) + [[item([events[4][0]], 0)[0]]]
+                          + as_steps(item(events[5:], 0)), sizes)
+    assert np.allclose(a["text", "image"][0].numpy(), loop["text", "image"], rtol=1e-5, atol=1e-6)
+
+
+def test_dtypes_are_promoted():
+    e32 = event("text", "text", [[0, 1], [0, 0]])
+    e32 = AttentionEvent("text", "text", e32.attention.float(), e32.grad.float())
+    e64 = event("text", "image", [[1.0], [0.0]])
+    R = propagate([e32, e64], {"text": 2, "image": 1})
+    assert R["text", "text"].dtype == torch.float64
+    # Rbar^{tt} = R^{tt} = [[1,1],[0,1]]; its transpose carries t0's attention into t1's row too
+    assert R["text", "image"][0].tolist() == [[1], [1]]
+
+
+def test_attention_event_rejects_bad_tensors():
+    A = torch.rand(1, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"attention 'text' <- 'image': grad must have the attention's shape "
+                                         r"\(1, 2, 3, 4\), got \(1, 2, 4, 3\)"):
+        AttentionEvent("text", "image", A, torch.rand(1, 2, 4, 3))
+    with pytest.raises(ValueError, match=r"attention must be a tensor \.\.\. x heads x Nq x Nk .*got \(3, 4\)"):
+        AttentionEvent("text", "image", torch.rand(3, 4), None)
+    with pytest.raises(TypeError, match="AttentionEvent.key must be a modality name"):
+        AttentionEvent("text", "", A, None)
+    with pytest.raises(ValueError, match="grad must have the attention's shape .* got ndarray"):
+        AttentionEvent("text", "image", A, np.zeros((1, 2, 3, 4)))
+
+
+def test_propagate_errors_say_which_event_and_why():
+    sizes = {"text": 3, "image": 4}
+    ok = AttentionEvent("text", "image", torch.rand(2, 1, 3, 4), torch.rand(2, 1, 3, 4))
+    with pytest.raises(ValueError, match=r"events\[1\] \(attention 'text' <- 'img'\): unknown modality 'img'; "
+                                         r"sizes has \['image', 'text'\]"):
+        propagate([ok, AttentionEvent("text", "img", torch.rand(2, 1, 3, 4), None)], sizes)
+    with pytest.raises(ValueError, match=r"events\[0\] \(self-attention 'image'\): attention is \(2, 1, 3, 3\), its last "
+                                         r"two dimensions must be 4 x 4 \('image' tokens x 'image' tokens\)"):
+        propagate([AttentionEvent("image", "image", torch.rand(2, 1, 3, 3), None)], sizes)
+    with pytest.raises(ValueError, match=r"events\[0\]\[1\] \(attention 'image' <- 'text'\): attention is \(2, 1, 3, 4\), "
+                                         r"its last two dimensions must be 4 x 3"):
+        propagate([(ok, AttentionEvent("image", "text", torch.rand(2, 1, 3, 4), None))], sizes)
+    with pytest.raises(ValueError, match=r"events\[1\] \(attention 'text' <- 'image'\): batch shape \(3,\) differs "
+                                         r"from the first event's \(2,\)"):
+        propagate([ok, AttentionEvent("text", "image", torch.rand(3, 1, 3, 4), None)], sizes)
+    with pytest.raises(ValueError, match="propagate needs at least one AttentionEvent"):
+        propagate([], sizes)
+    with pytest.raises(TypeError, match=r"events\[1\] must be an AttentionEvent or a non-empty tuple of them"):
+        propagate([ok, ()], sizes)
+    with pytest.raises(TypeError, match=r"events\[0\] must be an AttentionEvent"):
+        propagate([torch.rand(2, 1, 3, 3)], sizes)
+    with pytest.raises(ValueError, match=r"sizes must map modality names \(str\) to token counts >= 1, got 'text': 0"):
+        propagate([ok], {"text": 0, "image": 4})
+    with pytest.raises(ValueError, match="sizes must map each modality to its number of tokens"):
+        propagate([ok], {})
+    with pytest.raises(KeyError, match=r"no relevance \('text', 'img'\)"):
+        propagate([ok], sizes)["text", "img"]
+
+
+# --- the ViT case: the engine with one modality --------------------------------------------------
+def legacy_relevance_matrix(attentions, gradients):
+    """relevance_matrix as it was before the engine: R = I, then R + Abar @ R per block."""
+    B, _, N, _ = attentions[0].shape
+    R = torch.eye(N, dtype=attentions[0].dtype).expand(B, N, N)
+    for A, G in zip(attentions, gradients):
+        R = R + head_averaged_relevance(A, G) @ R
+    return R
+
+
+def test_vit_is_the_engine_with_one_modality(vit, x):
+    target = [1, 4, 0]
+    ag = attention_gradients(vit, x, target)
+    N = ag.attentions[0].shape[-1]
+    R = propagate(self_attention_events("image", ag.attentions, ag.gradients), {"image": N})
+    assert torch.equal(R["image", "image"], relevance_matrix(ag.attentions, ag.gradients))
+    assert torch.equal(R["image", "image"], legacy_relevance_matrix(ag.attentions, ag.gradients))
+    cls_row = R.rows("image", "image", 0)[:, 1:].reshape(3, 4, 4)
+    # chefer_relevance multiplies row vectors from the last block down: same maths, float32 rounding apart
+    assert torch.allclose(chefer_relevance(vit, x, target), cls_row, rtol=1e-6, atol=0)
+    # in float64 the two orders agree to rounding
+    A64, G64 = [a.double() for a in ag.attentions], [g.double() for g in ag.gradients]
+    R64 = propagate(self_attention_events("image", A64, G64), {"image": N})
+    assert torch.allclose(relevance_row(A64, G64, index=0), R64.rows("image", "image", 0), rtol=1e-13, atol=0)
+
+
+def test_vit_engine_equivalence_on_deit_tiny():
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(12))
+    ag = attention_gradients(model, x, [7])
+    R = propagate(self_attention_events("image", ag.attentions, ag.gradients), {"image": 197})
+    assert torch.equal(R["image", "image"], legacy_relevance_matrix(ag.attentions, ag.gradients))
+    cls_row = R.rows("image", "image", 0)[:, 1:].reshape(1, 14, 14)
+    assert torch.allclose(chefer_relevance(model, x, [7]), cls_row, rtol=1e-5, atol=0)
