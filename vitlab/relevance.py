@@ -27,6 +27,12 @@ a ViT's ``R^{ss}[CLS]``, LXMERT's ``R^{ti}[CLS]`` (image) and ``R^{tt}[CLS]`` (t
 first text token), DETR's ``R^{qi}[j]`` for each detected query j. A ViT is the engine with
 one modality: :func:`relevance_matrix` is :func:`propagate` over its self-attention events.
 
+Event orders. LXMERT (CLS = text token 0): each language layer ``self text``, each vision
+layer ``self image``, then per cross-modality layer the step ``(text <- image, image <- text)``
+(one attention module called twice) followed by ``self text`` and ``self image``. DETR: each
+encoder layer ``self image``, then per decoder layer ``self query`` and ``query <- image``.
+A ViT: one ``self`` event per block.
+
 Choices where the paper leaves room (and where its reference code, hila-chefer/
 Transformer-MM-Explainability, ``lxmert/.../ExplanationGenerator.py`` and
 ``DETR/modules/ExplanationGenerator.py``, does something else):
@@ -50,6 +56,13 @@ Transformer-MM-Explainability, ``lxmert/.../ExplanationGenerator.py`` and
 - Batches. Leading dimensions are batch dimensions, each item on its own. The reference
   handles one item: its head average reshapes ``B x H`` into one dimension and averages over
   samples as well, and its ``.t()`` transposes only 2-D matrices.
+- Eq. 10's transpose is the paper's and its code's, and kept: with ``(Rbar^{ss})^T`` the
+  cross-attention of token i lands in the rows of the tokens k that i is relevant to
+  (``Rbar^{ss}[i, k]``), the other direction from eq. 6, where row i gathers from the
+  tokens i attends to. The tests pin the transpose down.
+- The reference's ``generate_ours`` defaults to ``use_lrp=True`` (the LRP relevance of the
+  attention map in place of A); its demo notebooks pass ``use_lrp=False``, the paper's
+  method, which is what eq. 5 here computes.
 - Equivalences, not deviations: the reference's DETR decoder leaves out eq. 11, which adds
   ``Abar · R^{iq}`` -- zero there, since image tokens never attend to the queries; its LXMERT
   loop skips the image branch of the last cross-modality layer, which cannot change
