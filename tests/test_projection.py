@@ -470,3 +470,144 @@ def test_token_removal_edges(vit, x):
         P.token_removal(vit, x, ranking, 0.5, remove="top")
     with pytest.raises(ValueError, match="target"):
         P.token_removal(vit, x, ranking, 0.5, target=[1, 2])
+
+
+# ------------------------------------------------- step 9: blocks= / tokens= / one class (speed)
+FIELDS = ("residual", "mid", "attention", "mlp", "entering")
+
+
+def test_project_blocks_tokens_are_slices_of_the_full_projection(vit, x):
+    before = model_state(vit)
+    full = P.project(vit, x)
+    assert full.blocks == (0, 1, 2) and full.tokens == tuple(range(17)) and full.num_blocks == 3
+    # entering: the embedding, then the residual stream of the block before
+    torch.testing.assert_close(full.entering[:, 0], full.embedding, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(full.entering[:, 1:], full.residual[:, :-1], atol=1e-6, rtol=1e-6)
+    cases = [(None, None, (0, 1, 2), tuple(range(17))), (-1, None, (2,), tuple(range(17))),
+             ([2, 0], None, (2, 0), tuple(range(17))), (range(1, 3), 0, (1, 2), (0,)),
+             ((0, -2), [16, 0, 5], (0, 1), (16, 0, 5)), (torch.tensor([1]), torch.tensor([-1, 3]), (1,), (16, 3)),
+             (None, [0], (0, 1, 2), (0,))]
+    for blocks, tokens, b, t in cases:
+        sub = P.project(vit, x, blocks=blocks, tokens=tokens)
+        assert sub.blocks == b and sub.tokens == t
+        rows = full.block_outputs[:, list(b)][:, :, list(t)]
+        assert torch.equal(sub.block_outputs, rows)  # the recorded states themselves
+        for name in FIELDS:
+            got = getattr(sub, name)
+            assert got.shape == (3, len(b), len(t), TINY["num_classes"])
+            torch.testing.assert_close(got, getattr(full, name)[:, list(b)][:, :, list(t)], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(sub.embedding, full.embedding[:, list(t)], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(sub.logits, full.logits)
+    # against the hand-written forward, not only the full projection: blocks 2 and 0, tokens 0 and 9
+    with torch.no_grad():
+        _, states = hand_states(vit, x)
+        sub = P.project(vit, x, blocks=[2, 0], tokens=[0, 9])
+        for i, l in enumerate((2, 0)):
+            h_in, mid, out = (s[:, [0, 9]] for s in states[l])
+            torch.testing.assert_close(sub.residual[:, i], hand_head(vit, out), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(sub.mlp[:, i], hand_head(vit, out - mid), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(sub.entering[:, i], hand_head(vit, h_in), atol=1e-5, rtol=1e-5)
+        # the last block's CLS state alone still reproduces the logits
+        last = P.project(vit, x, blocks=-1, tokens=0)
+        torch.testing.assert_close(last.residual[:, 0, 0], vit(x), atol=1e-5, rtol=1e-5)
+    assert model_state(vit) == before
+
+
+def test_project_blocks_tokens_refused(vit, x):
+    before = model_state(vit)
+    bad = [(dict(blocks=3), "block 3 does not exist; this model has 3 blocks"),
+           (dict(blocks=[0, -4]), "block -4 does not exist"),
+           (dict(blocks=[]), "blocks is empty"),
+           (dict(blocks=range(0)), "blocks is empty"),
+           (dict(blocks=[1, 1]), "asks for block 1 twice"),
+           (dict(blocks=[2, -1]), "asks for block 2 twice"),
+           (dict(blocks=1.0), "blocks must be None"),
+           (dict(blocks=[0, 1.5]), "blocks must hold ints"),
+           (dict(blocks=[True]), "blocks must hold ints"),
+           (dict(blocks="0"), "blocks must be None"),
+           (dict(blocks=torch.tensor([[0]])), "1-D"),
+           (dict(tokens=17), "token 17 does not exist; this model has 17 tokens"),
+           (dict(tokens=[0, 0]), "asks for token 0 twice"),
+           (dict(tokens=torch.tensor([], dtype=torch.long)), "tokens is empty")]
+    for kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            P.project(vit, x, **kwargs)
+    with pytest.raises(ValueError, match="blocks is empty"):
+        P.class_identifiability(vit, x, blocks=[])
+    with pytest.raises(ValueError, match="block 5 does not exist"):
+        P.sublayer_contributions(vit, x, blocks=5)
+    with pytest.raises(ValueError, match="asks for block 0 twice"):
+        P.context_intervention(vit, x, "no_cls", blocks=[0, -3])
+    with pytest.raises(ValueError, match="block 3 does not exist"):
+        P.linear_probes(vit, x, 1, epochs=5, blocks=[3])
+    assert model_state(vit) == before
+
+
+def test_project_blocks_batch_is_items(vit, x):
+    whole = P.project(vit, x, blocks=[2, 0], tokens=[0, 7, 16])
+    for b in range(x.shape[0]):
+        one = P.project(vit, x[b:b + 1], blocks=[2, 0], tokens=[0, 7, 16])
+        for name in FIELDS + ("embedding",):
+            torch.testing.assert_close(getattr(whole, name)[b], getattr(one, name)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_project_blocks_hf(x):
+    model = tiny_hf()
+    model.train()
+    before = model_state(model)
+    full = P.project(model, x)
+    sub = P.project(model, x, blocks=[-1, 0], tokens=0)
+    assert model_state(model) == before
+    torch.testing.assert_close(sub.residual[:, 0, 0], full.logits, atol=1e-5, rtol=1e-5)
+    for name in FIELDS:
+        torch.testing.assert_close(getattr(sub, name), getattr(full, name)[:, [2, 0]][:, :, [0]], atol=1e-6, rtol=1e-6)
+
+
+def test_class_logit_is_the_fields_column(vit, x):
+    proj = P.project(vit, x, blocks=[0, 2])
+    t = torch.tensor([4, 0, 2])
+    for name in FIELDS + ("embedding",):
+        got = proj.class_logit(name, t)
+        full = getattr(proj, name)  # B x L' x N x C (B x N x C for the embedding)
+        ref = torch.stack([full[b, ..., t[b]] for b in range(3)])
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(proj.class_logit("residual", 1), proj.residual[..., 1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="needs target"):
+        proj.class_logit("residual", None)
+    with pytest.raises(ValueError, match="outside the model's classes"):
+        proj.class_logit("residual", 5)
+    with pytest.raises(ValueError, match="field must be one of"):
+        proj.class_logit("logits", 1)
+
+
+def test_functions_pass_blocks_through(vit, x):
+    full = P.project(vit, x)
+    pred = full.logits.argmax(-1)
+    # identifiability, block by block, against the rank of the full projection's logits
+    r = P.class_identifiability(vit, x, blocks=[2, 1], tokens=[0, 3])
+    torch.testing.assert_close(r, P.identifiability(full.residual[:, [2, 1]][:, :, [0, 3]], pred))
+    torch.testing.assert_close(P.class_identifiability(vit, x, target=[1, 2, 3]),
+                               P.identifiability(full.residual, torch.tensor([1, 2, 3])))
+    sub = P.project(vit, x, blocks=0)
+    r0 = sub.identifiability(2)  # block by block, before .residual is read
+    torch.testing.assert_close(r0, P.identifiability(sub.residual, 2))
+    torch.testing.assert_close(sub.identifiability(2), r0)  # and from the field once it is read
+    # contributions of the asked blocks equal the full ones
+    c = P.sublayer_contributions(vit, x, target=2)
+    s = P.sublayer_contributions(vit, x, target=2, blocks=[2, 0], tokens=[5, 0])
+    torch.testing.assert_close(s.attention, c.attention[:, [2, 0]][:, :, [5, 0]], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(s.mlp, c.mlp[:, [2, 0]][:, :, [5, 0]], atol=1e-6, rtol=1e-6)
+    # context intervention: the kept blocks of the full intervention
+    ci = P.context_intervention(vit, x, "self_only", from_block=1)
+    cs = P.context_intervention(vit, x, "self_only", from_block=1, blocks=[-1], tokens=[0, 1])
+    torch.testing.assert_close(cs.residual, ci.residual[:, [2]][:, :, [0, 1]], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(cs.logits, ci.logits)
+    # probes of two blocks: the full call's probes for those blocks
+    probes = P.linear_probes(vit, x, [1, 4, 1], epochs=20)
+    two = P.linear_probes(vit, x, [1, 4, 1], epochs=20, blocks=[2, 0])
+    assert probes.blocks == (0, 1, 2) and two.blocks == (2, 0)
+    torch.testing.assert_close(two.weight, probes.weight[[2, 0]])
+    torch.testing.assert_close(two.bias, probes.bias[[2, 0]])
+    torch.testing.assert_close(two.train_accuracy, probes.train_accuracy[[2, 0]])
+    states = P.project(vit, x, blocks=[2, 0]).block_outputs
+    torch.testing.assert_close(P.probe_logits(two, states), P.probe_logits(probes, full.block_outputs)[:, [2, 0]])

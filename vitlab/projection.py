@@ -35,10 +35,14 @@ Nothing here hooks or edits a model: :func:`vitlab.record` does, and leaves it a
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+import inspect
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -120,36 +124,146 @@ class ClassHead(nn.Module):
             h = norm(h)
         return self.head(h)
 
+    def class_logit(self, h: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
+        """``B x ... x D`` states -> ``B x ...``: the logit of class ``classes[b]`` for sample b,
+        ``forward(h)[b, ..., classes[b]]``, from that class's row of the head alone (a dot
+        product per state instead of a product with all C rows)."""
+        for norm in self.norms:
+            h = norm(h)
+        w = self.head.weight[classes]  # B x D
+        out = torch.bmm(h.reshape(h.shape[0], -1, h.shape[-1]), w.unsqueeze(-1)).squeeze(-1)  # B x M
+        if self.head.bias is not None:
+            out = out + self.head.bias[classes].unsqueeze(-1)
+        return out.reshape(h.shape[:-1])
+
 
 # --------------------------------------------------------------------------------------
 # project
 # --------------------------------------------------------------------------------------
-@dataclass(eq=False)
+FIELDS = ("residual", "mid", "attention", "mlp", "entering", "embedding")
+
+
+def _indices(value, size: int, name: str, what: str) -> tuple[int, ...] | None:
+    """``value`` (None, an int, or a sequence / 1-D integer tensor of ints; negative from the
+    end) as a tuple of indices in ``0 .. size - 1``, in the order given; None stays None.
+    Raises ``ValueError`` for empty, out-of-range, repeated or non-integer entries."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.ndim > 1 or value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+            raise ValueError(f"{name} must be None, an int or a 1-D sequence of ints, got a tensor of "
+                             f"dtype {value.dtype}, shape {tuple(value.shape)}")
+        value = value.tolist()
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        items = [value]
+    elif isinstance(value, (Sequence, range, np.ndarray)) and not isinstance(value, (str, bytes)):
+        items = list(value)
+    else:
+        raise ValueError(f"{name} must be None (all {what}s), an int or a sequence of ints, got {value!r}")
+    if not items:
+        raise ValueError(f"{name} is empty: ask for at least one {what} (or None for all {size})")
+    out: list[int] = []
+    for item in items:
+        if isinstance(item, (bool, np.bool_)) or not isinstance(item, numbers.Integral):
+            raise ValueError(f"{name} must hold ints, got {item!r}")
+        if not -size <= item < size:
+            raise ValueError(f"{name}: {what} {item} does not exist; this model has {size} {what}s "
+                             f"(0 .. {size - 1}, or negative from the end)")
+        index = int(item) % size
+        if index in out:
+            raise ValueError(f"{name} asks for {what} {index} twice (given {items!r}); each {what} once")
+        out.append(index)
+    return tuple(out)
+
+
 class Projection:
-    """What :func:`project` returns. States ``B x L x N x D`` (L blocks, N tokens); the class
-    logits ``B x L x N x C`` are computed from them on first access (then kept), so reading
+    """What :func:`project` returns: the recorded states of the asked blocks and tokens, and
+    their class logits, each computed on first access of its field (then kept), so reading
     only ``residual`` costs one projection, not four.
 
+    Fields are ``B x L' x N' x C``: dim 1 runs over :attr:`blocks` (the asked blocks, in the
+    order asked; all ``L`` blocks by default), dim 2 over :attr:`tokens` (all ``N`` tokens by
+    default). ``project(model, x, blocks=b, tokens=t).residual`` equals
+    ``project(model, x).residual[:, b][:, :, t]`` (to float rounding).
+
     Attributes:
-        residual: ``B x L x N x C`` projection of the residual stream after block l.
-        attention: ``B x L x N x C`` projection of what block l's attention sublayer adds to
-            the residual stream (after any layer scale), ``proj(a_l)``.
-        mlp: ``B x L x N x C`` projection of what block l's MLP sublayer adds, ``proj(m_l)``.
-        mid: ``B x L x N x C`` projection of the residual stream between the two sublayers,
-            ``proj(h_{l-1} + a_l)``.
-        embedding: ``B x N x C`` projection of the tokens entering block 0, ``proj(h_0)``.
-        logits: ``B x C`` the model's output (``residual[:, -1, 0]`` equals it).
-        layout: the :class:`~vitlab.layout.TokenLayout`.
-        block_inputs, mid_states, block_outputs: the states ``B x L x N x D``.
+        residual: projection of the residual stream after block l, ``proj(h_l)``.
+        attention: projection of what block l's attention sublayer adds to the residual
+            stream (after any layer scale), ``proj(a_l)``.
+        mlp: projection of what block l's MLP sublayer adds, ``proj(m_l)``.
+        mid: projection of the residual stream between the two sublayers, ``proj(h_{l-1} + a_l)``.
+        entering: projection of the residual stream entering block l, ``proj(h_{l-1})`` (for
+            block 0 the embedding; for block l > 0 it equals ``residual`` of block l - 1).
+        embedding: ``B x N' x C`` projection of the tokens entering block 0, ``proj(h_0)``
+            (whichever blocks were asked).
+        logits: ``B x C`` the model's output (``residual[:, -1, 0]`` equals it when the last
+            block and the CLS token are among those asked, last and first).
+        blocks: the block indices of dim 1 (non-negative), ``num_blocks``: the model's L.
+        tokens: the token indices of dim 2 (non-negative; ``0`` is CLS).
+        layout: the :class:`~vitlab.layout.TokenLayout` of the whole token sequence.
+        block_inputs, mid_states, block_outputs: the states ``B x L' x N' x D``; stacked on
+            first access (``embedding_state``: ``B x N' x D``).
         head: the :class:`ClassHead` that projects a state.
+
+    :meth:`class_logit` gives one class per sample of any field without projecting onto every
+    class (what :func:`sublayer_contributions` reads): C times less work than the field.
     """
 
-    block_inputs: torch.Tensor
-    mid_states: torch.Tensor
-    block_outputs: torch.Tensor
-    logits: torch.Tensor
-    layout: TokenLayout
-    head: ClassHead = field(repr=False)
+    def __init__(self, *, inputs: list[torch.Tensor], mids: list[torch.Tensor], outputs: list[torch.Tensor],
+                 embedding_state: torch.Tensor, logits: torch.Tensor, layout: TokenLayout, head: ClassHead,
+                 blocks: tuple[int, ...], tokens: tuple[int, ...], num_blocks: int):
+        self._lists = {"block_inputs": inputs, "mid_states": mids, "block_outputs": outputs}
+        self.embedding_state = embedding_state
+        self.logits = logits
+        self.layout = layout
+        self.head = head
+        self.blocks = blocks
+        self.tokens = tokens
+        self.num_blocks = num_blocks
+
+    def __repr__(self) -> str:
+        B, N = self.logits.shape[0], len(self.tokens)
+        return (f"Projection(batch={B}, blocks={self.blocks}, tokens={N} of {self.layout.num_tokens}, "
+                f"classes={self.logits.shape[-1]})")
+
+    # the states, stacked on first access; the per-block list is dropped once stacked
+    def _stacked(self, name: str) -> torch.Tensor:
+        if name not in self.__dict__:
+            self.__dict__[name] = torch.stack(self._lists.pop(name), dim=1)
+        return self.__dict__[name]
+
+    def _per_block(self, name: str) -> list[torch.Tensor]:
+        """The ``B x N' x D`` states of each asked block (without stacking them)."""
+        return self._lists[name] if name in self._lists else list(self.__dict__[name].unbind(1))
+
+    @property
+    def block_inputs(self) -> torch.Tensor:
+        return self._stacked("block_inputs")
+
+    @property
+    def mid_states(self) -> torch.Tensor:
+        return self._stacked("mid_states")
+
+    @property
+    def block_outputs(self) -> torch.Tensor:
+        return self._stacked("block_outputs")
+
+    def states(self, field: str) -> torch.Tensor:
+        """The ``B x L' x N' x D`` states whose projection is ``field`` (``B x N' x D`` for
+        ``"embedding"``)."""
+        if field == "residual":
+            return self.block_outputs
+        if field == "mid":
+            return self.mid_states
+        if field == "entering":
+            return self.block_inputs
+        if field == "attention":
+            return self.mid_states - self.block_inputs
+        if field == "mlp":
+            return self.block_outputs - self.mid_states
+        if field == "embedding":
+            return self.embedding_state
+        raise ValueError(f"field must be one of {FIELDS}, got {field!r}")
 
     @torch.no_grad()
     def _apply(self, h: torch.Tensor) -> torch.Tensor:
@@ -157,23 +271,50 @@ class Projection:
 
     @cached_property
     def residual(self) -> torch.Tensor:
-        return self._apply(self.block_outputs)
+        return self._apply(self.states("residual"))
 
     @cached_property
     def mid(self) -> torch.Tensor:
-        return self._apply(self.mid_states)
+        return self._apply(self.states("mid"))
 
     @cached_property
     def attention(self) -> torch.Tensor:
-        return self._apply(self.mid_states - self.block_inputs)
+        return self._apply(self.states("attention"))
 
     @cached_property
     def mlp(self) -> torch.Tensor:
-        return self._apply(self.block_outputs - self.mid_states)
+        return self._apply(self.states("mlp"))
+
+    @cached_property
+    def entering(self) -> torch.Tensor:
+        return self._apply(self.states("entering"))
 
     @cached_property
     def embedding(self) -> torch.Tensor:
-        return self._apply(self.block_inputs[:, 0])
+        return self._apply(self.states("embedding"))
+
+    @torch.no_grad()
+    def class_logit(self, field: str, target) -> torch.Tensor:
+        """The projected logit of one class per sample in ``field`` (one of :data:`FIELDS`):
+        ``B x L' x N'`` (``B x N'`` for ``"embedding"``), equal to
+        ``getattr(self, field)[b, ..., target[b]]`` but computed from that class's row of the
+        head alone. ``target``: an int or one class per sample (not None: resolve the
+        predicted class from :attr:`logits` first)."""
+        if target is None:
+            raise ValueError("class_logit needs target: an int or one class per sample "
+                             "(e.g. proj.logits.argmax(-1) for the predicted classes)")
+        t = resolve_target(check_target(target, self.logits.shape[0]), self.logits)
+        return self.head.class_logit(self.states(field), t)
+
+    def identifiability(self, target) -> torch.Tensor:
+        """``B x L' x N'``: :func:`identifiability` of each sample's ``target`` (int or one per
+        sample; not None) in ``residual``, computed block by block without keeping the
+        ``B x L' x N' x C`` logits (the same numbers as ``identifiability(self.residual, t)``;
+        that field is used if it has already been read)."""
+        t = resolve_target(check_target(target, self.logits.shape[0]), self.logits)
+        if "residual" in self.__dict__:
+            return identifiability(self.residual, t)
+        return torch.stack([identifiability(self._apply(h), t) for h in self._per_block("block_outputs")], dim=1)
 
 
 def _check_head_agrees(cls_logits: torch.Tensor, logits: torch.Tensor, model, method: str) -> None:
@@ -188,25 +329,45 @@ def _check_head_agrees(cls_logits: torch.Tensor, logits: torch.Tensor, model, me
         )
 
 
-def _project(model, x: torch.Tensor, method: str, attention_edit: Callable | None = None) -> Projection:
+# Keep only the residual stream in the recording (no attention matrices, Q, K, V; the model
+# stays on its fused attention path) where vitlab.record has ``capture``; every field otherwise.
+_HIDDEN_ONLY = {"capture": ("hidden",)} if "capture" in inspect.signature(record).parameters else {}
+
+
+def _project(model, x: torch.Tensor, method: str, attention_edit: Callable | None = None,
+             blocks=None, tokens=None) -> Projection:
     check_images(x, method)
     layout = token_layout(model, x)
     norms, head = _head_parts(model, layout, method)
-    with torch.no_grad(), record(model, eval_mode=True, residual=True, attention_edit=attention_edit) as rec:
+    L = len(record_blocks(model))
+    block_index = _indices(blocks, L, "blocks", "block")
+    token_index = _indices(tokens, layout.num_tokens, "tokens", "token")
+    with torch.no_grad(), record(model, eval_mode=True, residual=True, attention_edit=attention_edit,
+                                 **_HIDDEN_ONLY) as rec:
         logits = _logits(model(x))
-    proj = Projection(
-        block_inputs=torch.stack(rec.block_inputs, dim=1),
-        mid_states=torch.stack(rec.mid_states, dim=1),
-        block_outputs=torch.stack(rec.hidden_states, dim=1),
-        logits=logits,
-        layout=rec.layout,
-        head=ClassHead(norms, head),
-    )
-    _check_head_agrees(proj._apply(proj.block_outputs[:, -1, 0]), logits, model, method)
-    return proj
+        class_head = ClassHead(norms, head)
+        _check_head_agrees(class_head(rec.hidden_states[-1][:, 0]), logits, model, method)
+        if len(rec.hidden_states) != L or len(rec.block_inputs) != L or len(rec.mid_states) != L:
+            raise RuntimeError(f"{method}: the forward ran {len(rec.hidden_states)} blocks, not the model's {L}")
+        chosen = range(L) if block_index is None else block_index
+        if token_index is None:
+            pick = lambda h: h  # noqa: E731  (the recorded tensors themselves, no copy)
+        else:
+            where = torch.tensor(token_index, device=x.device)
+            pick = lambda h: h.index_select(1, where)  # noqa: E731  (a copy: the rest is freed)
+        proj = Projection(
+            inputs=[pick(rec.block_inputs[l]) for l in chosen],
+            mids=[pick(rec.mid_states[l]) for l in chosen],
+            outputs=[pick(rec.hidden_states[l]) for l in chosen],
+            embedding_state=pick(rec.block_inputs[0]),
+            logits=logits, layout=rec.layout, head=class_head,
+            blocks=tuple(chosen), tokens=tuple(range(layout.num_tokens)) if token_index is None else token_index,
+            num_blocks=L,
+        )
+    return proj  # the recording, and with it the states of the blocks not asked for, is dropped here
 
 
-def project(model, x: torch.Tensor) -> Projection:
+def project(model, x: torch.Tensor, blocks=None, tokens=None) -> Projection:
     """Every token's state, block by block, read as class logits (Vilas et al. 2023, Sec. 3).
 
     One forward pass in eval mode (the model's mode comes back); the residual stream entering
@@ -215,13 +376,28 @@ def project(model, x: torch.Tensor) -> Projection:
     norm and head (:class:`ClassHead`) on first access of each field of the returned
     :class:`Projection`. ``residual[:, -1, 0]`` (the last CLS state) equals the logits.
 
+    Args:
+        blocks: which blocks to keep and project: None (all L), an int, or a sequence of
+            ints (negative from the end; in the order given, each once). The fields are then
+            ``B x L' x N x C`` over these blocks (an int gives L' = 1), ``Projection.blocks``
+            says which they are, and only their states are kept once ``project`` returns.
+            ``project(m, x, blocks=b).residual`` equals ``project(m, x).residual[:, b]``.
+        tokens: which tokens to keep and project, the same way (None: all N; ``0`` is CLS,
+            ``Projection.tokens`` lists them); the fields are ``B x L' x N' x C``.
+
+    The cost beyond the forward is the head applied to every kept state: ``L' x N'`` products
+    of a ``D``-vector with the ``C x D`` head per sample and field. For all 12 blocks and 197
+    tokens of a DeiT-tiny over 1000 classes that is about a third of the forward itself;
+    restrict ``blocks`` / ``tokens``, or read one class with :meth:`Projection.class_logit`.
+
     Raises:
-        ValueError: a bad input, or a model whose output is not one token's projection: no
-            class head (timm ``num_classes=0``, Hugging Face base models), a head pooling the
-            patch tokens (timm ``global_pool`` "avg"/"map"/..., Hugging Face Dinov2), a
-            distilled DeiT (two heads on two tokens).
+        ValueError: a bad input, ``blocks`` / ``tokens`` empty, out of range, repeated or not
+            ints, or a model whose output is not one token's projection: no class head (timm
+            ``num_classes=0``, Hugging Face base models), a head pooling the patch tokens
+            (timm ``global_pool`` "avg"/"map"/..., Hugging Face Dinov2), a distilled DeiT
+            (two heads on two tokens).
     """
-    return _project(model, x, "project")
+    return _project(model, x, "project", blocks=blocks, tokens=tokens)
 
 
 # --------------------------------------------------------------------------------------
@@ -276,13 +452,15 @@ def _target_for(target, logits: torch.Tensor) -> torch.Tensor:
     return resolve_target(check_target(target, logits.shape[0]), logits)
 
 
-def class_identifiability(model, x: torch.Tensor, target=None) -> torch.Tensor:
+def class_identifiability(model, x: torch.Tensor, target=None, blocks=None, tokens=None) -> torch.Tensor:
     """``B x L x N``: identifiability of each sample's target in every token's residual-stream
-    projection after every block. ``target``: int, one per sample, or None (predicted)."""
+    projection after every block. ``target``: int, one per sample, or None (predicted).
+    ``blocks`` / ``tokens`` as in :func:`project` (``B x L' x N'`` over those). Computed block
+    by block (:meth:`Projection.identifiability`): the ``B x L x N x C`` logits are never held."""
     check_images(x, "class_identifiability")
     check_target(target, x.shape[0])
-    proj = project(model, x)
-    return identifiability(proj.residual, _target_for(target, proj.logits))
+    proj = _project(model, x, "class_identifiability", blocks=blocks, tokens=tokens)
+    return proj.identifiability(_target_for(target, proj.logits))
 
 
 # --------------------------------------------------------------------------------------
@@ -302,23 +480,22 @@ class Contributions(NamedTuple):
     target: torch.Tensor
 
 
-def _gather(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``B x ... x C`` -> ``B x ...``: class ``t[b]`` of sample b."""
-    return logits.gather(-1, _broadcast_target(logits, t).unsqueeze(-1)).squeeze(-1)
-
-
-def sublayer_contributions(model, x: torch.Tensor, target=None) -> Contributions:
+def sublayer_contributions(model, x: torch.Tensor, target=None, blocks=None, tokens=None) -> Contributions:
     """How much each block's attention and MLP sublayer raise or lower the target's projected
     logit, per token (``h_0`` = the tokens entering block 0). Because the norm sits inside
     ``proj``, these are differences of projections, not projections of the sublayer outputs;
-    they telescope: summed over blocks, both give ``proj(h_L)[t] - proj(h_0)[t]``."""
+    they telescope: summed over blocks, both give ``proj(h_L)[t] - proj(h_0)[t]``.
+
+    Only the target's row of the head is applied (:meth:`Projection.class_logit`), so this
+    costs little beyond the forward. ``blocks`` / ``tokens`` as in :func:`project`: the
+    ``B x L' x N'`` contributions of those blocks and tokens (the same numbers as their
+    entries in the full result)."""
     check_images(x, "sublayer_contributions")
     check_target(target, x.shape[0])
-    proj = project(model, x)
+    proj = _project(model, x, "sublayer_contributions", blocks=blocks, tokens=tokens)
     t = _target_for(target, proj.logits)
-    before = torch.cat([proj.embedding[:, None], proj.residual[:, :-1]], dim=1)  # proj(h_{l-1})
-    mid, after = _gather(proj.mid, t), _gather(proj.residual, t)
-    return Contributions(attention=mid - _gather(before, t), mlp=after - mid, target=t)
+    before, mid, after = (proj.class_logit(f, t) for f in ("entering", "mid", "residual"))
+    return Contributions(attention=mid - before, mlp=after - mid, target=t)
 
 
 # --------------------------------------------------------------------------------------
@@ -479,13 +656,16 @@ def intervention_mask(mode: str, layout: TokenLayout) -> torch.Tensor:
     return allowed
 
 
-def context_intervention(model, x: torch.Tensor, mode: str, from_block: int = 0) -> Projection:
+def context_intervention(model, x: torch.Tensor, mode: str, from_block: int = 0, blocks=None,
+                         tokens=None) -> Projection:
     """:func:`project` with image tokens cut off from context in blocks ``from_block`` on
     (paper RQ5): ``mode="self_only"`` (each image token attends only to itself) or
     ``"no_cls"`` (image tokens do not attend to CLS); see :func:`intervention_mask`. The edit
     masks the attention logits before the softmax through ``vitlab.record(attention_edit=...)``
     for the one forward; the model is left exactly as it was, also when the forward raises.
-    ``logits`` are the edited model's output."""
+    ``logits`` are the edited model's output. ``blocks`` / ``tokens``: which blocks' and
+    tokens' states to keep and project, as in :func:`project` (the edit still applies from
+    ``from_block`` on, whichever blocks are kept)."""
     check_images(x, "context_intervention")
     layout = token_layout(model, x)
     allowed = intervention_mask(mode, layout).to(x.device)
@@ -496,7 +676,7 @@ def context_intervention(model, x: torch.Tensor, mode: str, from_block: int = 0)
     def edit(layer: int, num_tokens: int):
         return allowed if layer >= from_block else None
 
-    return _project(model, x, "context_intervention", attention_edit=edit)
+    return _project(model, x, "context_intervention", attention_edit=edit, blocks=blocks, tokens=tokens)
 
 
 # --------------------------------------------------------------------------------------
@@ -511,11 +691,12 @@ class Probes:
     """What :func:`linear_probes` returns: one linear classifier per block, ``logits = h @ W.T + b``.
 
     Attributes:
-        weight: ``L x C x D``, block l's probe reads the residual stream after block l.
-        bias: ``L x C``.
-        train_accuracy: ``(L,)`` share of the training tokens whose top-1 probe class is their
+        weight: ``L' x C x D``, probe l reads the residual stream after block ``blocks[l]``.
+        bias: ``L' x C``.
+        blocks: the model blocks the probes read (all L by default, then probe l reads block l).
+        train_accuracy: ``(L',)`` share of the training tokens whose top-1 probe class is their
             image's class.
-        train_loss: ``(L,)`` the final mean cross-entropy on the training tokens.
+        train_loss: ``(L',)`` the final mean cross-entropy on the training tokens.
         tokens: which tokens were trained on (``"image"``, ``"cls"`` or ``"all"``).
         epochs, lr, seed: how they were trained.
     """
@@ -528,6 +709,7 @@ class Probes:
     epochs: int
     lr: float
     seed: int
+    blocks: tuple[int, ...]
 
     def logits(self, states: torch.Tensor, block: int | None = None) -> torch.Tensor:
         """:func:`probe_logits` of these probes."""
@@ -594,7 +776,7 @@ def train_probe(states: torch.Tensor, labels: torch.Tensor, num_classes: int, ep
 
 
 def linear_probes(model, x: torch.Tensor, target, tokens: str = "image", epochs: int = 300,
-                  lr: float = 0.05, seed: int = 0) -> Probes:
+                  lr: float = 0.05, seed: int = 0, blocks=None) -> Probes:
     """Per-block linear probes on the residual stream (Vilas et al. 2023, RQ4).
 
     For every block l, :func:`train_probe` fits a ``D -> C`` softmax classifier (C = the
@@ -603,7 +785,9 @@ def linear_probes(model, x: torch.Tensor, target, tokens: str = "image", epochs:
     (one class per sample, or one int for all): ``"image"`` (the patch tokens), ``"cls"`` or
     ``"all"``. Full-batch Adam, deterministic given ``seed``. One forward pass of the whole
     batch (its states, ``B x L x N x D`` three times, are held in memory); the model is
-    unchanged. Score states with :func:`probe_logits`.
+    unchanged. Score states with :func:`probe_logits`. ``blocks``: train probes for these
+    blocks only (as in :func:`project`; ``Probes.blocks`` lists them): each probe is the one
+    the full call trains for its block, and only those blocks' states are held.
     """
     check_images(x, "linear_probes")
     if target is None:
@@ -612,7 +796,7 @@ def linear_probes(model, x: torch.Tensor, target, tokens: str = "image", epochs:
     if tokens not in PROBE_TOKENS:
         raise ValueError(f"tokens must be one of {PROBE_TOKENS}, got {tokens!r}")
     _check_fit(epochs, lr, seed)  # before the forward
-    proj = project(model, x)
+    proj = _project(model, x, "linear_probes", blocks=blocks)
     t = resolve_target(t, proj.logits)
     states = proj.block_outputs  # B x L x N x D
     P = proj.layout.num_prefix
@@ -624,17 +808,18 @@ def linear_probes(model, x: torch.Tensor, target, tokens: str = "image", epochs:
     return Probes(
         weight=torch.stack([f[0] for f in fits]), bias=torch.stack([f[1] for f in fits]),
         train_accuracy=torch.tensor([f[2] for f in fits]), train_loss=torch.tensor([f[3] for f in fits]),
-        tokens=tokens, epochs=epochs, lr=float(lr), seed=seed,
+        tokens=tokens, epochs=epochs, lr=float(lr), seed=seed, blocks=proj.blocks,
     )
 
 
 def probe_logits(probes: Probes, states: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """Class scores of the probes: ``states @ W_l.T + b_l``.
 
-    ``block=None``: ``states`` is ``B x L x N x D`` (all blocks, as ``Projection.block_outputs``)
-    and block l's states are scored by probe l -> ``B x L x N x C`` (then e.g.
-    :func:`identifiability` ranks the class in them, like the projection's). ``block=l``:
-    any ``... x D`` states scored by probe l -> ``... x C``.
+    ``block=None``: ``states`` is ``B x L' x N x D``, one entry per probe (as
+    ``Projection.block_outputs`` of a projection of the same ``blocks``, all by default) and
+    entry l is scored by probe l -> ``B x L' x N x C`` (then e.g. :func:`identifiability`
+    ranks the class in them, like the projection's). ``block=l``: any ``... x D`` states
+    scored by probe l (the probe of model block ``probes.blocks[l]``) -> ``... x C``.
     """
     L, C, D = probes.weight.shape
     if not isinstance(states, torch.Tensor) or states.ndim < 1 or states.shape[-1] != D:
