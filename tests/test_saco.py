@@ -421,3 +421,16 @@ def test_probability_options_read_the_asked_probability(vit, x):
             fa.saco(vit, x, sal, probability=bad)
         with pytest.raises(ValueError, match="probability"):
             fa.perturbation_curve(vit, x, sal, probability=bad)
+
+
+def test_pixel_saliency_is_the_bilinear_upsampling_saco_ranks(vit, x):
+    sal = torch.rand(3, 4, 4, generator=torch.Generator().manual_seed(12))
+    up = fa.pixel_saliency(sal, x)
+    want = torch.nn.functional.interpolate(sal[:, None], size=(32, 32), mode="bilinear", align_corners=False)[:, 0]
+    torch.testing.assert_close(up, want)
+    assert torch.equal(fa.pixel_saliency(up, x), up)
+    groups = fa.pixel_groups(up, 4)
+    torch.testing.assert_close(fa.saco_details(vit, x, sal, k=4).sums,
+                               torch.stack([torch.stack([up[b][groups[b] == g].sum() for g in range(4)]) for b in range(3)]))
+    with pytest.raises(ValueError, match="saliency"):
+        fa.pixel_saliency(torch.rand(2, 4, 4), x)

@@ -60,6 +60,13 @@ def _pixel_saliency(saliency, x: torch.Tensor) -> torch.Tensor:
     return s
 
 
+def pixel_saliency(saliency, x: torch.Tensor) -> torch.Tensor:
+    """A map at the input's resolution, as :func:`saco` and :func:`perturbation_curve` rank it:
+    ``B x gh x gw`` maps are upsampled bilinearly to ``B x H x W`` (pixel maps pass through).
+    Wrong shapes and NaN raise ``ValueError``."""
+    return _pixel_saliency(saliency, x)
+
+
 def _channel_means(x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=(2, 3), keepdim=True)  # B x C x 1 x 1
 
