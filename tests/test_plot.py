@@ -134,11 +134,11 @@ def test_percentile_scale_clips_the_bar_at_the_percentile_and_says_so():
 
 
 def test_log_scale_and_signed_maps():
-    m = np.array([[1e-4, 1e-2], [0.0, 1.0]])
+    m = np.array([[2e-3, 1e-2], [0.0, 1.0]])
     ax = plot.show_map(m, scale="log", colorbar=True)
     norm = ax.get_images()[0].norm
     assert isinstance(norm, matplotlib.colors.LogNorm)
-    assert (norm.vmin, norm.vmax) == pytest.approx((1e-4, 1.0))   # the smallest positive value to the largest
+    assert (norm.vmin, norm.vmax) == pytest.approx((2e-3, 1.0))   # the smallest positive value to the largest
     assert "log scale" in _colorbars(ax.figure)[0].get_ylabel()
     with pytest.raises(ValueError, match="scale='log' needs maps without negative values"):
         plot.show_map(m - 0.5, scale="log")

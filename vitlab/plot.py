@@ -28,6 +28,7 @@ from matplotlib.cm import ScalarMappable
 SEQUENTIAL_CMAP = "inferno"   # maps of one sign: dark = low, bright = high, uniform in lightness
 DIVERGING_CMAP = "RdBu_r"     # signed maps: blue < 0 < red, white at 0
 SCALES = ("linear", "percentile", "log")
+LOG_DECADES = 3.0             # scale="log" spans at most this many powers of 10 below the top
 MODES = ("bilinear", "nearest", "both")
 
 
@@ -117,7 +118,9 @@ def map_scale(maps, scale: str = "linear", vmin: float | None = None, vmax: floa
     ``scale``: ``"linear"`` from the smallest to the largest value; ``"percentile"`` from the
     smallest value to the ``percentile``-th percentile of all the maps' patch values (larger
     values get the top colour, and the note says so); ``"log"``: logarithmic from the smallest
-    positive value to the largest (positive maps only). Maps with negative values get limits
+    positive value (but at most :data:`LOG_DECADES` powers of 10 below the top; smaller values
+    and zeros get the bottom colour) to the largest, for maps without negative values. Maps
+    with negative values get limits
     symmetric about 0 (``-a .. a``, with ``a`` the largest ``|value|`` or its percentile) and,
     unless ``cmap`` is given, the diverging colormap. ``vmin`` / ``vmax`` override the limits.
     """
@@ -139,8 +142,8 @@ def map_scale(maps, scale: str = "linear", vmin: float | None = None, vmax: floa
             raise ValueError(f"scale='log' needs maps without negative values, got values down to "
                              f"{values.min():.3g}; use scale='linear' or 'percentile'")
         positive = values[values > 0]
-        lo = float(positive.min()) if vmin is None and positive.size else vmin
         hi = float(values.max()) if vmax is None else vmax
+        lo = max(float(positive.min()), hi / 10 ** LOG_DECADES) if vmin is None and positive.size else vmin
         if lo is None or lo <= 0:
             raise ValueError(f"scale='log' needs a positive lower limit, got vmin={lo!r} "
                              "(the maps have no positive value)" if lo is None else

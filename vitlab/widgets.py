@@ -132,7 +132,7 @@ def qk_channels_figure(qk: RecordedQK, channels, image=None, scores=None, sample
         if image is not None:
             push = mean_query_push(qk, block, head, channel, sample)
             plot.overlay(image, push, ax=axes[r, 2], title="where the mean query is sent", colorbar=True,
-                         label="mean(q) k")
+                         label="mean(q) · k")
     fig.tight_layout()
     return fig
 
