@@ -37,7 +37,7 @@ from __future__ import annotations
 import copy
 import inspect
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, NamedTuple
@@ -304,7 +304,21 @@ class Projection:
             raise ValueError("class_logit needs target: an int or one class per sample "
                              "(e.g. proj.logits.argmax(-1) for the predicted classes)")
         t = resolve_target(check_target(target, self.logits.shape[0]), self.logits)
-        return self.head.class_logit(self.states(field), t)
+        if field == "embedding":
+            return self.head.class_logit(self.embedding_state, t)
+        # block by block, from the recorded states (no stacked copy of them)
+        return torch.stack([self.head.class_logit(h, t) for h in self._block_states(field)], dim=1)
+
+    def _block_states(self, field: str) -> Iterable[torch.Tensor]:
+        """The ``B x N' x D`` states of each asked block whose projection is ``field``."""
+        if field not in FIELDS or field == "embedding":
+            raise ValueError(f"field must be one of {FIELDS}, got {field!r}")
+        if field in ("residual", "mid", "entering"):
+            return self._per_block({"residual": "block_outputs", "mid": "mid_states", "entering": "block_inputs"}[field])
+        inputs, mids, outputs = (self._per_block(n) for n in ("block_inputs", "mid_states", "block_outputs"))
+        if field == "attention":
+            return (m - i for m, i in zip(mids, inputs))  # one difference at a time
+        return (o - m for o, m in zip(outputs, mids))
 
     def identifiability(self, target) -> torch.Tensor:
         """``B x L' x N'``: :func:`identifiability` of each sample's ``target`` (int or one per
@@ -314,7 +328,8 @@ class Projection:
         t = resolve_target(check_target(target, self.logits.shape[0]), self.logits)
         if "residual" in self.__dict__:
             return identifiability(self.residual, t)
-        return torch.stack([identifiability(self._apply(h), t) for h in self._per_block("block_outputs")], dim=1)
+        return torch.stack([_identifiability_in_place(self._apply(h), t) for h in self._per_block("block_outputs")],
+                           dim=1)
 
 
 def _check_head_agrees(cls_logits: torch.Tensor, logits: torch.Tensor, model, method: str) -> None:
@@ -423,7 +438,16 @@ def class_rank(scores: torch.Tensor, target) -> torch.Tensor:
     score strictly higher (ties count in the target's favour). Shape ``scores.shape[:-1]``."""
     t = _broadcast_target(scores, target)
     own = scores.gather(-1, t.unsqueeze(-1))
-    return (scores > own).sum(dim=-1)
+    # counted in int32 (exact, and a few times faster than summing the booleans as int64)
+    return (scores > own).sum(dim=-1, dtype=torch.int32).long()
+
+
+def _identifiability_in_place(scores: torch.Tensor, target) -> torch.Tensor:
+    """:func:`identifiability` of a ``scores`` tensor that is then thrown away: the comparison
+    is written over it (no boolean copy), the count is exact in float (at most C)."""
+    t = _broadcast_target(scores, target)
+    own = scores.gather(-1, t.unsqueeze(-1))
+    return 1 - scores.gt_(own).sum(dim=-1) / scores.shape[-1]
 
 
 def identifiability(scores: torch.Tensor, target) -> torch.Tensor:
