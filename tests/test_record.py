@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import vitlab
 from vitlab.models import load_model
+from vitlab.record import CAPTURE_FIELDS, NotRecordedError
 
 
 def model_state(model):
@@ -235,3 +236,179 @@ def test_clear_keeps_hooks_and_starts_fresh_lists():
         model(x)
         assert rec.num_layers == len(model.blocks) == len(rec.mlp_activations)
         torch.testing.assert_close(rec.attentions[4], first)
+
+
+# ----------------------------------------------------------------------------- capture=
+def tiny_models():
+    """A timm ViT with q/k norms (the hooked-norm path), one without, and a Hugging Face ViT."""
+    from timm.models.vision_transformer import VisionTransformer
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    plain = VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3, num_classes=5).eval()
+    qk_norm = VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=5,
+                                qk_norm=True).eval()
+    with torch.no_grad():
+        for blk in qk_norm.blocks:
+            blk.attn.q_norm.weight.uniform_(0.5, 2.0)
+            blk.attn.k_norm.bias.uniform_(-1.0, 1.0)
+    hf = ViTForImageClassification(ViTConfig(image_size=32, patch_size=8, hidden_size=48, num_hidden_layers=2,
+                                             num_attention_heads=3, intermediate_size=96, num_labels=5)).eval()
+    return {"timm": plain, "timm_qk_norm": qk_norm, "hf": hf}
+
+
+def _out(o):
+    return o.logits if hasattr(o, "logits") else o
+
+
+FIELDS = {"attention": "attentions", "query": "queries", "key": "keys", "value": "values",
+          "hidden": "hidden_states"}
+CAPTURES = [("attention",), ("query", "key"), ("value",), ("hidden",), ("query",), ("key", "hidden"),
+            ("attention", "value"), ()]
+
+
+@pytest.mark.parametrize("kind", ["timm", "timm_qk_norm", "hf"])
+def test_capture_keeps_the_asked_fields_equal_to_the_full_recording_and_refuses_the_others(kind):
+    model = tiny_models()[kind]
+    x = torch.randn(2, 3, 32, 32)
+    before = model_state(model)
+    with torch.no_grad(), vitlab.record(model) as full:
+        model(x)
+    assert full.captured == set(CAPTURE_FIELDS)
+    L = len(full.attentions)
+    for capture in CAPTURES:
+        with torch.no_grad(), vitlab.record(model, capture=capture) as rec:
+            model(x)
+        assert model_state(model) == before
+        assert rec.captured == set(capture)
+        assert rec.layout == full.layout
+        for name, prop in FIELDS.items():
+            if name in capture:
+                got, ref = getattr(rec, prop), getattr(full, prop)
+                assert len(got) == L
+                for g, r in zip(got, ref):
+                    # fused and eager paths agree to float rounding; the eager one exactly
+                    tol = 0 if "attention" in capture else 1e-5
+                    torch.testing.assert_close(g, r, atol=tol, rtol=tol)
+            else:
+                msg = (rf"rec\.{prop} was not recorded: this recording captured only .*; ask for '{name}' with "
+                       rf"vitlab\.record\(model, capture=\(.*'{name}'.*\)\)")
+                with pytest.raises(NotRecordedError, match=msg):
+                    getattr(rec, prop)
+                attr = name if name != "hidden" else None
+                if attr is not None:
+                    assert all(getattr(c, attr) is None for c in rec.stream())
+        if set(capture) & {"attention", "query", "key", "value"}:
+            assert rec.num_layers == len(rec.stream()) == L
+        else:
+            assert rec.stream() == []
+            assert rec.num_layers == (L if "hidden" in capture else 0)
+
+
+def hooks_inside(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize("kind", ["timm", "hf"])
+def test_capture_without_attention_keeps_the_fused_path_and_hooks_less(kind):
+    model = tiny_models()[kind]
+    x = torch.randn(1, 3, 32, 32)
+
+    def fused_state():
+        if kind == "timm":
+            return [blk.attn.fused_attn for blk in model.blocks]
+        return model.config._attn_implementation
+
+    start = fused_state()
+    assert start in ([True] * 3, "sdpa")
+    L = 3 if kind == "timm" else 2
+    seen = {}
+    for capture in [None, ("attention",), ("query", "key"), ("hidden",)]:
+        with torch.no_grad(), vitlab.record(model, capture=capture) as rec:
+            seen[capture] = (fused_state(), hooks_inside(model))
+            model(x)
+        assert fused_state() == start
+    eager = [False] * 3 if kind == "timm" else "eager"
+    assert seen[None][0] == seen[("attention",)][0] == eager
+    assert seen[("query", "key")][0] == seen[("hidden",)][0] == start
+    # one pre-hook on the model (input checks, layout) plus what each field needs per block
+    if kind == "timm":  # qkv + attn_drop + block
+        assert [seen[c][1] for c in seen] == [1 + 3 * L, 1 + L, 1 + L, 1 + L]
+    else:  # capture opener + q/k/v projections + attention + layer
+        assert [seen[c][1] for c in seen] == [1 + 6 * L, 1 + L, 1 + 3 * L, 1 + L]
+
+
+def test_capture_names_are_checked():
+    model = tiny_models()["timm"]
+    before = model_state(model)
+    with pytest.raises(ValueError, match=r"capture: unknown field name 'queries'; choose from \('attention', "
+                                         r"'query', 'key', 'value', 'hidden'\)"):
+        with vitlab.record(model, capture=("attention", "queries")):
+            pass
+    with pytest.raises(ValueError, match=r"unknown field names 'attn', 3"):
+        with vitlab.record(model, capture=["attn", 3]):
+            pass
+    with pytest.raises(ValueError, match="capture must be None or an iterable"):
+        with vitlab.record(model, capture=7):
+            pass
+    with pytest.raises(ValueError, match=r"gradients=True\) records the gradient of the attention, but "
+                                         r"capture=\('key', 'query'\) leaves the attention out"):
+        with vitlab.record(model, gradients=True, capture=("query", "key")):
+            pass
+    assert model_state(model) == before
+    with torch.no_grad(), vitlab.record(model, capture="attention") as rec:  # one name as a string
+        model(torch.randn(1, 3, 32, 32))
+    assert rec.captured == {"attention"} and len(rec.attentions) == 3
+    with torch.no_grad(), vitlab.record(model, capture=(), residual=True) as rec:  # residual brings hidden
+        model(torch.randn(1, 3, 32, 32))
+    assert rec.captured == {"hidden"} and len(rec.mlp_outputs) == 3
+    assert model_state(model) == before
+
+
+@pytest.mark.parametrize("kind", ["timm", "hf"])
+def test_attention_only_gradients_equal_the_full_recording(kind):
+    model = tiny_models()[kind]
+    x = torch.randn(2, 3, 32, 32)
+    got = {}
+    for capture in (None, ("attention",)):
+        with vitlab.record(model, gradients=True, capture=capture) as rec:
+            _out(model(x))[:, 2].sum().backward()
+        got[capture] = rec
+    model.zero_grad(set_to_none=True)
+    for a, b in zip(got[None].attention_grads, got[("attention",)].attention_grads, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["timm", "hf"])
+def test_methods_give_the_maps_of_the_full_recording(kind):
+    from vitlab.attention import attention_gradients, cls_attention, qk_channel_scores, qk_maps, raw_attention
+    from vitlab.rollout import fuse_heads, fused_rollout_row, grad_rollout, rollout
+
+    model = tiny_models()[kind]
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad(), vitlab.record(model) as full:
+        model(x)
+    with vitlab.record(model, gradients=True) as graded:
+        _out(model(x))[:, 1].sum().backward()
+    model.zero_grad(set_to_none=True)
+    layout, P = full.layout, full.layout.num_prefix
+    A = full.attentions
+    assert torch.equal(cls_attention(model, x), layout.patches_to_grid(torch.stack([a[:, :, 0] for a in A], 1)))
+    assert torch.equal(raw_attention(model, x), layout.patches_to_grid(A[-1][:, :, 0].mean(1)))
+    row = fused_rollout_row([fuse_heads(a) for a in A])
+    expect = layout.patches_to_grid(row)
+    torch.testing.assert_close(rollout(model, x), expect / expect.flatten(1).amax(1)[:, None, None],
+                               atol=1e-6, rtol=1e-5)
+    ag = attention_gradients(model, x, target=1)
+    for g, ref in zip(ag.gradients, graded.attention_grads, strict=True):
+        torch.testing.assert_close(g, ref, atol=1e-7, rtol=1e-5)
+    assert grad_rollout(model, x, target=1).shape == (3, 4, 4)
+    maps = qk_maps(model, x, layer=1, head=2, channel=3)
+    torch.testing.assert_close(maps.query, layout.patches_to_grid(full.queries[1][:, 2, :, 3]).sigmoid(),
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(maps.key, layout.patches_to_grid(full.keys[1][:, 2, :, 3]).sigmoid(),
+                               atol=1e-6, rtol=0)
+    q, k = full.queries[0][:, :, P:], full.keys[0][:, :, P:]
+    from vitlab.attention import two_way_score
+    torch.testing.assert_close(qk_channel_scores(model, x, "two_way")[0], two_way_score(q, k).mean(0),
+                               atol=1e-5, rtol=0)

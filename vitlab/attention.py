@@ -189,7 +189,7 @@ def _in_chunks(method, model, x: torch.Tensor, layout: TokenLayout, gradients: b
 
 def _recorded_attentions(model, x: torch.Tensor) -> tuple[list[torch.Tensor], TokenLayout]:
     """Attention of every block (``B x heads x N x N`` each), one forward without gradients."""
-    with torch.no_grad(), record(model, eval_mode=True) as rec:
+    with torch.no_grad(), record(model, eval_mode=True, capture=("attention",)) as rec:
         model(x)
     return list(rec.attentions), rec.layout
 
@@ -212,7 +212,8 @@ def _attention_gradients(model, x: torch.Tensor, target, layers: list[int] | Non
         # A leaf that requires grad keeps the graph alive even if every parameter is frozen.
         # (clone: an input made under inference_mode cannot be made to require grad itself)
         x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
-        with record(model, detach=False, eval_mode=True) as rec:  # graph-attached attentions
+        # graph-attached attentions, nothing else kept
+        with record(model, detach=False, eval_mode=True, capture=("attention",)) as rec:
             logits = _logits(model(x_in))
             t = resolve_target(target, logits)
             total = target_score(logits, t, score, is_multi_label(model)).sum()
@@ -334,7 +335,8 @@ def qk_maps(model, x: torch.Tensor, layer: int, head: int, channel: int | None =
     one ``channel``, ``B x head_dim x gh x gw`` when ``channel`` is None (all channels).
     """
     checked_layout(model, x, "qk_maps", cls_row=False)
-    with torch.no_grad(), record(model, eval_mode=True) as rec:
+    # queries and keys only: the model keeps its fused attention path
+    with torch.no_grad(), record(model, eval_mode=True, capture=("query", "key")) as rec:
         model(x)
     layout = rec.layout
     L = len(rec.queries)
@@ -399,7 +401,8 @@ def qk_channel_scores(model, x: torch.Tensor, pattern: str = "one_way") -> torch
     if pattern not in _SCORES:
         raise ValueError(f"pattern must be one of {QK_PATTERNS}, got {pattern!r}")
     checked_layout(model, x, "qk_channel_scores", cls_row=False)
-    with torch.no_grad(), record(model, eval_mode=True) as rec:
+    # queries and keys only: the model keeps its fused attention path
+    with torch.no_grad(), record(model, eval_mode=True, capture=("query", "key")) as rec:
         model(x)
     P = rec.layout.num_prefix
     score = _SCORES[pattern]

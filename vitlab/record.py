@@ -26,6 +26,12 @@ Usage::
     rec.attentions[l]       # B x heads x N x N, post-softmax
     rec.attention_grads[l]  # B x heads x N x N, d(output)/d(attention), same order
 
+Record only what you read: ``record(model, capture=("attention",))`` keeps the attention
+alone (no Q, K, V, hidden states: fewer hooks, less memory), ``capture=("query", "key")``
+keeps the queries and keys and leaves the model on its fused attention path (no matrix is
+materialised). Reading a field that was not captured raises :class:`NotRecordedError`,
+which says how to ask for it.
+
 Each attention module feeds one *stream* of captures. ViTs have a single stream,
 ``"self"``; chapter 5's LXMERT and DETR adapters add streams for language, vision and
 cross-attention through the same :class:`Recording`.
@@ -48,9 +54,44 @@ SUPPORTED = (
 )
 
 
+#: What ``record(model, capture=...)`` can keep, per attention module / block.
+CAPTURE_FIELDS = ("attention", "query", "key", "value", "hidden")
+
+# The Recording property that reads each field.
+_FIELD_LISTS = {"attention": "attentions", "query": "queries", "key": "keys", "value": "values",
+                "hidden": "hidden_states"}
+
+
+class NotRecordedError(RuntimeError):
+    """A field of a :class:`Recording` was read that its ``record(..., capture=...)`` did not keep."""
+
+
+def check_capture(capture) -> frozenset[str]:
+    """``capture`` (None: every field of :data:`CAPTURE_FIELDS`; a name; or an iterable of
+    names) as a frozenset, or ``ValueError`` naming the bad entries and the valid ones."""
+    if capture is None:
+        return frozenset(CAPTURE_FIELDS)
+    if isinstance(capture, str):
+        capture = (capture,)
+    try:
+        names = list(capture)
+    except TypeError:
+        raise ValueError(
+            f"capture must be None or an iterable of field names from {CAPTURE_FIELDS}, got {capture!r}"
+        ) from None
+    bad = [n for n in names if not isinstance(n, str) or n not in CAPTURE_FIELDS]
+    if bad:
+        raise ValueError(
+            f"capture: unknown field name{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}; "
+            f"choose from {CAPTURE_FIELDS} (e.g. capture=('attention',))"
+        )
+    return frozenset(names)
+
+
 @dataclass
 class AttentionCapture:
-    """What one attention module computed in one forward pass."""
+    """What one attention module computed in one forward pass (fields the recording did not
+    ``capture`` stay None)."""
 
     name: str                                  # module path in the model
     attention: torch.Tensor | None = None      # B x heads x Nq x Nk, post-softmax
@@ -71,7 +112,9 @@ class Recording:
 
     layout: TokenLayout | None = None
     streams: dict[str, list[AttentionCapture]] = field(default_factory=dict)
-    hidden_states: list[torch.Tensor] = field(default_factory=list)
+    # the per-block fields of CAPTURE_FIELDS this recording keeps (record's ``capture``)
+    captured: frozenset[str] = frozenset(CAPTURE_FIELDS)
+    _hidden_states: list[torch.Tensor] = field(default_factory=list, repr=False)
     mlp_activations: list[torch.Tensor] = field(default_factory=list)
     # with residual=True: the residual stream entering each block, and after its attention sublayer
     block_inputs: list[torch.Tensor] = field(default_factory=list)
@@ -86,8 +129,25 @@ class Recording:
             raise KeyError(f"no attention stream {name!r} was recorded; recorded: {sorted(self.streams)}")
         return self.streams[name]
 
+    def _require(self, name: str) -> None:
+        if name not in self.captured:
+            asked = tuple(f for f in CAPTURE_FIELDS if f in self.captured or f == name)
+            raise NotRecordedError(
+                f"rec.{_FIELD_LISTS[name]} was not recorded: this recording captured only "
+                f"{tuple(f for f in CAPTURE_FIELDS if f in self.captured)}; ask for {name!r} with "
+                f"vitlab.record(model, capture={asked!r}) (or leave capture out to record every field)"
+            )
+
     def _field(self, attr: str) -> list[torch.Tensor]:
+        if attr != "grad":
+            self._require(attr)
         return [getattr(c, attr) for c in self.streams.get(self.default_stream, [])]
+
+    @property
+    def hidden_states(self) -> list[torch.Tensor]:
+        """The residual stream leaving each block, B x N x D (``capture`` with ``"hidden"``)."""
+        self._require("hidden")
+        return self._hidden_states
 
     @property
     def attentions(self) -> list[torch.Tensor]:
@@ -107,6 +167,7 @@ class Recording:
 
     @property
     def attention_grads(self) -> list[torch.Tensor]:
+        self._require("attention")
         grads = self._field("grad")
         if any(g is None for g in grads):
             if self._no_grad_reason is not None:
@@ -134,7 +195,7 @@ class Recording:
 
         For loops that keep one recording open around many forwards (activation
         maximisation), instead of entering ``record`` every step."""
-        self.hidden_states.clear()
+        self._hidden_states.clear()
         self.mlp_activations.clear()
         self.block_inputs.clear()
         self.mid_states.clear()
@@ -144,7 +205,11 @@ class Recording:
 
     @property
     def num_layers(self) -> int:
-        return len(self.streams.get(self.default_stream, []))
+        """Attention calls recorded in the default stream (blocks, for one ViT forward); with
+        no attention field captured, the hidden states recorded."""
+        if self.captured & {"attention", "query", "key", "value"}:
+            return len(self.streams.get(self.default_stream, []))
+        return len(self._hidden_states)
 
 
 # --------------------------------------------------------------------------------------
@@ -168,6 +233,7 @@ class _Session:
     def __init__(self, rec: Recording, gradients: bool, detach: bool, residual: bool = False,
                  attention_edit: Callable | None = None):
         self.rec = rec
+        self.capture = rec.captured
         self.gradients = gradients
         self.detach = detach
         self.residual = residual
@@ -322,11 +388,16 @@ def _mlp_activation_module(block: nn.Module) -> nn.Module | None:
     return None
 
 
-def _attach_timm(model: nn.Module, s: _Session, mlp: bool) -> None:
-    blocks = _timm_attention_modules(model)
+def _attach_timm(model: nn.Module, s: _Session, mlp: bool, blocks) -> None:
+    want = s.capture
+    # the eager path only where the attention matrix is read or edited; Q, K, V and hidden
+    # states are the same on the fused path, which materialises no N x N matrix
+    eager = "attention" in want or s.attention_edit is not None
+    qkv_fields = want & {"query", "key", "value"}
     stream = s.rec.streams.setdefault("self", [])
     for index, (block_name, block, attn) in enumerate(blocks):
-        s.set_attr(attn, "fused_attn", False)
+        if eager:
+            s.set_attr(attn, "fused_attn", False)
         if s.residual:
             _attach_residual(s, block, block_name)
         if s.attention_edit is not None:
@@ -342,16 +413,25 @@ def _attach_timm(model: nn.Module, s: _Session, mlp: bool) -> None:
         # (most ViTs) they are read straight from the qkv output, with two hooks fewer per block.
         q_plain = isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)
 
-        def on_qkv(mod, inp, out, current=current, block_name=block_name, H=H, q_plain=q_plain):
+        def new_capture(current=current, block_name=block_name) -> AttentionCapture:
             cap = AttentionCapture(name=f"{block_name}.attn")
             current["cap"] = cap
             stream.append(cap)
+            return cap
+
+        # timm calls qkv, then q_norm / k_norm, then attn_drop: the first hooked one opens the capture
+        def on_qkv(mod, inp, out, H=H, q_plain=q_plain, new_capture=new_capture):
+            cap = new_capture()
             B, N, C3 = out.shape
             # qkv: B x N x (3 * heads * head_dim) -> 3 x B x heads x N x head_dim
             q, k, v = out.reshape(B, N, 3, H, C3 // (3 * H)).permute(2, 0, 3, 1, 4).unbind(0)
-            cap.value = s.keep(v)
+            if "value" in want:
+                cap.value = s.keep(v)
             if q_plain:
-                cap.query, cap.key = s.keep(q), s.keep(k)
+                if "query" in want:
+                    cap.query = s.keep(q)
+                if "key" in want:
+                    cap.key = s.keep(k)
 
         def on_q(mod, inp, out, current=current):
             current["cap"].query = s.keep(out)
@@ -359,16 +439,21 @@ def _attach_timm(model: nn.Module, s: _Session, mlp: bool) -> None:
         def on_k(mod, inp, out, current=current):
             current["cap"].key = s.keep(out)
 
-        def on_drop(mod, inp, out, current=current):
+        def on_drop(mod, inp, out, current=current, new_capture=new_capture):
+            cap = current["cap"] if qkv_fields else new_capture()
             # after dropout (the identity in eval mode): what multiplies V, as Hugging Face records
-            s.capture_attention(current["cap"], out, out)
+            s.capture_attention(cap, out, out)
 
-        s.hook(attn.qkv, on_qkv)
-        if not q_plain:
-            s.hook(attn.q_norm, on_q)
-            s.hook(attn.k_norm, on_k)
-        s.hook(attn.attn_drop, on_drop)
-        s.hook(block, lambda mod, inp, out: s.rec.hidden_states.append(s.keep(out)))
+        if qkv_fields:
+            s.hook(attn.qkv, on_qkv)
+            if not q_plain and "query" in want:
+                s.hook(attn.q_norm, on_q)
+            if not q_plain and "key" in want:
+                s.hook(attn.k_norm, on_k)
+        if "attention" in want:
+            s.hook(attn.attn_drop, on_drop)
+        if "hidden" in want:
+            s.hook(block, lambda mod, inp, out: s.rec._hidden_states.append(s.keep(out)))
         if mlp:
             act = _mlp_activation_module(block)
             if act is None:
@@ -406,11 +491,13 @@ def _hf_heads(attn: nn.Module) -> int:
     return int(attn.num_attention_heads if hasattr(attn, "num_attention_heads") else attn.config.num_attention_heads)
 
 
-def _attach_hf(model: nn.Module, s: _Session, mlp: bool) -> None:
-    layers = _hf_attention_modules(model)
-    for config in _hf_configs(model):
-        # set the internal attribute directly: no recursion, exact restore
-        s.set_attr(config, "_attn_implementation_internal", "eager")
+def _attach_hf(model: nn.Module, s: _Session, mlp: bool, layers) -> None:
+    want = s.capture
+    if "attention" in want or s.attention_edit is not None:  # SDPA returns no attention weights
+        for config in _hf_configs(model):
+            # set the internal attribute directly: no recursion, exact restore
+            s.set_attr(config, "_attn_implementation_internal", "eager")
+    qkv_fields = want & {"query", "key", "value"}
     stream = s.rec.streams.setdefault("self", [])
     for index, (layer_name, layer, attn) in enumerate(layers):
         H = _hf_heads(attn)
@@ -428,11 +515,14 @@ def _attach_hf(model: nn.Module, s: _Session, mlp: bool) -> None:
             s.hook(attn, edit, pre=True, with_kwargs=True)
         current: dict[str, AttentionCapture] = {}
 
-        def on_q(mod, inp, out, current=current, layer_name=layer_name, H=H):
+        def new_capture(current=current, layer_name=layer_name) -> AttentionCapture:
             cap = AttentionCapture(name=f"{layer_name}.attention")
             current["cap"] = cap
             stream.append(cap)
-            cap.query = s.keep(_split_heads(out, H))
+            return cap
+
+        def on_q(mod, inp, out, current=current, H=H):
+            current["cap"].query = s.keep(_split_heads(out, H))
 
         def on_k(mod, inp, out, current=current, H=H):
             current["cap"].key = s.keep(_split_heads(out, H))
@@ -440,19 +530,27 @@ def _attach_hf(model: nn.Module, s: _Session, mlp: bool) -> None:
         def on_v(mod, inp, out, current=current, H=H):
             current["cap"].value = s.keep(_split_heads(out, H))
 
-        def on_attn(mod, inp, out, current=current):
+        def on_attn(mod, inp, out, current=current, new_capture=new_capture):
             weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
             if weights is None:
                 raise RuntimeError(f"{type(mod).__name__} returned no attention weights in eager mode")
             # eager_attention_forward returns the (post-dropout) matrix it multiplied with V;
             # in eval mode that is the post-softmax attention itself.
-            s.capture_attention(current["cap"], weights, weights)
+            s.capture_attention(current["cap"] if qkv_fields else new_capture(), weights, weights)
 
-        s.hook(attn.q_proj, on_q)
-        s.hook(attn.k_proj, on_k)
-        s.hook(attn.v_proj, on_v)
-        s.hook(attn, on_attn)
-        s.hook(layer, lambda mod, inp, out: s.rec.hidden_states.append(s.keep(out[0] if isinstance(out, tuple) else out)))
+        if qkv_fields:  # the capture opens when the attention module is entered
+            def open_capture(mod, args, new_capture=new_capture):
+                new_capture()  # and return None: a pre-hook's return value would replace the input
+
+            s.hook(attn, open_capture, pre=True)
+            for name, fn in (("query", on_q), ("key", on_k), ("value", on_v)):
+                if name in want:
+                    s.hook(getattr(attn, name[0] + "_proj"), fn)
+        if "attention" in want:
+            s.hook(attn, on_attn)
+        if "hidden" in want:
+            s.hook(layer, lambda mod, inp, out: s.rec._hidden_states.append(
+                s.keep(out[0] if isinstance(out, tuple) else out)))
         if mlp:
             act = _mlp_activation_module(layer)
             if act is None:
@@ -461,12 +559,17 @@ def _attach_hf(model: nn.Module, s: _Session, mlp: bool) -> None:
 
 
 def _adapter_for(model: nn.Module):
+    """``(attach, modules)``: the family's adapter and its ``(name, block, attention)`` list."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"vitlab.record expects a torch.nn.Module, got {type(model).__name__}")
-    if is_timm_vit(model) and _timm_attention_modules(model):
-        return _attach_timm
-    if is_hf_model(model) and _hf_attention_modules(model):
-        return _attach_hf
+    if is_timm_vit(model):
+        found = _timm_attention_modules(model)
+        if found:
+            return _attach_timm, found
+    if is_hf_model(model):
+        found = _hf_attention_modules(model)
+        if found:
+            return _attach_hf, found
     raise TypeError(
         f"{type(model).__name__} has no attention blocks vitlab can record. Supported: {SUPPORTED}."
     )
@@ -474,18 +577,17 @@ def _adapter_for(model: nn.Module):
 
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a supported ViT, in the order they run (one per recorded layer)."""
-    if _adapter_for(model) is _attach_timm:
-        return [block for _, block, _ in _timm_attention_modules(model)]
-    return [layer for _, layer, _ in _hf_attention_modules(model)]
+    return [block for _, block, _ in _adapter_for(model)[1]]
 
 
 def attention_size(model: nn.Module, num_tokens: int) -> int:
     """Entries of one sample's attention that a forward inside :func:`record` keeps: the sum
     over blocks of ``heads x N x N``, for ``N = num_tokens``. Methods size their chunks by it."""
-    if _adapter_for(model) is _attach_timm:
-        heads = sum(int(attn.num_heads) for _, _, attn in _timm_attention_modules(model))
+    attach, found = _adapter_for(model)
+    if attach is _attach_timm:
+        heads = sum(int(attn.num_heads) for _, _, attn in found)
     else:
-        heads = sum(_hf_heads(attn) for _, _, attn in _hf_attention_modules(model))
+        heads = sum(_hf_heads(attn) for _, _, attn in found)
     return heads * int(num_tokens) ** 2
 
 
@@ -493,13 +595,22 @@ def attention_size(model: nn.Module, num_tokens: int) -> int:
 def record(
     model: nn.Module, gradients: bool = False, mlp: bool = False, detach: bool | None = None,
     eval_mode: bool = False, residual: bool = False, attention_edit: Callable | None = None,
+    capture=None,
 ) -> Iterator[Recording]:
     """Record every attention block of ``model`` during the forward passes in the block.
 
     Args:
         model: a supported ViT (see ``SUPPORTED``); left exactly as it was on exit.
-        gradients: also record ``d(output)/d(attention)`` per layer; call ``backward()``
-            inside the with-block.
+        capture: which per-block fields to keep, names from :data:`CAPTURE_FIELDS`:
+            ``"attention"`` (``rec.attentions``), ``"query"``, ``"key"``, ``"value"``
+            (``rec.queries`` / ``keys`` / ``values``, B x heads x N x head_dim) and
+            ``"hidden"`` (``rec.hidden_states``); None (default) keeps all five. Ask for what
+            you read: each field left out is a hook fewer per block and memory not held, and
+            without ``"attention"`` (and without ``attention_edit``) the model keeps its
+            fused attention path. Reading a field left out raises :class:`NotRecordedError`.
+            ``residual=True`` adds ``"hidden"``.
+        gradients: also record ``d(output)/d(attention)`` per layer (needs ``"attention"``
+            in ``capture``); call ``backward()`` inside the with-block.
         mlp: also record each block's MLP hidden activation (after the non-linearity),
             ``rec.mlp_activations[l]`` of shape B x N x hidden.
         detach: store detached tensors (default: detached unless ``gradients``).
@@ -526,12 +637,22 @@ def record(
     attention path (the same numbers), and with ``eval_mode`` in eval mode, in every thread.
 
     Raises:
+        ValueError: ``capture`` names an unknown field, or ``gradients=True`` without
+            ``"attention"`` in it.
         TypeError: the model has no attention blocks of a supported family.
         RuntimeError: with ``gradients=True``, a forward inside the block ran with gradients
             disabled (``torch.no_grad()`` / ``torch.inference_mode()``).
     """
-    attach = _adapter_for(model)
-    rec = Recording(layout=None)
+    captured = check_capture(capture)
+    if residual:
+        captured |= {"hidden"}
+    if gradients and "attention" not in captured:
+        raise ValueError(
+            f"record(gradients=True) records the gradient of the attention, but capture={tuple(sorted(captured))!r} "
+            "leaves the attention out; add 'attention' to capture"
+        )
+    attach, found = _adapter_for(model)
+    rec = Recording(layout=None, captured=captured)
     session = _Session(rec, gradients=gradients, detach=(not gradients) if detach is None else detach,
                        residual=residual, attention_edit=attention_edit)
 
@@ -549,7 +670,7 @@ def record(
 
     try:
         session.hook(model, on_input, pre=True, with_kwargs=True)
-        attach(model, session, mlp)
+        attach(model, session, mlp, found)
         if eval_mode:
             for module in model.modules():
                 session.set_attr(module, "training", False)
