@@ -205,3 +205,50 @@ def test_torchrun_two_processes_write_the_table_of_one(tmp_path):
 
 def test_command_line_errors(tmp_path):
     assert ev.main(["--samples", "2", "--methods", "nope", "--out", str(tmp_path), "--no-progress"]) == 2
+
+
+def test_plot_leaderboard_draws_each_cell(vit):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vitlab import plot
+
+    board = ev.leaderboard(vit, FakeData(4), ["random", "rollout", "Chefer relevance"], ks=(3,), progress=False)
+    fig = plot.leaderboard(board, measures=["SaCo K=3", "AUC+ probability", "pointing"], ncols=2)
+    panels = [a for a in fig.axes if a.get_title()]
+    assert [a.get_title().split("\n")[0] for a in panels] == ["SaCo K=3", "AUC+ probability", "pointing"]
+    assert "lower is better" in panels[1].get_title() and "higher is better" in panels[0].get_title()
+    for ax, q in zip(panels, ["SaCo K=3", "AUC+ probability", "pointing"]):
+        widths = [p.get_width() for p in ax.patches]
+        want = [board.cell(m, q)["mean"] for m in board.methods]
+        np.testing.assert_allclose(widths, want)
+        dashed = [line for line in ax.lines if line.get_linestyle() == "--"]      # the reference line
+        assert len(dashed) == 1 and dashed[0].get_xdata()[0] == pytest.approx(board.cell("random", q)["mean"])
+    plt.close(fig)
+    with pytest.raises(ValueError, match="measures"):
+        plot.leaderboard(board, measures=["nope"])
+    with pytest.raises(ValueError, match="reference"):
+        plot.leaderboard(board, reference="nope")
+
+
+def test_shapes_data_scenes():
+    class Cfg(torch.nn.Module):
+        pretrained_cfg = {"input_size": (3, 112, 112), "mean": (0.5,) * 3, "std": (0.25,) * 3,
+                          "interpolation": "bilinear", "crop_pct": 1.0}
+
+    from vitlab.shapes import make_scenes
+
+    data = ev.ShapesData(Cfg(), 5)
+    one, two = make_scenes(3, ev.SHAPES_SEED, 1), make_scenes(2, ev.SHAPES_SEED + 1, 2)
+    img, labels, masks = data.scene(3)                    # odd: the second two-object scene
+    assert np.array_equal(img, two.images[1]) and list(labels) == list(two.labels[1]) and masks.shape[0] == 2
+    img, labels, masks = data.scene(4)
+    assert np.array_equal(img, one.images[2]) and masks.shape[0] == 1
+    b = data.batch([4, 3])
+    want = (torch.as_tensor(one.images[2]).permute(2, 0, 1).float() / 255 - 0.5) / 0.25
+    torch.testing.assert_close(b.x[0], want, atol=1e-5, rtol=0)
+    with pytest.raises(IndexError):
+        data.scene(5)
+    with pytest.raises(ValueError, match="objects"):
+        ev.ShapesData(Cfg(), 5, objects=3)

@@ -184,7 +184,11 @@ class ShapesData:
     def describe(self) -> dict:
         return {"data": "shapes", "n": self.n, "objects": self.objects, "seed": self.seed}
 
-    def _item(self, i: int):
+    def scene(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Scene ``i``: its ``H x W x 3`` uint8 image, its objects' classes (``K``) and their
+        masks (``K x H x W`` bool)."""
+        if not 0 <= int(i) < self.n:
+            raise IndexError(f"scene {i} is outside 0 .. {self.n - 1}")
         if self.objects == "mixed":  # even indices: one object; odd: two
             part, j = self._parts[i % 2], i // 2
         else:
@@ -192,7 +196,7 @@ class ShapesData:
         return part.images[j], part.labels[j], part.masks[j]
 
     def batch(self, indices: Sequence[int]) -> Batch:
-        items = [self._item(int(i)) for i in indices]
+        items = [self.scene(int(i)) for i in indices]
         x = self._preprocess([im for im, _, _ in items], self._model)
         return Batch(x, None, [(m, lab) for _, lab, m in items])
 
@@ -260,7 +264,7 @@ def _target_masks(object_masks, target: torch.Tensor) -> np.ndarray:
     return np.stack(out)
 
 
-def _predicted(model, x: torch.Tensor) -> torch.Tensor:
+def predicted_class(model, x: torch.Tensor) -> torch.Tensor:
     """The model's top-1 class per sample, in eval mode (each module's mode put back)."""
     from vitlab.targets import _logits
 
@@ -306,7 +310,7 @@ def score_chunk(model, batch: Batch, indices: Sequence[int], methods: Sequence[s
     elif target != "predicted":
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     else:
-        target = _predicted(model, x)
+        target = predicted_class(model, x)
     masks = None if batch.object_masks is None else _target_masks(batch.object_masks, target)
     names = measure_names(ks, masks is not None)
     values = np.full((B, len(methods), len(names)), np.nan)
@@ -394,6 +398,12 @@ class Leaderboard:
             if row["method"] == method and row["measure"] == measure:
                 return row
         raise KeyError(f"no cell ({method!r}, {measure!r}); methods {self.methods}, measures {self.measures}")
+
+    def higher_is_better(self, measure: str) -> bool:
+        """Whether a higher value of ``measure`` is better (:func:`higher_is_better`)."""
+        if measure not in self.measures:
+            raise KeyError(f"no measure {measure!r}; measures {self.measures}")
+        return higher_is_better(measure)
 
     def means(self) -> np.ndarray:
         """``methods x measures`` array of the cells' means."""
