@@ -110,6 +110,14 @@ def test_grid_shared_per_row_and_per_column():
     limits = [(_heat(a).norm.vmin, _heat(a).norm.vmax) for a in _panels(by_col)]
     assert limits == [(0.0, 15.0), (4.0, 19.0), (8.0, 23.0)] * 2
     assert [b.get_xlim() for b in _colorbars(by_col)] == [(0.0, 15.0), (4.0, 19.0), (8.0, 23.0)]  # bars below
+    # group keys, one per map: maps with the same key share a scale and a bar labelled with the key
+    keys = ["a", "b", "b"] * 2
+    by_key = plot.map_grid(maps, shared=keys)
+    limits = [(_heat(a).norm.vmin, _heat(a).norm.vmax) for a in _panels(by_key)]
+    assert limits == [(0.0, 15.0), (4.0, 23.0), (4.0, 23.0)] * 2
+    assert [(b.get_xlim(), b.get_xlabel()) for b in _colorbars(by_key)] == [((0.0, 15.0), "a"), ((4.0, 23.0), "b")]
+    with pytest.raises(ValueError, match="one key per map: got 2 keys for 6 maps"):
+        plot.map_grid(maps, shared=["a", "b"])
     plt.close("all")
 
 
@@ -203,7 +211,7 @@ def test_bad_scale_arguments_raise_clear_errors():
     m = [np.eye(3)]
     with pytest.raises(ValueError, match="scale must be one of"):
         plot.map_grid(m, scale="loud")
-    with pytest.raises(ValueError, match="shared must be True, False, 'row' or 'col'"):
+    with pytest.raises(ValueError, match="shared must be True, False, 'row', 'col' or one group key per map"):
         plot.map_grid(m, shared="diagonal")
     with pytest.raises(ValueError, match="mode must be one of"):
         plot.map_grid(m, mode="cubic")

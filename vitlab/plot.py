@@ -276,6 +276,13 @@ def show_map(m, ax=None, cmap=None, title: str | None = None, vmin: float | None
 
 def _scale_groups(shared, rows: int, cols: int, n: int) -> list[list[int]]:
     """Indices of the maps (row-major on the ``rows x cols`` grid) that share one scale."""
+    if isinstance(shared, (list, tuple)):
+        if len(shared) != n:
+            raise ValueError(f"shared as group keys needs one key per map: got {len(shared)} keys for {n} maps")
+        groups: dict = {}
+        for i, key in enumerate(shared):
+            groups.setdefault(key, []).append(i)
+        return list(groups.values())
     if shared is True:
         return [list(range(n))]
     if shared is False:
@@ -284,7 +291,7 @@ def _scale_groups(shared, rows: int, cols: int, n: int) -> list[list[int]]:
         return [g for g in ([i for i in range(r * cols, min((r + 1) * cols, n))] for r in range(rows)) if g]
     if shared == "col":
         return [g for g in ([i for i in range(c, n, cols)] for c in range(cols)) if g]
-    raise ValueError(f"shared must be True, False, 'row' or 'col', got {shared!r}")
+    raise ValueError(f"shared must be True, False, 'row', 'col' or one group key per map, got {shared!r}")
 
 
 def map_grid(maps: Sequence, titles: Sequence[str] | None = None, image=None, ncols: int | None = None,
@@ -303,7 +310,9 @@ def map_grid(maps: Sequence, titles: Sequence[str] | None = None, image=None, nc
     Colour (see :func:`map_scale`): ``shared=True`` colours every panel on one scale (the
     minimum to the maximum over all panels, or as ``scale``, ``vmin``, ``vmax`` ask), drawn as
     one colour bar for the grid; ``"row"`` / ``"col"``: one scale and bar per row / column;
-    ``False``: each panel on its own scale with its own bar. ``colorbar=False`` leaves the bars
+    ``False``: each panel on its own scale with its own bar; a sequence of keys, one per map
+    (e.g. the method that made it): maps with equal keys share a scale, drawn as one bar
+    below their panels and labelled with the key (unless ``label`` is given). ``colorbar=False`` leaves the bars
     out; ``label`` names the bars' quantity.
 
     ``mode``: ``"bilinear"`` (smooth), ``"nearest"`` (one block per patch, as the maps are
@@ -345,10 +354,11 @@ def map_grid(maps: Sequence, titles: Sequence[str] | None = None, image=None, nc
 
     views = ("bilinear", "nearest") if mode == "both" else (mode,)
     k = len(views)
-    bar_right = colorbar and shared in (True, False, "row")
+    by_key = isinstance(shared, (list, tuple))
+    bar_right = colorbar and not by_key and shared in (True, False, "row")
     fig, axes = plt.subplots(rows, cols * k, squeeze=False, layout="constrained",
                              figsize=(size * cols * k + (0.9 if bar_right else 0.2),
-                                      size * rows + (0.7 if colorbar and shared == "col" else 0.0)
+                                      size * rows + (0.7 if colorbar and (by_key or shared == "col") else 0.0)
                                       + (0.3 if col_labels is not None else 0.0) + (0.4 if suptitle else 0.0)))
     for ax in axes.flat:
         ax.set_axis_off()
@@ -388,10 +398,15 @@ def map_grid(maps: Sequence, titles: Sequence[str] | None = None, image=None, nc
         elif shared == "col":
             for c in range(min(cols, n)):
                 _add_colorbar(fig, scales[c], axes[:, c * k:(c + 1) * k], label, location="bottom", aspect=12)
-        else:
+        elif shared is False:
             for i in range(n):
                 r, c = divmod(i, cols)
                 _add_colorbar(fig, scales[i], axes[r, c * k:(c + 1) * k], label, fraction=0.05, pad=0.02)
+        else:
+            for key, g in zip(dict.fromkeys(shared), groups):
+                group_axes = [axes[i // cols, (i % cols) * k + v] for i in g for v in range(k)]
+                _add_colorbar(fig, scales[g[0]], group_axes, str(key) if label is None else label,
+                              location="bottom", aspect=12)
     if suptitle:
         fig.suptitle(suptitle)
     return fig
@@ -511,3 +526,49 @@ def table(rows: Sequence[dict], columns: Sequence[str] | None = None, floatfmt: 
     sep = "  ".join("-" * w for w in widths)
     body = ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join([line, sep, *body])
+
+
+def leaderboard(board, measures: Sequence[str] | None = None, reference: str | None = "random",
+                ncols: int = 4, figsize_per_panel: tuple[float, float] = (3.3, 3.0)):
+    """Draw a method x measure leaderboard: one panel per measure, a bar per method with its
+    95% interval, the ``reference`` method's mean as a dashed line, and each panel's title
+    saying which direction is better.
+
+    ``board``: anything with ``methods``, ``measures``, ``cell(method, measure)`` (a dict with
+    ``mean``, ``ci_low``, ``ci_high``) and ``higher_is_better(measure)`` — what
+    ``vitlab.evaluate.leaderboard`` returns. Returns the figure.
+    """
+    measures = list(board.measures if measures is None else measures)
+    unknown = [q for q in measures if q not in board.measures]
+    if unknown or not measures:
+        raise ValueError(f"measures must be among {list(board.measures)}, got {measures}")
+    if reference is not None and reference not in board.methods:
+        raise ValueError(f"reference must be one of the methods {list(board.methods)} or None, got {reference!r}")
+    ncols = max(1, min(int(ncols), len(measures)))
+    nrows = -(-len(measures) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(figsize_per_panel[0] * ncols + 2.2, figsize_per_panel[1] * nrows),
+                             sharey=True, squeeze=False)
+    y = np.arange(len(board.methods))[::-1]
+    for ax, q in zip(axes.flat, measures):
+        cells = [board.cell(m, q) for m in board.methods]
+        mean = np.array([c["mean"] for c in cells])
+        lo = np.array([c["ci_low"] for c in cells])
+        hi = np.array([c["ci_high"] for c in cells])
+        err = np.nan_to_num(np.stack([mean - lo, hi - mean]), nan=0.0)
+        colours = ["0.6" if m == reference else "tab:blue" for m in board.methods]
+        ax.barh(y, mean, xerr=err, color=colours, ecolor="k", capsize=2, height=0.7)
+        if reference is not None:
+            ax.axvline(board.cell(reference, q)["mean"], color="0.3", ls="--", lw=1)
+        ax.axvline(0, color="k", lw=0.6)
+        ax.set_title(f"{q}\n({'higher' if board.higher_is_better(q) else 'lower'} is better)", fontsize=9)
+        ax.tick_params(labelsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    for ax in axes.flat[len(measures):]:
+        ax.axis("off")
+    for row in axes:
+        row[0].set_yticks(y, board.methods, fontsize=8)
+    note = f"bars: mean over samples with a 95% interval; dashed: {reference}" if reference else \
+        "bars: mean over samples with a 95% interval"
+    fig.suptitle(note, fontsize=9, y=1.0)
+    fig.tight_layout()
+    return fig
