@@ -263,3 +263,28 @@ def test_class_grid_draws_each_label_in_its_own_colour_as_patch_blocks():
     with pytest.raises(ValueError, match="integer array"):
         plot.class_grid(labels[0].astype(float), ["a", "b", "c"])
     plt.close("all")
+
+
+def test_image_grid_marks_patch_borders_and_crops_pixel_for_pixel():
+    img = np.arange(28 * 28 * 3, dtype=np.float32).reshape(28, 28, 3) / (28 * 28 * 3)
+    fig = plot.image_grid([img, img], ["a", "b"], patch=7)
+    ax = fig.axes[0]
+    np.testing.assert_array_equal(ax.get_xticks(), [6.5, 13.5, 20.5])    # between pixels 6|7, 13|14, 20|21
+    np.testing.assert_array_equal(ax.get_yticks(), [6.5, 13.5, 20.5])
+    np.testing.assert_allclose(ax.get_images()[0].get_array(), img)
+    zoom = plot.image_grid([img], patch=7, crop=(10, 3, 8, 12)).axes[0]
+    shown = zoom.get_images()[0]
+    np.testing.assert_allclose(shown.get_array(), img[10:18, 3:15])
+    assert shown.get_interpolation() == "nearest"
+    assert shown.get_extent() == [2.5, 14.5, 17.5, 9.5]                    # the image's own pixel coordinates
+    np.testing.assert_array_equal(zoom.get_xticks(), [6.5, 13.5])
+    np.testing.assert_array_equal(zoom.get_yticks(), [13.5])
+    with pytest.raises(ValueError, match="reaches outside image 0 of size 28 x 28"):
+        plot.image_grid([img], crop=(20, 0, 10, 5))
+    with pytest.raises(ValueError, match="crop must be"):
+        plot.image_grid([img], crop=(0, 0, 5))
+    with pytest.raises(ValueError, match="patch must be a positive int"):
+        plot.image_grid([img], patch=0)
+    with pytest.raises(ValueError, match="1 titles for 2 images"):
+        plot.image_grid([img, img], ["a"])
+    plt.close("all")

@@ -475,21 +475,56 @@ def class_grid(labels, names: Sequence[str], image=None, titles: Sequence[str] |
     return fig
 
 
+def _patch_ticks(ax, patch: int, top: int, left: int, h: int, w: int):
+    """Ticks on all four sides of ``ax`` at the patch borders inside the window drawn."""
+    xs = [b - 0.5 for b in range(patch * (left // patch + 1), left + w, patch)]
+    ys = [b - 0.5 for b in range(patch * (top // patch + 1), top + h, patch)]
+    ax.set_axis_on()
+    ax.set_xticks(xs)
+    ax.set_yticks(ys)
+    ax.tick_params(direction="out", length=4, width=1, top=True, right=True,
+                   labelbottom=False, labelleft=False)
+
+
 def image_grid(images: Sequence, titles: Sequence[str] | None = None, ncols: int | None = None,
-               size: float = 2.2, suptitle: str | None = None):
-    """A grid of plain images with titles. Returns the Figure."""
+               size: float = 2.2, suptitle: str | None = None, patch: int | None = None, crop=None):
+    """A grid of plain images with titles. Returns the Figure.
+
+    ``patch``: the model's patch size in pixels; ticks on the frame of every image mark the
+    patch borders (where a ViT's patches meet), without drawing over the pixels.
+    ``crop``: ``(top, left, height, width)`` in pixels: show only that window of every image,
+    pixel for pixel (nearest, no smoothing), in the image's own pixel coordinates.
+    """
     images = list(images)
     if not images:
         raise ValueError("image_grid needs at least one image")
+    if titles is not None and len(titles) != len(images):
+        raise ValueError(f"got {len(titles)} titles for {len(images)} images")
+    if patch is not None and (isinstance(patch, bool) or not isinstance(patch, int) or patch < 1):
+        raise ValueError(f"patch must be a positive int (pixels), got {patch!r}")
+    if crop is not None:
+        crop = tuple(crop)
+        if len(crop) != 4 or any(isinstance(v, bool) or not isinstance(v, int) for v in crop) or min(crop) < 0 \
+                or crop[2] < 1 or crop[3] < 1:
+            raise ValueError(f"crop must be (top, left, height, width), four ints >= 0 with height, width >= 1, "
+                             f"got {crop!r}")
     cols = ncols or min(len(images), 6)
     rows = int(np.ceil(len(images) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(size * cols, size * rows), squeeze=False)
     for i, ax in enumerate(axes.flat):
         ax.set_axis_off()
-        if i < len(images):
-            ax.imshow(_to_numpy_image(images[i]))
-            if titles is not None:
-                ax.set_title(titles[i], fontsize=9)
+        if i >= len(images):
+            continue
+        img = _to_numpy_image(images[i])
+        top, left, h, w = crop if crop is not None else (0, 0, *img.shape[:2])
+        if top + h > img.shape[0] or left + w > img.shape[1]:
+            raise ValueError(f"crop {crop} reaches outside image {i} of size {img.shape[0]} x {img.shape[1]}")
+        ax.imshow(img[top:top + h, left:left + w], extent=(left - 0.5, left + w - 0.5, top + h - 0.5, top - 0.5),
+                  interpolation="nearest" if crop is not None else None)
+        if patch is not None:
+            _patch_ticks(ax, patch, top, left, h, w)
+        if titles is not None:
+            ax.set_title(titles[i], fontsize=9)
     if suptitle:
         fig.suptitle(suptitle)
     fig.tight_layout()
