@@ -288,3 +288,40 @@ def test_image_grid_marks_patch_borders_and_crops_pixel_for_pixel():
     with pytest.raises(ValueError, match="1 titles for 2 images"):
         plot.image_grid([img, img], ["a"])
     plt.close("all")
+
+
+def test_pointing_marks_box_the_top_patch_and_colour_hits_and_misses():
+    maps = [torch.tensor([[0.0, 1.0], [0.2, 0.3]]), torch.tensor([[0.0, 0.1], [0.9, 0.3]])]
+    masks = np.zeros((2, 8, 8), bool)
+    masks[:, :4, 4:] = True                                      # the object: the top-right patch
+    fig = plot.map_grid(maps, image=np.zeros((8, 8, 3)), outline=masks, hits=[True, False], mode="nearest")
+    boxes = [ax.patches[0] for ax in _panels(fig)]
+    assert [(b.get_x(), b.get_y(), b.get_width(), b.get_height()) for b in boxes] == [(3.5, -0.5, 4, 4), (-0.5, 3.5, 4, 4)]
+    assert [matplotlib.colors.to_hex(b.get_edgecolor()) for b in boxes] == ["#00ff00", "#ff0000"]
+    assert all(len(ax.collections) > 0 for ax in _panels(fig))   # the contour of the mask
+    assert plot.top_patch(maps[1]) == (1, 0)
+    alone = plot.map_grid(maps, mark_top=True)                       # no image: one cell per patch
+    b = _panels(alone)[0].patches[0]
+    assert (b.get_x(), b.get_y(), b.get_width(), b.get_height()) == (0.5, -0.5, 1.0, 1.0)
+    with pytest.raises(ValueError, match="outline needs an image"):
+        plot.map_grid(maps, outline=masks)
+    with pytest.raises(ValueError, match="one H x W mask or 2 of them"):
+        plot.map_grid(maps, image=np.zeros((8, 8, 3)), outline=masks[:1, None])
+    with pytest.raises(ValueError, match="1 hits for 2 maps"):
+        plot.map_grid(maps, hits=[True])
+    plt.close("all")
+
+
+def test_attention_matrix_frames_the_cls_row():
+    A = torch.softmax(torch.randn(5, 5, generator=torch.Generator().manual_seed(0)), -1)
+    ax = plot.attention_matrix(A, num_prefix=1, title="block 0")
+    np.testing.assert_allclose(ax.get_images()[0].get_array(), A.numpy(), rtol=1e-6)
+    frame = ax.patches[0]
+    assert (frame.get_x(), frame.get_y(), frame.get_width(), frame.get_height()) == (-0.5, -0.5, 5, 1)
+    assert ax.get_xlabel() == "key token j" and ax.get_ylabel() == "query token i"
+    assert _colorbars(ax.figure)[0].get_ylim() == pytest.approx((float(A.min()), float(A.max())))
+    with pytest.raises(ValueError, match="square N x N"):
+        plot.attention_matrix(A[:, :4])
+    with pytest.raises(ValueError, match="num_prefix must be an int in \\[1, 5\\)"):
+        plot.attention_matrix(A, num_prefix=0)
+    plt.close("all")

@@ -270,8 +270,75 @@ def show_map(m, ax=None, cmap=None, title: str | None = None, vmin: float | None
     return ax
 
 
+def attention_matrix(A, num_prefix: int = 1, ax=None, title: str | None = None, scale: str = "linear",
+                     percentile: float = 99.0, vmin: float | None = None, vmax: float | None = None,
+                     cmap=None, colorbar: bool = True, label: str | None = "attention"):
+    """Draw an ``N x N`` attention matrix (rows: queries *i*, columns: keys *j*), tokens in
+    model order (``num_prefix`` prefix tokens first, then the patches row by row).
+
+    The class token's row (row 0, what :func:`vitlab.attention.cls_attention` reads) is framed
+    in cyan, and dashed lines separate the prefix tokens from the patches. Colours as in
+    :func:`show_map` (``scale="percentile"`` keeps one large entry from hiding the rest).
+    Returns the Axes.
+    """
+    from matplotlib.patches import Rectangle
+
+    arr = _to_numpy_map(A)
+    N = arr.shape[0]
+    if arr.shape != (N, N):
+        raise ValueError(f"expected a square N x N attention matrix, got shape {arr.shape}")
+    if isinstance(num_prefix, bool) or not isinstance(num_prefix, int) or not 1 <= num_prefix < N:
+        raise ValueError(f"num_prefix must be an int in [1, {N}) (the class token comes first), got {num_prefix!r}")
+    ms = map_scale([arr], scale, vmin, vmax, percentile, cmap)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(4.6 if colorbar else 4, 4))
+    ax.imshow(arr, cmap=ms.cmap, norm=ms.norm, interpolation="nearest")
+    ax.add_patch(Rectangle((-0.5, -0.5), N, 1, fill=False, edgecolor="cyan", linewidth=1.5, label="CLS row"))
+    for v in (num_prefix - 0.5,):
+        ax.axhline(v, color="white", linestyle="--", linewidth=0.8)
+        ax.axvline(v, color="white", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("key token j", fontsize=8)
+    ax.set_ylabel("query token i", fontsize=8)
+    ticks = [0, num_prefix, N - 1]
+    ax.set_xticks(ticks)
+    ax.set_yticks(ticks)
+    ax.tick_params(labelsize=7)
+    ax.annotate("CLS row", (N - 1, 0), xytext=(0, 3), textcoords="offset points", ha="right", va="bottom",
+                color="cyan", fontsize=7, annotation_clip=False)
+    if colorbar:
+        _add_colorbar(ax.figure, ms, ax, label, fraction=0.046, pad=0.04)
+    if title:
+        ax.set_title(title, fontsize=9, pad=12)
+    return ax
+
+
 # ---------------------------------------------------------------------------------------------
 # grids of maps
+
+
+def _draw_outline(ax, mask: np.ndarray, size: tuple[int, int]):
+    """A white contour of ``mask`` (H x W, same size as the image drawn on ``ax``)."""
+    if mask.shape != tuple(size):
+        raise ValueError(f"outline masks must have the image's size {tuple(size)}, got {mask.shape}")
+    ys, xs = np.arange(mask.shape[0]), np.arange(mask.shape[1])
+    ax.contour(xs, ys, mask, levels=[0.5], colors="white", linewidths=1.0)
+
+
+def top_patch(m) -> tuple[int, int]:
+    """Row and column of a map's highest patch (the first one, row-major, on ties)."""
+    arr = _to_numpy_map(m)
+    return tuple(int(v) for v in np.unravel_index(int(np.nanargmax(arr)), arr.shape))
+
+
+def _mark_top_patch(ax, m: np.ndarray, size: tuple[int, int] | None, hit: bool | None):
+    """A box around the highest patch, in image pixels (``size``) or map cells (``None``)."""
+    from matplotlib.patches import Rectangle
+
+    r, c = top_patch(m)
+    gh, gw = m.shape
+    ph, pw = (1.0, 1.0) if size is None else (size[0] / gh, size[1] / gw)
+    colour = "cyan" if hit is None else ("lime" if hit else "red")
+    ax.add_patch(Rectangle((c * pw - 0.5, r * ph - 0.5), pw, ph, fill=False, edgecolor=colour, linewidth=1.8))
 
 
 def _scale_groups(shared, rows: int, cols: int, n: int) -> list[list[int]]:
@@ -299,7 +366,8 @@ def map_grid(maps: Sequence, titles: Sequence[str] | None = None, image=None, nc
              row_labels: Sequence[str] | None = None, col_labels: Sequence[str] | None = None,
              shared=True, scale: str = "linear", vmin: float | None = None, vmax: float | None = None,
              percentile: float = 99.0, colorbar: bool = True, label: str | None = None,
-             mode: str = "bilinear", gray_image: bool = True):
+             mode: str = "bilinear", gray_image: bool = True, outline=None, mark_top: bool = False,
+             hits: Sequence[bool] | None = None):
     """A grid of maps, each overlaid on ``image`` (or drawn alone when ``image`` is None).
 
     ``maps`` is a sequence of ``gh x gw`` maps, or a tensor/array ``R x C x gh x gw`` (then
@@ -318,6 +386,11 @@ def map_grid(maps: Sequence, titles: Sequence[str] | None = None, image=None, nc
     ``mode``: ``"bilinear"`` (smooth), ``"nearest"`` (one block per patch, as the maps are
     graded) or ``"both"``: each map twice, smooth and then per patch, side by side.
     Images are drawn in grey under the maps (``gray_image=False``: in colour).
+
+    Pointing-game pictures: ``outline`` (one ``H x W`` boolean mask for all maps, or one per
+    map, e.g. the objects) is drawn as a white contour over the image; ``mark_top=True`` draws
+    a box around each map's highest patch; ``hits`` (one bool per map, e.g. from
+    :func:`vitlab.localization.pointing_game`) colours that box green (hit) or red (miss).
     Returns the Figure.
     """
     if not 0.0 <= alpha <= 1.0:
@@ -345,6 +418,19 @@ def map_grid(maps: Sequence, titles: Sequence[str] | None = None, image=None, nc
     images = list(image) if isinstance(image, (list, tuple)) else [image] * n
     if len(images) != n:
         raise ValueError(f"got {len(images)} images for {n} maps")
+    masks = None
+    if outline is not None:
+        if any(im is None for im in images):
+            raise ValueError("outline needs an image under every map (the mask is drawn in image pixels)")
+        o = np.asarray(outline.detach().cpu() if isinstance(outline, torch.Tensor) else outline, dtype=float)
+        masks = [o] * n if o.ndim == 2 else list(o)
+        if len(masks) != n or any(m.ndim != 2 for m in masks):
+            raise ValueError(f"outline must be one H x W mask or {n} of them (one per map), got shape {o.shape}")
+    if hits is not None:
+        hits = [bool(h) for h in (hits.tolist() if isinstance(hits, (torch.Tensor, np.ndarray)) else hits)]
+        if len(hits) != n:
+            raise ValueError(f"got {len(hits)} hits for {n} maps")
+        mark_top = True
     groups = _scale_groups(shared, rows, cols, n)
     scales: list[MapScale | None] = [None] * n
     for g in groups:
@@ -369,7 +455,13 @@ def map_grid(maps: Sequence, titles: Sequence[str] | None = None, image=None, nc
             if images[i] is None:
                 _draw_map(ax, m, scales[i], view)
             else:
-                _draw_overlay(ax, _to_numpy_image(images[i]), m, scales[i], alpha, view, gray_image)
+                img = _to_numpy_image(images[i])
+                _draw_overlay(ax, img, m, scales[i], alpha, view, gray_image)
+                if masks is not None:
+                    _draw_outline(ax, masks[i], img.shape[:2])
+            if mark_top:
+                _mark_top_patch(ax, m, None if images[i] is None else _to_numpy_image(images[i]).shape[:2],
+                                None if hits is None else hits[i])
             t = titles[i] if titles is not None else ""
             if mode == "both":
                 t = f"{t}\n{'smooth' if view == 'bilinear' else 'per patch'}" if t else ("smooth" if view == "bilinear" else "per patch")
