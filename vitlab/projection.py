@@ -9,7 +9,8 @@ token after the last block this is exactly what the model outputs; earlier block
 tokens show what each token "already thinks it is".
 
 - :func:`project` -- one forward; the projection of the residual stream after every block
-  and of what each attention and MLP sublayer adds to it (a :class:`Projection`).
+  (or the ``blocks`` / ``tokens`` asked for) and of what each attention and MLP sublayer adds
+  to it (a :class:`Projection`; one class's logit alone with :meth:`Projection.class_logit`).
 - :func:`identifiability`, :func:`identifiable_share`, :func:`class_identifiability` --
   r = 1 - rank(c) / C (rank 0 = top), per token and block; the share of tokens whose top-1 is c.
 - :func:`sublayer_contributions` -- how much each attention and MLP sublayer raises or
