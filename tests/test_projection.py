@@ -540,6 +540,11 @@ def test_project_blocks_tokens_refused(vit, x):
         P.context_intervention(vit, x, "no_cls", blocks=[0, -3])
     with pytest.raises(ValueError, match="block 3 does not exist"):
         P.linear_probes(vit, x, 1, epochs=5, blocks=[3])
+    nan = x.clone()
+    nan[1, 0, 0, 0] = float("nan")
+    for fn in (P.project, P.class_identifiability, P.sublayer_contributions):
+        with pytest.raises(ValueError, match="NaN"):
+            fn(vit, nan, blocks=-1)
     assert model_state(vit) == before
 
 

@@ -351,8 +351,9 @@ _HIDDEN_ONLY = {"capture": ("hidden",)} if "capture" in inspect.signature(record
 
 
 def _project(model, x: torch.Tensor, method: str, attention_edit: Callable | None = None,
-             blocks=None, tokens=None) -> Projection:
-    check_images(x, method)
+             blocks=None, tokens=None, images_checked: bool = False) -> Projection:
+    if not images_checked:  # (a pass over every pixel: callers that checked already say so)
+        check_images(x, method)
     layout = token_layout(model, x)
     norms, head = _head_parts(model, layout, method)
     L = len(record_blocks(model))
@@ -484,7 +485,7 @@ def class_identifiability(model, x: torch.Tensor, target=None, blocks=None, toke
     by block (:meth:`Projection.identifiability`): the ``B x L x N x C`` logits are never held."""
     check_images(x, "class_identifiability")
     check_target(target, x.shape[0])
-    proj = _project(model, x, "class_identifiability", blocks=blocks, tokens=tokens)
+    proj = _project(model, x, "class_identifiability", blocks=blocks, tokens=tokens, images_checked=True)
     return proj.identifiability(_target_for(target, proj.logits))
 
 
@@ -517,7 +518,7 @@ def sublayer_contributions(model, x: torch.Tensor, target=None, blocks=None, tok
     entries in the full result)."""
     check_images(x, "sublayer_contributions")
     check_target(target, x.shape[0])
-    proj = _project(model, x, "sublayer_contributions", blocks=blocks, tokens=tokens)
+    proj = _project(model, x, "sublayer_contributions", blocks=blocks, tokens=tokens, images_checked=True)
     t = _target_for(target, proj.logits)
     before, mid, after = (proj.class_logit(f, t) for f in ("entering", "mid", "residual"))
     return Contributions(attention=mid - before, mlp=after - mid, target=t)
@@ -701,7 +702,8 @@ def context_intervention(model, x: torch.Tensor, mode: str, from_block: int = 0,
     def edit(layer: int, num_tokens: int):
         return allowed if layer >= from_block else None
 
-    return _project(model, x, "context_intervention", attention_edit=edit, blocks=blocks, tokens=tokens)
+    return _project(model, x, "context_intervention", attention_edit=edit, blocks=blocks, tokens=tokens,
+                    images_checked=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -821,7 +823,7 @@ def linear_probes(model, x: torch.Tensor, target, tokens: str = "image", epochs:
     if tokens not in PROBE_TOKENS:
         raise ValueError(f"tokens must be one of {PROBE_TOKENS}, got {tokens!r}")
     _check_fit(epochs, lr, seed)  # before the forward
-    proj = _project(model, x, "linear_probes", blocks=blocks)
+    proj = _project(model, x, "linear_probes", blocks=blocks, images_checked=True)
     t = resolve_target(t, proj.logits)
     states = proj.block_outputs  # B x L x N x D
     P = proj.layout.num_prefix
