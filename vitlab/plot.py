@@ -299,7 +299,7 @@ def attention_matrix(A, num_prefix: int = 1, ax=None, title: str | None = None, 
         ax.axvline(v, color="white", linestyle="--", linewidth=0.8)
     ax.set_xlabel("key token j", fontsize=8)
     ax.set_ylabel("query token i", fontsize=8)
-    ticks = [0, num_prefix, N - 1]
+    ticks = [0, N - 1] if num_prefix < 0.08 * N else [0, num_prefix, N - 1]   # no overlapping labels
     ax.set_xticks(ticks)
     ax.set_yticks(ticks)
     ax.tick_params(labelsize=7)
