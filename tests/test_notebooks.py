@@ -29,6 +29,29 @@ def test_runner_executes_and_writes_figures(tmp_path):
     assert written == ["01_cell01.png", "02_cell03.png"]
     assert (figs / "01_demo" / "01_cell01.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert runner.main(["--notebooks", str(src), "--figures", str(figs)]) == 1
+    times = json.loads((figs / "run_times.json").read_text())
+    assert set(times["full"]) == {"01_demo"} and times["full"]["01_demo"] > 0
+
+
+def test_runner_names_the_failing_cell_and_refuses_an_empty_selection(tmp_path, capfd):
+    src = tmp_path / "nb"
+    src.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# title"),
+                                         nbformat.v4.new_code_cell("x = 1"),
+                                         nbformat.v4.new_code_cell("y = x / 0  # the second code cell")])
+    nbformat.write(nb, src / "03_broken.ipynb")
+    with pytest.raises(runner.NotebookFailed, match=r"code cell 2 \('y = x / 0.*ZeroDivisionError"):
+        runner.run_notebook(src / "03_broken.ipynb", tmp_path / "figs")
+    assert runner.main(["--notebooks", str(src), "--figures", str(tmp_path / "figs")]) == 1
+    out = capfd.readouterr()
+    assert "code cell 2" in out.out + out.err and "Traceback" not in out.out + out.err
+    assert "without encryption" not in out.out + out.err
+    assert runner.main(["--notebooks", str(src), "--only", "typo"]) == 2
+    assert runner.main(["--notebooks", str(tmp_path / "missing")]) == 2
+    slow = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import time\ntime.sleep(30)")])
+    nbformat.write(slow, src / "04_slow.ipynb")
+    with pytest.raises(runner.NotebookFailed, match=r"code cell 1 .*--timeout 2 s"):
+        runner.run_notebook(src / "04_slow.ipynb", tmp_path / "figs", timeout=2)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])

@@ -3,16 +3,20 @@
 Each notebook in ``notebooks/`` is executed top to bottom in a fresh kernel (working
 directory: ``notebooks/``); every image it displays is written to
 ``figures/<notebook>/<NN>_cell<K>.png`` in display order. One line per notebook with its
-time; a failing notebook is reported with the failing cell and the run exits non-zero.
+time; a failing notebook is reported with the failing cell (its number and first line) and
+the error, and the run exits non-zero. Cells have no time limit unless ``--timeout`` sets
+one, so a slow or busy machine only takes longer. The times are also written to
+``figures/run_times.json`` (what the teacher's guide quotes).
 
 Options: ``--quick`` sets ``VITLAB_QUICK=1`` for the kernels (the documented switch that
 notebooks read to run fewer steps, as CI does); ``--only PATTERN`` runs the notebooks
-whose file name contains PATTERN.
+whose file name contains PATTERN (none matching is an error).
 """
 from __future__ import annotations
 
 import argparse
 import base64
+import json
 import os
 import sys
 import time
@@ -48,14 +52,50 @@ def write_figures(nb, out_dir: Path) -> list[Path]:
     return written
 
 
-def run_notebook(path: Path, figures_root: Path, timeout: int = 900):
+class NotebookFailed(RuntimeError):
+    """A cell of a notebook raised (or ran past ``--timeout``): says which cell and why."""
+
+
+def _failing_cell(nb) -> tuple[int, str] | None:
+    """(code-cell number from 1, first source line) of the cell that holds an error output."""
+    number = 0
+    for cell in nb.cells:
+        if cell.get("cell_type") != "code":
+            continue
+        number += 1
+        if any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
+            return number, (cell.get("source", "").strip().splitlines() or [""])[0]
+    return None
+
+
+def run_notebook(path: Path, figures_root: Path, timeout: int | None = None):
+    """Execute ``path`` in a fresh kernel (no time limit unless ``timeout`` seconds per cell)
+    and write its figures; raises :class:`NotebookFailed` naming the failing cell."""
     import nbformat
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
     nb = nbformat.read(path, as_version=4)
+    # the kernel's own log: errors only (it otherwise warns, for every notebook, that its
+    # local TCP sockets are unencrypted; they listen on 127.0.0.1 only)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"],
                             resources={"metadata": {"path": str(path.parent)}})
-    client.execute()
+    try:
+        client.execute()
+    except (CellExecutionError, CellTimeoutError) as e:
+        where = _failing_cell(nb)
+        if isinstance(e, CellTimeoutError):
+            what = f"ran past --timeout {timeout} s"
+            running = [i for i, c in enumerate(c for c in nb.cells if c.get("cell_type") == "code")
+                       if c.get("execution_count") is None]
+            where = where or (running[0] + 1 if running else 0, "")
+        else:
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            what = getattr(e, "ename", "") + (f": {e.evalue}" if getattr(e, "evalue", "") else "")
+            what = what or (lines[-1] if lines else type(e).__name__)
+        cell = f"code cell {where[0]} ({where[1][:60]!r})" if where else "a cell"
+        raise NotebookFailed(f"{cell}: {what}") from None
     return write_figures(nb, figures_root / path.stem)
 
 
@@ -65,16 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--figures", type=Path, default=_repo_root() / "figures")
     ap.add_argument("--quick", action="store_true", help="fewer steps, as in CI (sets VITLAB_QUICK=1)")
     ap.add_argument("--only", default=None, help="run notebooks whose name contains this")
-    ap.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    ap.add_argument("--timeout", type=int, default=None,
+                    help="seconds a cell may run before the notebook fails (default: no limit)")
     args = ap.parse_args(argv)
 
     if args.quick:
         os.environ["VITLAB_QUICK"] = "1"
     paths = find_notebooks(args.notebooks, args.only)
     if not paths:
-        print(f"no notebooks in {args.notebooks}" + (f" matching {args.only!r}" if args.only else ""))
-        return 0
-    failed = []
+        print(f"no notebooks in {args.notebooks}" + (f" matching {args.only!r}" if args.only else ""),
+              file=sys.stderr)
+        return 2
+    failed, times = [], {}
     bar = tqdm(paths, unit="notebook", file=sys.stderr)
     for path in bar:
         bar.set_postfix_str(path.name)
@@ -82,11 +124,19 @@ def main(argv: list[str] | None = None) -> int:
         try:
             figs = run_notebook(path, args.figures, args.timeout)
             status = f"ok    {len(figs)} figures -> {args.figures.name}/{path.stem}/"
+            times[path.stem] = round(time.perf_counter() - t0, 1)
         except Exception as e:  # noqa: BLE001 - report and go on with the next notebook
             failed.append(path.name)
             first = str(e).strip().splitlines()
             status = "FAIL  " + (first[-1] if first else type(e).__name__)
         tqdm.write(f"{path.name:<44} {time.perf_counter() - t0:7.1f} s  {status}")
+    if times:
+        record = args.figures / "run_times.json"
+        old = json.loads(record.read_text()) if record.exists() else {}
+        key = "quick" if os.environ.get("VITLAB_QUICK") == "1" else "full"
+        old.setdefault(key, {}).update(times)
+        args.figures.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
     if failed:
         print(f"{len(failed)} of {len(paths)} notebooks failed: {', '.join(failed)}", file=sys.stderr)
         return 1
