@@ -185,7 +185,7 @@ class Projection:
     Fields are ``B x L' x N' x C``: dim 1 runs over :attr:`blocks` (the asked blocks, in the
     order asked; all ``L`` blocks by default), dim 2 over :attr:`tokens` (all ``N`` tokens by
     default). ``project(model, x, blocks=b, tokens=t).residual`` equals
-    ``project(model, x).residual[:, b][:, :, t]`` (to float rounding).
+    ``project(model, x).residual[:, b][:, :, t]`` for lists ``b``, ``t`` (to float rounding).
 
     Attributes:
         residual: projection of the residual stream after block l, ``proj(h_l)``.
