@@ -23,9 +23,9 @@ full projection cannot reach it in fp32; what a reader reads (some blocks, the C
 identifiability or one class's logit) can.
 
 Measured 2026-12-01 on a machine shared with four other agents' jobs (2 cores, load average
-5-7 throughout, so no idle figures), median of 5 rounds, with ``vitlab.record``'s
-``capture=("hidden",)`` (then in the working tree) keeping only the residual stream on the
-fused attention path:
+5-7 throughout, so no idle figures), median of 5 rounds; ``project`` records with
+``vitlab.record(..., capture=("hidden",))``, keeping only the residual stream on the fused
+attention path:
 
     variant                          --threads 1 --clock cpu    --threads 2 --clock wall
     residual, all blocks             1.46x (1.46-1.51)          1.45x (1.01-1.91)

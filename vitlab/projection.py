@@ -36,7 +36,6 @@ Nothing here hooks or edits a model: :func:`vitlab.record` does, and leaves it a
 from __future__ import annotations
 
 import copy
-import inspect
 import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -345,11 +344,6 @@ def _check_head_agrees(cls_logits: torch.Tensor, logits: torch.Tensor, model, me
         )
 
 
-# Keep only the residual stream in the recording (no attention matrices, Q, K, V; the model
-# stays on its fused attention path) where vitlab.record has ``capture``; every field otherwise.
-_HIDDEN_ONLY = {"capture": ("hidden",)} if "capture" in inspect.signature(record).parameters else {}
-
-
 def _project(model, x: torch.Tensor, method: str, attention_edit: Callable | None = None,
              blocks=None, tokens=None, images_checked: bool = False) -> Projection:
     if not images_checked:  # (a pass over every pixel: callers that checked already say so)
@@ -359,8 +353,10 @@ def _project(model, x: torch.Tensor, method: str, attention_edit: Callable | Non
     L = len(record_blocks(model))
     block_index = _indices(blocks, L, "blocks", "block")
     token_index = _indices(tokens, layout.num_tokens, "tokens", "token")
+    # the residual stream alone: no attention matrices, Q, K, V held, and the model stays on its
+    # fused attention path (unless attention_edit edits it)
     with torch.no_grad(), record(model, eval_mode=True, residual=True, attention_edit=attention_edit,
-                                 **_HIDDEN_ONLY) as rec:
+                                 capture=("hidden",)) as rec:
         logits = _logits(model(x))
         class_head = ClassHead(norms, head)
         _check_head_agrees(class_head(rec.hidden_states[-1][:, 0]), logits, model, method)
