@@ -152,6 +152,8 @@ def test_log_scale_and_signed_maps():
         plot.show_map(m - 0.5, scale="log")
     with pytest.raises(ValueError, match="positive lower limit"):
         plot.map_scale([m], "log", vmin=0.0)
+    with pytest.raises(ValueError, match="needs a positive value in the maps"):
+        plot.map_scale([np.zeros((2, 2))], "log")
     # a signed map: diverging colormap, limits symmetric about 0
     signed = np.array([[-0.5, 0.1], [0.2, 2.0]])
     ms = plot.map_scale([signed])

@@ -8,11 +8,15 @@ Colour is a measurement, so the maps are drawn the way the numbers are:
   diverging one (:data:`DIVERGING_CMAP`) centred at 0, with limits symmetric about 0, for
   maps with negative values;
 - one colour scale for panels that are compared (:func:`map_grid` ``shared=True``, the
-  default, or per row / column), shown by a colour bar;
+  default, or per row / column / group of maps), shown by a colour bar;
 - ``scale="percentile"`` clips a peaked map at a high percentile of its patch values (the
   bar says where), ``scale="log"`` draws it on a log scale;
 - ``mode="nearest"`` draws one block per patch, as the maps are graded;
-  ``mode="both"`` draws the smooth (bilinear) and the per-patch view side by side.
+  ``mode="both"`` draws the smooth (bilinear) and the per-patch view side by side;
+- grids name their rows and columns (``row_labels``, ``col_labels``: "block 3", "head 1");
+- pointing-game pictures outline the object and box the top patch (:func:`map_grid`
+  ``outline``, ``mark_top``, ``hits``); :func:`attention_matrix` frames the class token's row;
+  :func:`image_grid` marks the patch borders (``patch``) and zooms in pixel for pixel (``crop``).
 """
 from __future__ import annotations
 
@@ -120,9 +124,9 @@ def map_scale(maps, scale: str = "linear", vmin: float | None = None, vmax: floa
     values get the top colour, and the note says so); ``"log"``: logarithmic from the smallest
     positive value (but at most :data:`LOG_DECADES` powers of 10 below the top; smaller values
     and zeros get the bottom colour) to the largest, for maps without negative values. Maps
-    with negative values get limits
-    symmetric about 0 (``-a .. a``, with ``a`` the largest ``|value|`` or its percentile) and,
-    unless ``cmap`` is given, the diverging colormap. ``vmin`` / ``vmax`` override the limits.
+    with negative values get limits symmetric about 0 (``-a .. a``, with ``a`` the largest
+    ``|value|`` or its percentile) and, unless ``cmap`` is given, the diverging colormap.
+    ``vmin`` / ``vmax`` override the limits. Returns a :class:`MapScale`.
     """
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
@@ -136,18 +140,21 @@ def map_scale(maps, scale: str = "linear", vmin: float | None = None, vmax: floa
     if values.size == 0:
         raise ValueError("the maps hold no finite value to scale")
     signed = bool(values.min() < 0.0)
-    note, extend = "", "neither"
+    note = ""
     if scale == "log":
         if signed:
             raise ValueError(f"scale='log' needs maps without negative values, got values down to "
                              f"{values.min():.3g}; use scale='linear' or 'percentile'")
         positive = values[values > 0]
         hi = float(values.max()) if vmax is None else vmax
-        lo = max(float(positive.min()), hi / 10 ** LOG_DECADES) if vmin is None and positive.size else vmin
-        if lo is None or lo <= 0:
-            raise ValueError(f"scale='log' needs a positive lower limit, got vmin={lo!r} "
-                             "(the maps have no positive value)" if lo is None else
-                             f"scale='log' needs a positive lower limit, got vmin={lo!r}")
+        if vmin is not None:
+            lo = vmin
+        elif positive.size:
+            lo = max(float(positive.min()), hi / 10 ** LOG_DECADES)
+        else:
+            raise ValueError("scale='log' needs a positive value in the maps or a positive vmin; the maps have none")
+        if lo <= 0:
+            raise ValueError(f"scale='log' needs a positive lower limit, got vmin={lo!r}")
         note = "log scale"
     elif scale == "percentile":
         if signed:
