@@ -17,11 +17,14 @@ import numpy as np
 import torch
 from torch import nn
 
-# name -> "module:function"; each loader is ``fn(pretrained=True, **kwargs) -> nn.Module`` and
-# returns a timm VisionTransformer in eval mode with ``pretrained_cfg`` set.
+# name -> "module:function"; each loader is ``fn(pretrained=True, **kwargs) -> nn.Module`` in eval
+# mode: a timm VisionTransformer with ``pretrained_cfg`` set, or (shapes-lxmert, shapes-detr) a
+# Hugging Face LXMERT / DETR on the frozen shapes-vit-tiny (vitlab.shapes.bimodal).
 EMBEDDED_MODELS: dict[str, str] = {
     "shapes-vit-tiny": "vitlab.shapes.model:load_shapes_vit",
     "dinov2_small_imgfocus": "vitlab.imgfocus:load_imgfocus_vit",
+    "shapes-lxmert": "vitlab.shapes.bimodal:load_shapes_lxmert",
+    "shapes-detr": "vitlab.shapes.bimodal:load_shapes_detr",
 }
 
 # Configurations of common Hugging Face ViT-family checkpoints, so that ``pretrained=False``

@@ -1,0 +1,309 @@
+"""Train ``shapes-detr`` to find the shapes: ``python -m vitlab.shapes.train_detr``.
+
+Recipe (see ``vitlab/models/shapes-detr.md`` for the measured numbers):
+
+- data: an endless stream of new scenes (:func:`vitlab.shapes.make_scenes`, difficulty 1, the
+  evaluated setting), half with one object and half with two; no scene is seen twice;
+- targets: each object's class and its box, ``(cx, cy, w, h)`` normalised to [0, 1], the
+  bounding box of its mask (:func:`detr_targets`) — the one use of the masks; they never
+  enter the model or model selection (there is none: the weights written are those after
+  the last step);
+- the frozen ``shapes-vit-tiny`` turns each chunk of scenes into its 7 x 7 patch tokens once
+  (fp32, no gradient), and DETR (input projection, encoder, decoder, heads) learns on top
+  with its own loss: Hungarian matching, cross-entropy with a down-weighted "no object"
+  class, L1 and generalised IoU box losses, on every decoder layer (auxiliary losses);
+- AdamW, linear warmup then cosine decay, gradient clipping.
+
+Training seeds are ``TRAIN_SEED_BASE + ...`` (>= 1,000,000); validation (:data:`VAL_SEED`)
+and evaluation (:data:`EVAL_SEED`) seeds are far below.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vitlab.shapes.bimodal import DETR_ARCH, DETR_PATH, build_shapes_detr, save_bimodal
+from vitlab.shapes.data import make_scenes, scenes_to_tensor
+from vitlab.shapes.model import MEAN, STD
+from vitlab.shapes.qa import object_boxes
+from vitlab.shapes.train import TRAIN_SEED_BASE
+from vitlab.shapes.train_lxmert import lr_schedule
+
+__all__ = [
+    "EVAL_SEED", "VAL_SEED", "box_iou", "detect", "detr_targets", "evaluate_detr", "main", "parse_args",
+    "scene_features", "train", "train_step",
+]
+
+#: Seed of the validation scenes logged during training.
+VAL_SEED = 920
+#: Seed of the held-out evaluation scenes whose figures go into the model card.
+EVAL_SEED = 4
+
+
+def detr_targets(scenes, idx=None) -> list[dict]:
+    """DETR labels for scenes: per scene ``{"class_labels": m, "boxes": m x 4}`` with boxes
+    ``(cx, cy, w, h)`` normalised to [0, 1], from the bounding boxes of the masks."""
+    idx = np.arange(len(scenes)) if idx is None else np.asarray(idx)
+    size = scenes.images.shape[1]
+    b = object_boxes(scenes.masks[idx]) / size                    # n x m x 4 (x0, y0, x1, y1)
+    cxcywh = np.stack([(b[..., 0] + b[..., 2]) / 2, (b[..., 1] + b[..., 3]) / 2,
+                       b[..., 2] - b[..., 0], b[..., 3] - b[..., 1]], -1)
+    return [{"class_labels": torch.from_numpy(scenes.labels[i]).long(), "boxes": torch.from_numpy(cxcywh[r]).float()}
+            for r, i in enumerate(idx)]
+
+
+@torch.no_grad()
+def scene_features(model, images: np.ndarray, batch: int = 128) -> torch.Tensor:
+    """The frozen backbone's feature maps for uint8 scenes: ``n x C x gh x gw`` (fp32)."""
+    size = images.shape[1]
+    dev = next(model.parameters()).device
+    out = []
+    for i in range(0, len(images), batch):
+        x = scenes_to_tensor(images[i : i + batch], (3, size, size), MEAN, STD).to(dev)
+        out.append(model.model.backbone(x)[-1][0])
+    return torch.cat(out)
+
+
+def forward_features(model, feature_map: torch.Tensor, labels=None):
+    """DETR from precomputed backbone feature maps (``B x C x gh x gw``): the input projection,
+    then the model as ``inputs_embeds`` — the same computation as ``model(pixel_values)``
+    for an unpadded batch (a test checks it)."""
+    emb = model.model.input_projection(feature_map).flatten(2).transpose(1, 2)
+    return model(pixel_values=None, inputs_embeds=emb, labels=labels)
+
+
+def batches(model, *, batch: int, chunk: int, seed: int):
+    """Endless training batches ``(feature_maps, labels)``, half one-object and half two-object scenes."""
+    rng = np.random.default_rng([seed, 13])
+    c = 0
+    while True:
+        base = TRAIN_SEED_BASE + seed * 100_000_000 + 2 * c
+        parts = []
+        for k, n_obj in enumerate((1, 2)):
+            s = make_scenes(max(1, chunk // 2), base + k, n_obj)
+            parts += [(f, t) for f, t in zip(scene_features(model, s.images), detr_targets(s))]
+        order = rng.permutation(len(parts))
+        for i in range(0, len(order) - batch + 1, batch):
+            sel = [parts[j] for j in order[i : i + batch]]
+            yield torch.stack([f for f, _ in sel]), [t for _, t in sel]
+        c += 1
+
+
+def train_step(model, opt, feature_map, labels, clip: float = 0.1) -> float:
+    """One optimiser step on a batch of precomputed feature maps; returns the loss before it."""
+    dev = feature_map.device
+    labels = [{k: v.to(dev) for k, v in t.items()} for t in labels]
+    loss = forward_features(model, feature_map, labels).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+    opt.step()
+    return loss.item()
+
+
+def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """IoU of every box in ``a`` (``n x 4``) with every box in ``b`` (``m x 4``), ``(x0, y0, x1, y1)``."""
+    a, b = np.asarray(a, dtype=np.float64)[:, None], np.asarray(b, dtype=np.float64)[None]
+    iw = np.clip(np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0]), 0, None)
+    ih = np.clip(np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1]), 0, None)
+    inter = iw * ih
+    area = lambda z: (z[..., 2] - z[..., 0]) * (z[..., 3] - z[..., 1])  # noqa: E731
+    return inter / np.maximum(area(a) + area(b) - inter, 1e-12)
+
+
+def detect(logits: torch.Tensor, pred_boxes: torch.Tensor, threshold: float = 0.5) -> list[dict]:
+    """Detections of one batch of DETR outputs: per image ``{"scores", "labels", "boxes"}`` for the
+    queries whose most probable real class (softmax over classes + "no object") beats
+    ``threshold``; boxes ``(x0, y0, x1, y1)`` normalised to [0, 1]."""
+    prob = logits.float().softmax(-1)[..., :-1]
+    scores, labels = prob.max(-1)
+    cx, cy, w, h = pred_boxes.float().unbind(-1)
+    xyxy = torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], -1)
+    out = []
+    for s, l, b in zip(scores, labels, xyxy):
+        keep = s > threshold
+        out.append({"scores": s[keep].cpu().numpy(), "labels": l[keep].cpu().numpy(), "boxes": b[keep].cpu().numpy()})
+    return out
+
+
+@torch.no_grad()
+def evaluate_detr(model, n: int = 500, seed: int = EVAL_SEED, threshold: float = 0.5, batch: int = 128) -> dict:
+    """Detection figures on held-out scenes (difficulty 1): ``n`` one-object and ``n`` two-object.
+
+    Detections are the queries whose best real class has probability > ``threshold``. The
+    true objects are matched one-to-one to the detections by maximal total IoU (Hungarian).
+    Per scene group (``one``, ``two``) and over all objects (``all``):
+
+    - ``mean_iou``: IoU of each true object with its matched detection, 0 when unmatched;
+    - ``matched_iou``: the same over the matched objects only;
+    - ``class_accuracy``: objects whose matched detection has the right class (unmatched count wrong);
+    - ``recall50``: objects matched at IoU >= 0.5 with the right class;
+      ``precision50``: detections that are such a match;
+    - ``count_accuracy``: scenes with exactly as many detections as objects.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    was_training = model.training
+    model.eval()
+    res: dict = {"n_per_group": n, "seed": seed, "threshold": threshold}
+    tot = {"iou": [], "cls": [], "hit": [], "n_det": 0, "count_ok": 0, "scenes": 0}
+    for name, n_obj in (("one", 1), ("two", 2)):
+        s = make_scenes(n, seed, n_obj)
+        size = s.images.shape[1]
+        gt_boxes = object_boxes(s.masks) / size
+        dets = []
+        for i in range(0, n, batch):
+            out = forward_features(model, scene_features(model, s.images[i : i + batch]))
+            dets += detect(out.logits, out.pred_boxes, threshold)
+        g = {"iou": [], "cls": [], "hit": [], "n_det": 0, "count_ok": 0}
+        for i, d in enumerate(dets):
+            iou_row = np.zeros(n_obj)
+            cls_row = np.zeros(n_obj, dtype=bool)
+            if len(d["boxes"]):
+                iou = box_iou(gt_boxes[i], d["boxes"])                 # objects x detections
+                r, c = linear_sum_assignment(-iou)
+                iou_row[r] = iou[r, c]
+                cls_row[r] = d["labels"][c] == s.labels[i, r]
+            g["iou"] += list(iou_row)
+            g["cls"] += list(cls_row)
+            g["hit"] += list(cls_row & (iou_row >= 0.5))
+            g["n_det"] += len(d["boxes"])
+            g["count_ok"] += int(len(d["boxes"]) == n_obj)
+        res[name] = _figures(g, n)
+        for k in ("iou", "cls", "hit"):
+            tot[k] += g[k]
+        tot["n_det"] += g["n_det"]
+        tot["count_ok"] += g["count_ok"]
+    res["all"] = _figures(tot, 2 * n)
+    model.train(was_training)
+    return res
+
+
+def _figures(g: dict, scenes: int) -> dict:
+    iou = np.array(g["iou"])
+    matched = iou > 0
+    return {
+        "mean_iou": float(iou.mean()),
+        "matched_iou": float(iou[matched].mean()) if matched.any() else 0.0,
+        "class_accuracy": float(np.mean(g["cls"])),
+        "recall50": float(np.mean(g["hit"])),
+        "precision50": float(np.sum(g["hit"]) / max(1, g["n_det"])),
+        "count_accuracy": g["count_ok"] / scenes,
+    }
+
+
+def train(args) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    arch = {**DETR_ARCH, **json.loads(args.arch)}
+    model = build_shapes_detr(arch).to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim > 1]
+    no_decay = [p for p in params if p.ndim <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(args.steps, args.warmup, args.min_lr_ratio))
+    stream = batches(model, batch=args.batch, chunk=args.chunk, seed=args.seed)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=args.steps, desc="train shapes-detr", mininterval=5.0, disable=args.no_progress)
+    log = bar.write
+    history, ema = [], None
+    t0, c0 = time.time(), time.process_time()
+    for step in range(args.steps):
+        fm, labels = next(stream)
+        loss = train_step(model, opt, fm, labels, clip=args.clip)
+        sched.step()
+        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
+        last = step + 1 == args.steps
+        if args.val_every and ((step + 1) % args.val_every == 0 or last):
+            rec = {"step": step + 1, "scenes": (step + 1) * args.batch,
+                   "minutes": round((time.time() - t0) / 60, 2),
+                   "cpu_minutes": round((time.process_time() - c0) / 60, 2), "loss": round(ema, 4), "lr": sched.get_last_lr()[0]}
+            val = evaluate_detr(model, n=args.val_n, seed=VAL_SEED)
+            rec.update({f"{k}_{g}": round(val[g][k], 4) for g in ("one", "two", "all")
+                        for k in ("mean_iou", "class_accuracy")})
+            history.append(rec)
+            log(json.dumps(rec))
+            sys.stdout.flush()
+    bar.close()
+    minutes = (time.time() - t0) / 60
+    model.eval().cpu()
+    info = {
+        "command": "python -m vitlab.shapes.train_detr " + " ".join(shlex.quote(a) for a in args.argv),
+        "seed": args.seed, "steps": args.steps, "batch": args.batch, "scenes_seen": args.steps * args.batch,
+        "arch": arch, "train_minutes": round(minutes, 2), "threads": args.threads, "device": str(device),
+        "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+    }
+    result = {"model": "shapes-detr", "training": info, "history": history}
+    if args.eval_n:
+        t1 = time.time()
+        result["evaluation"] = evaluate_detr(model, n=args.eval_n)
+        result["evaluation"]["minutes"] = round((time.time() - t1) / 60, 2)
+        log("held-out evaluation: " + json.dumps(result["evaluation"]))
+    if args.out:
+        save_bimodal(model, args.out, arch=arch, extra={"training": info})
+        log(f"wrote {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB) after {minutes:.1f} min")
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(json.dumps(result, indent=1))
+    result["model_object"] = model
+    return result
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m vitlab.shapes.train_detr", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(DETR_PATH), help="where to write the safetensors weights ('' to skip)")
+    p.add_argument("--report", default=str(DETR_PATH.with_suffix(".json")),
+                   help="where to write training history and held-out evaluation as JSON ('' to skip)")
+    p.add_argument("--steps", type=int, default=3000, help="optimiser steps")
+    p.add_argument("--batch", type=int, default=32, help="scenes per step")
+    p.add_argument("--chunk", type=int, default=512, help="scenes generated (and encoded by the backbone) at a time")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    p.add_argument("--min-lr-ratio", type=float, default=0.01)
+    p.add_argument("--warmup", type=float, default=0.05, help="warmup, as a fraction of the steps")
+    p.add_argument("--weight-decay", type=float, default=1e-4)
+    p.add_argument("--clip", type=float, default=0.1, help="gradient norm clip, DETR's 0.1 (0: none)")
+    p.add_argument("--arch", default="{}", help='JSON overrides of the DETR size, e.g. \'{"num_queries": 10}\'')
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (one is faster on a busy machine)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--val-every", type=int, default=250, help="validate every this many steps (0: never)")
+    p.add_argument("--val-n", type=int, default=100, help="validation scenes per group (one / two objects)")
+    p.add_argument("--eval-n", type=int, default=500, help="held-out scenes per group evaluated at the end (0: skip)")
+    p.add_argument("--quick", action="store_true", help="smoke test: 20 steps of 8 scenes, nothing written (explicit options win)")
+    p.add_argument("--no-progress", action="store_true")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    args.argv = argv
+    if args.quick:
+        for name, value in dict(steps=20, batch=8, chunk=32, val_every=10, val_n=8, eval_n=16).items():
+            if "--" + name.replace("_", "-") not in argv:  # what is given explicitly stays
+                setattr(args, name, value)
+        if "--out" not in argv:
+            args.out = ""
+        if "--report" not in argv:
+            args.report = ""
+    if args.steps < 1 or args.batch < 1:
+        p.error("--steps and --batch must be positive")
+    return args
+
+
+def main(argv=None):
+    train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
