@@ -37,7 +37,9 @@ attention path:
     sublayer_contributions           1.11x (1.06-1.17)          1.40x (1.06-2.10)
 
 (in brackets: the range over rounds). A second CPU-clock run (load average 9) gave 1.53x,
-2.76x, 1.08x, 1.21x, 1.04x, 1.35x and 1.11x in the same order. The CPU-clock column counts the work done and varied
+2.76x, 1.08x, 1.21x, 1.04x, 1.35x and 1.11x in the same order, a second wall-clock run
+(load average 9, plain forward 2.1-4.4 s) 1.33x, 2.06x, 1.05x, 0.98x, 1.07x, 1.48x and
+1.24x. The CPU-clock column counts the work done and varied
 little; the wall-clock column, the goal's own setting, waited on cores the other jobs held
 (the plain forward took 1.5-4.5 s there, against about 0.3 s when the cores were nearly
 free) and is too noisy to decide on. Reading: restricted to some blocks, to the CLS token, or to one class
