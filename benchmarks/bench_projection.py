@@ -23,7 +23,7 @@ full projection cannot reach it in fp32; what a reader reads (some blocks, the C
 identifiability or one class's logit) can.
 
 Measured 2026-12-01 on a machine shared with four other agents' jobs (2 cores, load average
-5-7 throughout, so no idle figures), median of 5 rounds; ``project`` records with
+5-9 throughout, so no idle figures), median of 5 rounds; ``project`` records with
 ``vitlab.record(..., capture=("hidden",))``, keeping only the residual stream on the fused
 attention path:
 
@@ -37,15 +37,17 @@ attention path:
     sublayer_contributions           1.11x (1.06-1.17)          1.40x (1.06-2.10)
 
 (in brackets: the range over rounds). A second CPU-clock run (load average 9) gave 1.53x,
-2.76x, 1.08x, 1.21x, 1.04x, 1.35x and 1.11x in the same order, a second wall-clock run
-(load average 9, plain forward 2.1-4.4 s) 1.33x, 2.06x, 1.05x, 0.98x, 1.07x, 1.48x and
-1.24x. The CPU-clock column counts the work done and varied
-little; the wall-clock column, the goal's own setting, waited on cores the other jobs held
-(the plain forward took 1.5-4.5 s there, against about 0.3 s when the cores were nearly
-free) and is too noisy to decide on. Reading: restricted to some blocks, to the CLS token, or to one class
-per sample, ``project`` meets 1.3x; every class of every token of every block (the full
-``residual``, and identifiability, which ranks the target among all classes) costs about
-1.4-1.5x, the head's GEMM being the floor; all four fields pay for the head four times.
+2.76x, 1.08x, 1.21x, 1.04x, 1.35x and 1.11x in the same order; a second wall-clock run (load
+average 9, plain forward 2.1-4.4 s) 1.33x, 2.06x, 1.05x, 0.98x, 1.07x, 1.48x and 1.24x. The
+CPU-clock column counts the work done and varied little; the wall-clock one, the goal's own
+setting, waited on cores the other jobs held (the plain forward took 1.5-4.5 s there, against
+about 0.3 s when the cores were nearly free) and is too noisy to decide on alone.
+
+Reading: restricted to some blocks, to the CLS token, or to one class per sample
+(``sublayer_contributions``), ``project`` meets 1.3x. Every class of every token of every
+block -- the full ``residual``, and identifiability, which ranks the target among all
+classes -- costs about 1.35-1.55x: the head's GEMM is the floor. All four fields pay for the
+head four times.
 
     python benchmarks/bench_projection.py [--batch 16] [--rounds 5] [--threads 2] [--clock wall|cpu]
 
