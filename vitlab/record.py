@@ -33,8 +33,25 @@ materialised). Reading a field that was not captured raises :class:`NotRecordedE
 which says how to ask for it.
 
 Each attention module feeds one *stream* of captures. ViTs have a single stream,
-``"self"``; chapter 5's LXMERT and DETR adapters add streams for language, vision and
-cross-attention through the same :class:`Recording`.
+``"self"``. Hugging Face LXMERT and DETR (chapter 5) have several, named for a reader
+(:data:`LXMERT_STREAMS`: ``lang``, ``vision``, ``lang->vision``, ``vision->lang``,
+``cross.lang``, ``cross.vision``; :data:`DETR_STREAMS`: ``encoder``, ``decoder``, ``cross``),
+and ``rec.events`` lists every capture of every stream in the order the model computed
+them, each with its query and key modality -- what a relevance engine walks through::
+
+    with vitlab.record(lxmert, gradients=True) as rec:
+        out = lxmert(input_ids=ids, visual_feats=feats, visual_pos=boxes)
+        out.question_answering_score[:, answer].sum().backward()
+    for e in rec.events:    # lang x9, vision x5, then per cross-modality layer:
+        e.stream, e.query_modality, e.key_modality   # lang->vision, vision->lang, cross.lang, cross.vision
+        e.attention, e.grad                          # B x heads x Nq x Nk each
+
+There a capture whose attention cannot reach the differentiated output (LXMERT's last
+image->text attention and image self-attention: the answer reads the text side only) gets
+a zero gradient, not an error. LXMERT runs eager attention only; DETR runs SDPA, switched to
+eager while the recording is open and put back exactly. DETR's encoder tokens are its
+backbone's feature map flattened row-major: ``rec.feature_grid`` is its ``(h, w)``. These
+models have no ViT token layout: ``rec.layout`` is None.
 """
 from __future__ import annotations
 
@@ -50,7 +67,8 @@ from vitlab.layout import TokenLayout, is_hf_model, is_timm_vit, token_layout
 
 SUPPORTED = (
     "timm VisionTransformer models (ViT, DeiT, DeiT-distilled, DINOv2, DINOv2 with registers, "
-    "and vitlab's embedded models) and Hugging Face ViT, DeiT and Dinov2 models"
+    "and vitlab's embedded models), Hugging Face ViT, DeiT and Dinov2 models, and Hugging Face "
+    "LXMERT (LxmertModel, LxmertForQuestionAnswering, ...) and DETR (DetrModel, DetrForObjectDetection, ...)"
 )
 
 
@@ -94,6 +112,10 @@ class AttentionCapture:
     ``capture`` stay None)."""
 
     name: str                                  # module path in the model
+    stream: str = "self"                       # the stream it belongs to (see Recording.streams)
+    query_modality: str = "image"              # whose tokens ask (rows of the attention) ...
+    key_modality: str = "image"                # ... and whose tokens answer (columns)
+    layer: int = 0                             # its index in its stream's stack of modules
     attention: torch.Tensor | None = None      # B x heads x Nq x Nk, post-softmax
     query: torch.Tensor | None = None          # B x heads x Nq x head_dim
     key: torch.Tensor | None = None            # B x heads x Nk x head_dim
@@ -108,6 +130,12 @@ class Recording:
     Lists are in the order the modules ran (block order for a ViT). Tensors stay attached
     to the autograd graph when ``gradients=True`` (or ``detach=False``), so they can be
     differentiated; otherwise they are detached.
+
+    ``streams`` holds each stream's captures; ``events`` holds every capture of every
+    stream in the order the model computed them, each knowing its stream and its query and
+    key modality (what a relevance engine walks through). A ViT has one stream, ``"self"``,
+    with the ``"image"`` modality; see :data:`LXMERT_STREAMS` and :data:`DETR_STREAMS` for
+    the bi-modal and encoder-decoder models.
     """
 
     layout: TokenLayout | None = None
@@ -119,12 +147,21 @@ class Recording:
     # with residual=True: the residual stream entering each block, and after its attention sublayer
     block_inputs: list[torch.Tensor] = field(default_factory=list)
     mid_states: list[torch.Tensor] = field(default_factory=list)
-    default_stream: str = "self"
+    default_stream: str | None = "self"    # what rec.attentions etc. read (None: several streams)
+    events: list[AttentionCapture] = field(default_factory=list)
+    family: str = "vit"                     # "vit", "lxmert" or "detr"
+    modalities: tuple[str, ...] = ("image",)
+    # DETR: (h, w) of the feature map the encoder tokens were flattened from (row-major), so
+    # ``attention[..., k]`` of an encoder key k reshapes to h x w; None for other models
+    feature_grid: tuple[int, int] | None = None
     # why attention gradients cannot arrive, when a forward already showed it (see attention_grads)
     _no_grad_reason: str | None = field(default=None, repr=False)
 
     def stream(self, name: str | None = None) -> list[AttentionCapture]:
-        name = self.default_stream if name is None else name
+        """The captures of stream ``name`` (default: the ViT's ``"self"``), in the order they ran."""
+        if name is None:
+            self._single_stream()
+            name = self.default_stream
         if name not in self.streams:
             raise KeyError(f"no attention stream {name!r} was recorded; recorded: {sorted(self.streams)}")
         return self.streams[name]
@@ -138,9 +175,18 @@ class Recording:
                 f"vitlab.record(model, capture={asked!r}) (or leave capture out to record every field)"
             )
 
+    def _single_stream(self) -> None:
+        if self.default_stream is None:
+            raise NotRecordedError(
+                f"this {self.family} recording has several attention streams {tuple(self.streams)}: read one "
+                "with rec.stream(name) (each capture has .attention, .grad, .query, ...) or all of them, in "
+                "the order the model computed them, with rec.events"
+            )
+
     def _field(self, attr: str) -> list[torch.Tensor]:
         if attr != "grad":
             self._require(attr)
+        self._single_stream()
         return [getattr(c, attr) for c in self.streams.get(self.default_stream, [])]
 
     @property
@@ -167,8 +213,16 @@ class Recording:
 
     @property
     def attention_grads(self) -> list[torch.Tensor]:
+        """d(output)/d(attention) of each block (``gradients=True``, after ``backward()``)."""
+        return self.grads()
+
+    def grads(self, stream: str | None = None) -> list[torch.Tensor]:
+        """The attention gradients of ``stream``'s captures (default: the ViT's ``"self"``;
+        ``"events"``: every capture in ``rec.events``), or ``RuntimeError`` saying why they
+        are missing."""
         self._require("attention")
-        grads = self._field("grad")
+        caps = self.events if stream == "events" else self.stream(stream)
+        grads = [c.grad for c in caps]
         if any(g is None for g in grads):
             if self._no_grad_reason is not None:
                 raise RuntimeError(f"attention gradients are missing: {self._no_grad_reason}")
@@ -200,13 +254,17 @@ class Recording:
         self.block_inputs.clear()
         self.mid_states.clear()
         self._no_grad_reason = None
+        self.events.clear()
         for stream in self.streams.values():
             stream.clear()
 
     @property
     def num_layers(self) -> int:
         """Attention calls recorded in the default stream (blocks, for one ViT forward); with
-        no attention field captured, the hidden states recorded."""
+        no attention field captured, the hidden states recorded; with several streams, every
+        attention call recorded (``len(events)``)."""
+        if self.default_stream is None:
+            return len(self.events)
         if self.captured & {"attention", "query", "key", "value"}:
             return len(self.streams.get(self.default_stream, []))
         return len(self._hidden_states)
@@ -240,6 +298,19 @@ class _Session:
         self.attention_edit = attention_edit
         self.thread = threading.get_ident()
         self._undo: list[Callable[[], None]] = []
+        # bi-modal / encoder-decoder models: a capture whose attention cannot reach the
+        # differentiated output gets a zero gradient (see finish_forward)
+        self.zero_unreached = False
+        self._pending: list[tuple[AttentionCapture, torch.Tensor]] = []
+
+    def open_capture(self, stream: str, name: str, query_modality: str = "image", key_modality: str = "image",
+                     layer: int = 0) -> AttentionCapture:
+        """A new capture at the end of ``stream`` and of ``rec.events``."""
+        cap = AttentionCapture(name=name, stream=stream, query_modality=query_modality,
+                               key_modality=key_modality, layer=layer)
+        self.rec.streams.setdefault(stream, []).append(cap)
+        self.rec.events.append(cap)
+        return cap
 
     def keep(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach() if self.detach else t
@@ -289,7 +360,9 @@ class _Session:
     def capture_attention(self, cap: AttentionCapture, probs: torch.Tensor, used: torch.Tensor) -> None:
         """``probs``: the post-softmax matrix; ``used``: the tensor multiplied with V."""
         cap.attention = self.keep(probs)
-        if self.gradients and used.requires_grad:
+        if self.gradients and used.requires_grad and self.zero_unreached:
+            self._pending.append((cap, used))  # its gradient arrives through finish_forward's hook
+        elif self.gradients and used.requires_grad:
             def on_grad(g, cap=cap):
                 cap.grad = g.detach()
             used.register_hook(on_grad)
@@ -298,6 +371,29 @@ class _Session:
                 "nothing in the forward required a gradient (every parameter is frozen and the input does "
                 "not require grad): call x.requires_grad_(True) on the input before the forward"
             )
+
+    def start_forward(self) -> None:
+        self._pending = []
+
+    def finish_forward(self) -> None:
+        """After a forward of a model with ``zero_unreached``: one hook on all its attention
+        tensors, called once a backward has computed every gradient it will compute. Each
+        capture gets its gradient, or zeros where the differentiated output does not depend on
+        that attention at all (e.g. the last layer's vision self-attention of LXMERT, whose
+        output no answer reads). Attentions outside the graph of the backward get zeros too:
+        call ``backward()`` on the score (``torch.autograd.grad`` with a subset of the
+        attentions as inputs leaves the others at zero)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        caps = [cap for cap, _ in pending]
+        shapes = [(used.shape, used.dtype, used.device) for _, used in pending]
+
+        def on_grads(grads, caps=caps, shapes=shapes):
+            for cap, g, (shape, dtype, device) in zip(caps, grads, shapes):
+                cap.grad = g.detach() if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+
+        torch.autograd.graph.register_multi_grad_hook([used for _, used in pending], on_grads, mode="all")
 
     def close(self) -> None:
         while self._undo:
@@ -388,13 +484,14 @@ def _mlp_activation_module(block: nn.Module) -> nn.Module | None:
     return None
 
 
-def _attach_timm(model: nn.Module, s: _Session, mlp: bool, blocks) -> None:
+def _attach_timm(model: nn.Module, s: _Session, mlp: bool, blocks, stream: str = "self",
+                 modality: str = "image") -> None:
     want = s.capture
     # the eager path only where the attention matrix is read or edited; Q, K, V and hidden
     # states are the same on the fused path, which materialises no N x N matrix
     eager = "attention" in want or s.attention_edit is not None
     qkv_fields = want & {"query", "key", "value"}
-    stream = s.rec.streams.setdefault("self", [])
+    s.rec.streams.setdefault(stream, [])
     for index, (block_name, block, attn) in enumerate(blocks):
         if eager:
             s.set_attr(attn, "fused_attn", False)
@@ -413,10 +510,8 @@ def _attach_timm(model: nn.Module, s: _Session, mlp: bool, blocks) -> None:
         # (most ViTs) they are read straight from the qkv output, with two hooks fewer per block.
         q_plain = isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)
 
-        def new_capture(current=current, block_name=block_name) -> AttentionCapture:
-            cap = AttentionCapture(name=f"{block_name}.attn")
-            current["cap"] = cap
-            stream.append(cap)
+        def new_capture(current=current, block_name=block_name, index=index) -> AttentionCapture:
+            cap = current["cap"] = s.open_capture(stream, f"{block_name}.attn", modality, modality, layer=index)
             return cap
 
         # timm calls qkv, then q_norm / k_norm, then attn_drop: the first hooked one opens the capture
@@ -491,14 +586,15 @@ def _hf_heads(attn: nn.Module) -> int:
     return int(attn.num_attention_heads if hasattr(attn, "num_attention_heads") else attn.config.num_attention_heads)
 
 
-def _attach_hf(model: nn.Module, s: _Session, mlp: bool, layers) -> None:
+def _attach_hf(model: nn.Module, s: _Session, mlp: bool, layers, stream: str = "self",
+               modality: str = "image") -> None:
     want = s.capture
     if "attention" in want or s.attention_edit is not None:  # SDPA returns no attention weights
         for config in _hf_configs(model):
             # set the internal attribute directly: no recursion, exact restore
             s.set_attr(config, "_attn_implementation_internal", "eager")
     qkv_fields = want & {"query", "key", "value"}
-    stream = s.rec.streams.setdefault("self", [])
+    s.rec.streams.setdefault(stream, [])
     for index, (layer_name, layer, attn) in enumerate(layers):
         H = _hf_heads(attn)
         if s.residual:
@@ -515,10 +611,9 @@ def _attach_hf(model: nn.Module, s: _Session, mlp: bool, layers) -> None:
             s.hook(attn, edit, pre=True, with_kwargs=True)
         current: dict[str, AttentionCapture] = {}
 
-        def new_capture(current=current, layer_name=layer_name) -> AttentionCapture:
-            cap = AttentionCapture(name=f"{layer_name}.attention")
-            current["cap"] = cap
-            stream.append(cap)
+        def new_capture(current=current, layer_name=layer_name, index=index) -> AttentionCapture:
+            cap = current["cap"] = s.open_capture(stream, f"{layer_name}.attention", modality, modality,
+                                                  layer=index)
             return cap
 
         def on_q(mod, inp, out, current=current, H=H):
@@ -558,8 +653,201 @@ def _attach_hf(model: nn.Module, s: _Session, mlp: bool, layers) -> None:
             s.hook(act, lambda mod, inp, out: s.rec.mlp_activations.append(s.keep(out)))
 
 
+# --------------------------------------------------------------------------------------
+# Bi-modal (LXMERT) and encoder-decoder (DETR) models: several streams, ordered events.
+# --------------------------------------------------------------------------------------
+#: LXMERT's streams: (query modality, key modality) of each. ``lang``: the language encoder's
+#: self-attention layers; ``vision``: the object-relationship encoder's; in every
+#: cross-modality layer, first ``lang->vision`` (text queries, image keys) and
+#: ``vision->lang`` (image queries, text keys) -- one module called twice --, then the
+#: self-attention of the text (``cross.lang``) and of the image (``cross.vision``) tokens.
+LXMERT_STREAMS = {
+    "lang": ("lang", "lang"),
+    "vision": ("vision", "vision"),
+    "lang->vision": ("lang", "vision"),
+    "vision->lang": ("vision", "lang"),
+    "cross.lang": ("lang", "lang"),
+    "cross.vision": ("vision", "vision"),
+}
+#: DETR's streams: ``encoder`` (self-attention over the flattened backbone feature map, the
+#: ``image`` tokens), then per decoder layer ``decoder`` (self-attention of the object
+#: ``queries``) and ``cross`` (object queries attending to the encoder's image tokens). A
+#: backbone that is a supported ViT (a DETR whose backbone module was replaced by one) adds
+#: ``backbone`` first: the ViT's own self-attention over its tokens (modality ``backbone``,
+#: laid out by ``rec.layout``, the ViT's token layout).
+DETR_STREAMS = {
+    "encoder": ("image", "image"),
+    "decoder": ("queries", "queries"),
+    "cross": ("queries", "image"),
+}
+# what these adapters record; hidden states come from the model itself (output_hidden_states=True)
+_MULTI_FIELDS = frozenset({"attention", "query", "key", "value"})
+
+
+def _lxmert_encoder(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, module) of LXMERT's encoder: the module holding ``layer``, ``r_layers`` and ``x_layers``."""
+    for name, m in model.named_modules():
+        if all(isinstance(getattr(m, a, None), nn.ModuleList) for a in ("layer", "r_layers", "x_layers")):
+            return name, m
+    return None
+
+
+def _detr_core(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, module) of DETR's transformer: the module holding ``encoder``, ``decoder`` and
+    ``input_projection`` (``DetrModel``; ``DetrForObjectDetection.model``)."""
+    for name, m in model.named_modules():
+        if all(isinstance(getattr(m, a, None), nn.Module) for a in ("encoder", "decoder", "input_projection")):
+            return name, m
+    return None
+
+
+def _prefixed(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _attach_qkv(s: _Session, attn: nn.Module, current: dict, projections: tuple[str, str, str], heads: int) -> None:
+    """Hooks storing the asked ones of Q, K, V (``B x heads x N x head_dim``) of each call of
+    ``attn`` in ``current["cap"]``, from its three projections (named in ``projections``)."""
+    for field_name, proj in zip(("query", "key", "value"), projections):
+        if field_name in s.capture:
+            def on_proj(mod, inp, out, field_name=field_name):
+                setattr(current["cap"], field_name, s.keep(_split_heads(out, heads)))
+            s.hook(getattr(attn, proj), on_proj)
+
+
+def _attach_lxmert(model: nn.Module, s: _Session, mlp: bool, found) -> None:
+    enc_name, enc = found
+    s.zero_unreached = True
+    for stream in LXMERT_STREAMS:
+        s.rec.streams.setdefault(stream, [])
+
+    def attach(attn: nn.Module, name: str, layer: int, stream_of: Callable[[], str]) -> None:
+        """``attn``: an ``LxmertAttention`` (query/key/value linears, dropout on the probabilities)."""
+        current: dict[str, AttentionCapture] = {}
+
+        def open_capture(mod, args):
+            stream = stream_of()
+            current["cap"] = s.open_capture(stream, name, *LXMERT_STREAMS[stream], layer=layer)
+
+        def on_probs(mod, inp, out):
+            # the dropout's output is what multiplies V (the probabilities themselves in eval mode)
+            s.capture_attention(current["cap"], out, out)
+
+        if s.capture:
+            s.hook(attn, open_capture, pre=True)
+        _attach_qkv(s, attn, current, ("query", "key", "value"), int(attn.num_attention_heads))
+        if "attention" in s.capture:
+            s.hook(attn.dropout, on_probs)
+
+    for i, layer in enumerate(enc.layer):
+        attach(layer.attention.self, _prefixed(enc_name, f"layer.{i}.attention.self"), i, lambda: "lang")
+    for i, layer in enumerate(enc.r_layers):
+        attach(layer.attention.self, _prefixed(enc_name, f"r_layers.{i}.attention.self"), i, lambda: "vision")
+    for i, layer in enumerate(enc.x_layers):
+        name = _prefixed(enc_name, f"x_layers.{i}")
+        calls = [0]
+
+        def reset(mod, args, calls=calls):
+            calls[0] = 0
+
+        def direction(calls=calls, name=name) -> str:
+            # LxmertXLayer.cross_att calls its one visual_attention module twice: text queries over
+            # the image first, then image queries over the text. Told apart by call, not by shape
+            # (a question as long as the image has regions would have the same shapes both ways).
+            calls[0] += 1
+            if calls[0] > 2:
+                raise RuntimeError(
+                    f"{name}.visual_attention ran more than twice in one call of its cross-modality layer; "
+                    "vitlab.record expects LXMERT's order (text->image, then image->text)"
+                )
+            return "lang->vision" if calls[0] == 1 else "vision->lang"
+
+        s.hook(layer, reset, pre=True)
+        attach(layer.visual_attention.att, f"{name}.visual_attention.att", i, direction)
+        attach(layer.lang_self_att.self, f"{name}.lang_self_att.self", i, lambda: "cross.lang")
+        attach(layer.visn_self_att.self, f"{name}.visn_self_att.self", i, lambda: "cross.vision")
+    if s.gradients:
+        s.hook(enc, lambda mod, args: s.start_forward(), pre=True)
+        s.hook(enc, lambda mod, args, out: s.finish_forward())
+
+
+def _backbone_vit(backbone: nn.Module):
+    """``(vit, attach, found)`` for the first supported ViT inside a DETR backbone, or None."""
+    for m in backbone.modules():
+        if is_timm_vit(m):
+            found = _timm_attention_modules(m)
+            if found:
+                return m, _attach_timm, found
+        if is_hf_model(m):
+            found = _hf_attention_modules(m)
+            if found:
+                return m, _attach_hf, found
+    return None
+
+
+def _attach_detr(model: nn.Module, s: _Session, mlp: bool, found) -> None:
+    core_name, core = found
+    s.zero_unreached = True
+    if "attention" in s.capture:  # DETR defaults to SDPA, which returns no attention weights
+        for config in _hf_configs(model):
+            s.set_attr(config, "_attn_implementation_internal", "eager")
+    vit = _backbone_vit(core.backbone)
+    if vit is not None:
+        vit_module, attach_vit, found_vit = vit
+        attach_vit(vit_module, s, False, found_vit, stream="backbone", modality="backbone")
+        s.rec.modalities = (*s.rec.modalities, "backbone")
+
+        def on_vit_input(mod, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            s.rec.layout = token_layout(vit_module, x if isinstance(x, torch.Tensor) and x.ndim == 4 else None)
+
+        s.hook(vit_module, on_vit_input, pre=True, with_kwargs=True)
+        s.rec.layout = token_layout(vit_module)
+    for stream in DETR_STREAMS:
+        s.rec.streams.setdefault(stream, [])
+
+    def on_features(mod, inp, out):
+        s.rec.feature_grid = (int(out.shape[-2]), int(out.shape[-1]))  # B x d_model x h x w
+
+    s.hook(core.input_projection, on_features)
+
+    def attach(attn: nn.Module, name: str, layer: int, stream: str) -> None:
+        """``attn``: a ``DetrSelfAttention`` / ``DetrCrossAttention`` (q/k/v_proj, returns weights in eager)."""
+        current: dict[str, AttentionCapture] = {}
+        heads = int(attn.q_proj.out_features // attn.head_dim)
+
+        def open_capture(mod, args, kwargs):
+            current["cap"] = s.open_capture(stream, name, *DETR_STREAMS[stream], layer=layer)
+
+        def on_attn(mod, inp, out):
+            weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if weights is None:
+                raise RuntimeError(f"{name} ({type(mod).__name__}) returned no attention weights in eager mode")
+            # eager_attention_forward returns the (post-dropout) matrix it multiplied with V
+            s.capture_attention(current["cap"], weights, weights)
+
+        if s.capture:
+            s.hook(attn, open_capture, pre=True, with_kwargs=True)
+        _attach_qkv(s, attn, current, ("q_proj", "k_proj", "v_proj"), heads)
+        if "attention" in s.capture:
+            s.hook(attn, on_attn)
+
+    for i, layer in enumerate(core.encoder.layers):
+        attach(layer.self_attn, _prefixed(core_name, f"encoder.layers.{i}.self_attn"), i, "encoder")
+    for i, layer in enumerate(core.decoder.layers):
+        attach(layer.self_attn, _prefixed(core_name, f"decoder.layers.{i}.self_attn"), i, "decoder")
+        attach(layer.encoder_attn, _prefixed(core_name, f"decoder.layers.{i}.encoder_attn"), i, "cross")
+    if s.gradients:
+        s.hook(core, lambda mod, args, kwargs: s.start_forward(), pre=True, with_kwargs=True)
+        s.hook(core, lambda mod, args, kwargs, out: s.finish_forward(), with_kwargs=True)
+
+
+_MULTI = {}  # filled below: attach function -> (family, streams)
+
+
 def _adapter_for(model: nn.Module):
-    """``(attach, modules)``: the family's adapter and its ``(name, block, attention)`` list."""
+    """``(attach, found)``: the family's adapter and what it attaches to (for a ViT, its
+    ``(name, block, attention)`` list)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"vitlab.record expects a torch.nn.Module, got {type(model).__name__}")
     if is_timm_vit(model):
@@ -567,6 +855,10 @@ def _adapter_for(model: nn.Module):
         if found:
             return _attach_timm, found
     if is_hf_model(model):
+        model_type = getattr(model.config, "model_type", None)
+        found = _lxmert_encoder(model) if model_type == "lxmert" else _detr_core(model) if model_type == "detr" else None
+        if found is not None:
+            return (_attach_lxmert if model_type == "lxmert" else _attach_detr), found
         found = _hf_attention_modules(model)
         if found:
             return _attach_hf, found
@@ -575,20 +867,30 @@ def _adapter_for(model: nn.Module):
     )
 
 
+def _vit_only(model: nn.Module, what: str):
+    attach, found = _adapter_for(model)
+    if attach in _MULTI:
+        raise TypeError(f"{what} is defined for ViTs (one stack of blocks), not for {type(model).__name__}")
+    return attach, found
+
+
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a supported ViT, in the order they run (one per recorded layer)."""
-    return [block for _, block, _ in _adapter_for(model)[1]]
+    return [block for _, block, _ in _vit_only(model, "vitlab.record.blocks")[1]]
 
 
 def attention_size(model: nn.Module, num_tokens: int) -> int:
     """Entries of one sample's attention that a forward inside :func:`record` keeps: the sum
     over blocks of ``heads x N x N``, for ``N = num_tokens``. Methods size their chunks by it."""
-    attach, found = _adapter_for(model)
+    attach, found = _vit_only(model, "vitlab.record.attention_size")
     if attach is _attach_timm:
         heads = sum(int(attn.num_heads) for _, _, attn in found)
     else:
         heads = sum(_hf_heads(attn) for _, _, attn in found)
     return heads * int(num_tokens) ** 2
+
+
+_MULTI.update({_attach_lxmert: ("lxmert", LXMERT_STREAMS), _attach_detr: ("detr", DETR_STREAMS)})
 
 
 @contextlib.contextmanager
@@ -600,7 +902,8 @@ def record(
     """Record every attention block of ``model`` during the forward passes in the block.
 
     Args:
-        model: a supported ViT (see ``SUPPORTED``); left exactly as it was on exit.
+        model: a supported ViT, or a Hugging Face LXMERT or DETR model (see ``SUPPORTED``);
+            left exactly as it was on exit.
         capture: which per-block fields to keep, names from :data:`CAPTURE_FIELDS`:
             ``"attention"`` (``rec.attentions``), ``"query"``, ``"key"``, ``"value"``
             (``rec.queries`` / ``keys`` / ``values``, B x heads x N x head_dim) and
@@ -608,9 +911,12 @@ def record(
             you read: each field left out is a hook fewer per block and memory not held, and
             without ``"attention"`` (and without ``attention_edit``) the model keeps its
             fused attention path. Reading a field left out raises :class:`NotRecordedError`.
-            ``residual=True`` adds ``"hidden"``.
+            ``residual=True`` adds ``"hidden"``. LXMERT and DETR: attention, query, key and
+            value (the default), no hidden states (the model's ``output_hidden_states=True``
+            gives them).
         gradients: also record ``d(output)/d(attention)`` per layer (needs ``"attention"``
-            in ``capture``); call ``backward()`` inside the with-block.
+            in ``capture``); call ``backward()`` inside the with-block. LXMERT / DETR: an
+            attention the output does not depend on gets zeros.
         mlp: also record each block's MLP hidden activation (after the non-linearity),
             ``rec.mlp_activations[l]`` of shape B x N x hidden.
         detach: store detached tensors (default: detached unless ``gradients``).
@@ -628,6 +934,7 @@ def record(
             Disallowed pairs get -inf added to their attention logits before the softmax, so
             each query's attention is renormalised over the keys it may see. The edit lasts
             only while the recording is open; the model itself is not changed.
+        (``mlp``, ``residual`` and ``attention_edit`` are for ViTs: LXMERT and DETR refuse them.)
 
     Recordings of one model may overlap (nested, or closed in any order): each removes its
     own hooks, and a flag gets its original value back when the last of them closes.
@@ -638,7 +945,7 @@ def record(
 
     Raises:
         ValueError: ``capture`` names an unknown field, or ``gradients=True`` without
-            ``"attention"`` in it.
+            ``"attention"`` in it, or a ViT-only option for LXMERT / DETR.
         TypeError: the model has no attention blocks of a supported family.
         RuntimeError: with ``gradients=True``, a forward inside the block ran with gradients
             disabled (``torch.no_grad()`` / ``torch.inference_mode()``).
@@ -652,7 +959,24 @@ def record(
             "leaves the attention out; add 'attention' to capture"
         )
     attach, found = _adapter_for(model)
+    family = _MULTI.get(attach)
+    if family is not None:
+        name = type(model).__name__
+        if capture is None:
+            captured = _MULTI_FIELDS
+        elif "hidden" in captured:
+            raise ValueError(
+                f"record(capture=...) of {name} records attention, query, key and value; its hidden states "
+                "come from the model itself: call it with output_hidden_states=True"
+            )
+        unsupported = [arg for arg, on in (("mlp", mlp), ("residual", residual), ("attention_edit", attention_edit))
+                       if on]
+        if unsupported:
+            raise ValueError(f"record({', '.join(unsupported)}=...) is defined for ViTs, not for {name}")
     rec = Recording(layout=None, captured=captured)
+    if family is not None:
+        rec.family, rec.default_stream = family[0], None
+        rec.modalities = tuple(dict.fromkeys(m for pair in family[1].values() for m in pair))
     session = _Session(rec, gradients=gradients, detach=(not gradients) if detach is None else detach,
                        residual=residual, attention_edit=attention_edit)
 
@@ -664,6 +988,8 @@ def record(
                 "forward and backward outside no_grad or inside torch.enable_grad() (inference_mode cannot "
                 "be switched off from inside: leave it first)"
             )
+        if family is not None:  # not a ViT: no token layout
+            return
         x = args[0] if args else next(iter(kwargs.values()), None)
         if isinstance(x, torch.Tensor) and x.ndim == 4:
             rec.layout = token_layout(model, x)
@@ -674,7 +1000,7 @@ def record(
         if eval_mode:
             for module in model.modules():
                 session.set_attr(module, "training", False)
-        if rec.layout is None:
+        if rec.layout is None and family is None:
             rec.layout = token_layout(model)
         yield rec
     finally:
