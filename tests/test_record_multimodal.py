@@ -476,21 +476,11 @@ def test_detr_with_a_vit_backbone_records_the_backbone_stream_first():
     assert rec.modalities == ("image", "queries", "backbone")
     assert rec.layout == vitlab.token_layout(vit) and rec.feature_grid == rec.layout.grid == (4, 4)
     assert all((e.query_modality, e.key_modality) == ("backbone", "backbone") for e in rec.stream("backbone"))
+    assert [e.name for e in rec.stream("backbone")] == [f"model.backbone.vit.blocks.{i}.attn" for i in range(2)]
 
     # independent: the copy's ViT attention by hand, probabilities kept with retain_grad
     ref = copy.deepcopy(model)
-    kept = []
-
-    def forward(self, x, attn_mask=None, is_causal=False):
-        B, N, C = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        a = torch.softmax((q * self.scale) @ k.transpose(-2, -1), dim=-1)
-        a.retain_grad()
-        kept.append(a)
-        return self.proj((a @ v).transpose(1, 2).reshape(B, N, C))
-
-    for blk in ref.model.backbone.vit.blocks:
-        blk.attn.forward = types.MethodType(forward, blk.attn)
+    kept = hand_written_vit_attention(ref.model.backbone.vit)
     ref.set_attn_implementation("eager")
     out = ref(pixel_values=x, output_attentions=True)
     out.cross_attentions[-1].retain_grad()
@@ -500,3 +490,71 @@ def test_detr_with_a_vit_backbone_records_the_backbone_stream_first():
         torch.testing.assert_close(cap.attention.detach(), a.detach(), atol=1e-6, rtol=0)
         torch.testing.assert_close(cap.grad, a.grad, atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(rec.stream("cross")[-1].grad, out.cross_attentions[-1].grad, atol=1e-7, rtol=1e-5)
+
+
+def hand_written_vit_attention(vit):
+    """Patch ``vit``'s blocks (of a deep copy) with a hand-written attention that keeps its
+    probabilities (retain_grad when they require grad); returns the list they go to."""
+    kept = []
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        a = torch.softmax((q * self.scale) @ k.transpose(-2, -1), dim=-1)
+        if a.requires_grad:
+            a.retain_grad()
+        kept.append(a)
+        return self.proj((a @ v).transpose(1, 2).reshape(B, N, C))
+
+    for blk in vit.blocks:
+        blk.attn.forward = types.MethodType(forward, blk.attn)
+    return kept
+
+
+class ViTLxmert(LxmertForQuestionAnswering):
+    """LXMERT whose regions are a timm ViT's patch tokens (as vitlab's shapes-lxmert)."""
+
+    def __init__(self, config, vit):
+        super().__init__(config)
+        self.backbone = vit
+        self.register_buffer("boxes", torch.rand(16, 4, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, input_ids, pixel_values, **kwargs):
+        feats = self.backbone.forward_features(pixel_values)[:, 1:]
+        return super().forward(input_ids=input_ids, visual_feats=feats,
+                               visual_pos=self.boxes.expand(feats.shape[0], -1, -1), **kwargs)
+
+
+def test_lxmert_with_a_vit_backbone_records_it_first_and_explains_frozen_gradients():
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2, num_classes=0).eval()
+    cfg = LxmertConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64, l_layers=1,
+                       x_layers=1, r_layers=1, visual_feat_dim=16, visual_pos_dim=4, num_qa_labels=7)
+    model = randomize_biases(ViTLxmert(cfg, vit).eval())
+    ids, x = torch.randint(0, 50, (2, 5)), torch.randn(2, 3, 32, 32)
+    before = model_state(model)
+    with vitlab.record(model, gradients=True) as rec:
+        model(ids, x.requires_grad_(True)).question_answering_score[:, 1].sum().backward()
+    model.zero_grad(set_to_none=True)
+    assert model_state(model) == before
+    assert [e.stream for e in rec.events] == ["backbone"] * 2 + lxmert_order(1, 1, 1)
+    assert rec.layout == vitlab.token_layout(vit) and rec.modalities == ("lang", "vision", "backbone")
+    ref = copy.deepcopy(model)
+    kept = hand_written_vit_attention(ref.backbone)
+    ref(ids, x).question_answering_score[:, 1].sum().backward()
+    for cap, a in zip(rec.stream("backbone"), kept, strict=True):
+        assert cap.attention.shape == (2, 2, 17, 17)
+        torch.testing.assert_close(cap.attention.detach(), a.detach(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(cap.grad, a.grad, atol=1e-7, rtol=1e-5)
+
+    # a frozen backbone on an input that does not require grad: its attention has no gradient
+    # (not a zero one: it is not computed), the LXMERT streams have theirs
+    vit.requires_grad_(False)
+    with vitlab.record(model, gradients=True) as rec:
+        model(ids, x.detach()).question_answering_score[:, 1].sum().backward()
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"up to the attention of backbone\.blocks\.0\.attn .*requires_grad_\(True\)"):
+        rec.grads("backbone")
+    assert all(e.grad is not None for e in rec.events if e.stream != "backbone")

@@ -368,17 +368,15 @@ class _Session:
             used.register_hook(on_grad)
         elif self.gradients and self.rec._no_grad_reason is None:
             self.rec._no_grad_reason = (
-                "nothing in the forward required a gradient (every parameter is frozen and the input does "
-                "not require grad): call x.requires_grad_(True) on the input before the forward"
+                f"nothing in the forward required a gradient up to the attention of {cap.name} (the parameters "
+                "up to there are frozen and the input does not require grad): call x.requires_grad_(True) on "
+                "the input before the forward"
             )
 
-    def start_forward(self) -> None:
-        self._pending = []
-
     def finish_forward(self) -> None:
-        """After a forward of a model with ``zero_unreached``: one hook on all its attention
-        tensors, called once a backward has computed every gradient it will compute. Each
-        capture gets its gradient, or zeros where the differentiated output does not depend on
+        """At the end of a forward of a model with ``zero_unreached`` (of its encoder or
+        transformer, after any backbone): one hook on the attention tensors captured since,
+        called once a backward has computed every gradient it will compute. Each capture gets its gradient, or zeros where the differentiated output does not depend on
         that attention at all (e.g. the last layer's vision self-attention of LXMERT, whose
         output no answer reads). Attentions outside the graph of the backward get zeros too:
         call ``backward()`` on the score (``torch.autograd.grad`` with a subset of the
@@ -718,6 +716,7 @@ def _attach_qkv(s: _Session, attn: nn.Module, current: dict, projections: tuple[
 def _attach_lxmert(model: nn.Module, s: _Session, mlp: bool, found) -> None:
     enc_name, enc = found
     s.zero_unreached = True
+    _attach_backbone(s, model, "")  # a ViT giving the region features (vitlab's shapes-lxmert)
     for stream in LXMERT_STREAMS:
         s.rec.streams.setdefault(stream, [])
 
@@ -767,22 +766,39 @@ def _attach_lxmert(model: nn.Module, s: _Session, mlp: bool, found) -> None:
         attach(layer.lang_self_att.self, f"{name}.lang_self_att.self", i, lambda: "cross.lang")
         attach(layer.visn_self_att.self, f"{name}.visn_self_att.self", i, lambda: "cross.vision")
     if s.gradients:
-        s.hook(enc, lambda mod, args: s.start_forward(), pre=True)
         s.hook(enc, lambda mod, args, out: s.finish_forward())
 
 
-def _backbone_vit(backbone: nn.Module):
-    """``(vit, attach, found)`` for the first supported ViT inside a DETR backbone, or None."""
-    for m in backbone.modules():
-        if is_timm_vit(m):
-            found = _timm_attention_modules(m)
+def _backbone_vit(where: nn.Module, prefix: str):
+    """``(vit, attach, found)`` for the first supported ViT inside ``where`` (whose path in
+    the model is ``prefix``), block names given from the model's root; or None."""
+    for name, m in where.named_modules():
+        for is_family, modules, attach in ((is_timm_vit, _timm_attention_modules, _attach_timm),
+                                           (is_hf_model, _hf_attention_modules, _attach_hf)):
+            found = modules(m) if is_family(m) else []
             if found:
-                return m, _attach_timm, found
-        if is_hf_model(m):
-            found = _hf_attention_modules(m)
-            if found:
-                return m, _attach_hf, found
+                root = _prefixed(prefix, name)
+                return m, attach, [(_prefixed(root, n), block, attn) for n, block, attn in found]
     return None
+
+
+def _attach_backbone(s: _Session, where: nn.Module, prefix: str) -> None:
+    """Record the self-attention of a supported ViT inside ``where`` (a backbone feeding the
+    model its image tokens) as the ``backbone`` stream, modality ``backbone``; ``rec.layout``
+    becomes that ViT's token layout. Nothing when there is none."""
+    vit = _backbone_vit(where, prefix)
+    if vit is None:
+        return
+    vit_module, attach_vit, found_vit = vit
+    attach_vit(vit_module, s, False, found_vit, stream="backbone", modality="backbone")
+    s.rec.modalities = (*s.rec.modalities, "backbone")
+
+    def on_vit_input(mod, args, kwargs):
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        s.rec.layout = token_layout(vit_module, x if isinstance(x, torch.Tensor) and x.ndim == 4 else None)
+
+    s.hook(vit_module, on_vit_input, pre=True, with_kwargs=True)
+    s.rec.layout = token_layout(vit_module)
 
 
 def _attach_detr(model: nn.Module, s: _Session, mlp: bool, found) -> None:
@@ -791,18 +807,7 @@ def _attach_detr(model: nn.Module, s: _Session, mlp: bool, found) -> None:
     if "attention" in s.capture:  # DETR defaults to SDPA, which returns no attention weights
         for config in _hf_configs(model):
             s.set_attr(config, "_attn_implementation_internal", "eager")
-    vit = _backbone_vit(core.backbone)
-    if vit is not None:
-        vit_module, attach_vit, found_vit = vit
-        attach_vit(vit_module, s, False, found_vit, stream="backbone", modality="backbone")
-        s.rec.modalities = (*s.rec.modalities, "backbone")
-
-        def on_vit_input(mod, args, kwargs):
-            x = args[0] if args else next(iter(kwargs.values()), None)
-            s.rec.layout = token_layout(vit_module, x if isinstance(x, torch.Tensor) and x.ndim == 4 else None)
-
-        s.hook(vit_module, on_vit_input, pre=True, with_kwargs=True)
-        s.rec.layout = token_layout(vit_module)
+    _attach_backbone(s, core.backbone, _prefixed(core_name, "backbone"))
     for stream in DETR_STREAMS:
         s.rec.streams.setdefault(stream, [])
 
@@ -838,7 +843,6 @@ def _attach_detr(model: nn.Module, s: _Session, mlp: bool, found) -> None:
         attach(layer.self_attn, _prefixed(core_name, f"decoder.layers.{i}.self_attn"), i, "decoder")
         attach(layer.encoder_attn, _prefixed(core_name, f"decoder.layers.{i}.encoder_attn"), i, "cross")
     if s.gradients:
-        s.hook(core, lambda mod, args, kwargs: s.start_forward(), pre=True, with_kwargs=True)
         s.hook(core, lambda mod, args, kwargs, out: s.finish_forward(), with_kwargs=True)
 
 
