@@ -327,3 +327,12 @@ def test_attention_matrix_frames_the_cls_row():
     with pytest.raises(ValueError, match="num_prefix must be an int in \\[1, 5\\)"):
         plot.attention_matrix(A, num_prefix=0)
     plt.close("all")
+
+
+def test_colorbar_is_shared_by_the_axes_given():
+    fig, axes = plt.subplots(1, 2)
+    ms = plot.map_scale([np.array([[0.0, 2.0]])], cmap="gray")
+    bar = plot.colorbar(list(axes), ms, label="value")
+    assert bar.ax.get_ylim() == (0.0, 2.0) and bar.ax.get_ylabel() == "value"
+    assert bar.mappable.get_cmap().name.startswith("gray")
+    plt.close("all")

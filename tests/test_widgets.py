@@ -101,7 +101,9 @@ def test_qk_channels_figure_rows(model, x):
     a = float(push.abs().max())
     assert fig.axes[5].images[1].get_clim() == pytest.approx((-a, a))
     bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
-    assert len(bars) == 2 and bars[1].get_ylim() == pytest.approx((-a, a))
+    assert len(bars) == 4                                               # per row: the sigmoid scale, the push
+    assert bars[2].get_ylim() == (0.0, 1.0) and "0.5" in bars[2].get_ylabel()
+    assert bars[3].get_ylim() == pytest.approx((-a, a))
     assert fig.axes[0].images[0].get_clim() == (0.0, 1.0)
     with pytest.raises(ValueError, match="2 scores for 1 channels"):
         widgets.qk_channels_figure(qk, [(0, 0, 0)], scores=["a", "b"])

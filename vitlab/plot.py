@@ -200,6 +200,13 @@ def _add_colorbar(fig, ms: MapScale, ax, label: str | None = None, location: str
     return cbar
 
 
+def colorbar(axes, scale: MapScale, label: str | None = None, location: str = "right"):
+    """One colour bar for ``scale`` (from :func:`map_scale`) beside ``axes`` (one Axes or a list
+    of Axes drawn on that scale, which share the bar). Returns the matplotlib Colorbar."""
+    first = axes if not isinstance(axes, (list, tuple, np.ndarray)) else np.ravel(axes)[0]
+    return _add_colorbar(first.figure, scale, axes, label, location=location)
+
+
 def _check_mode(mode: str, allowed=MODES[:2]):
     if mode not in allowed:
         raise ValueError(f"mode must be one of {allowed}, got {mode!r}")

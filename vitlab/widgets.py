@@ -109,7 +109,7 @@ def top_channels(scores: torch.Tensor, top: int = 5, first_block: int = 0) -> li
 
 
 def qk_channels_figure(qk: RecordedQK, channels, image=None, scores=None, sample: int = 0):
-    """One row per channel: sigmoid(query), sigmoid(key) (grey, 0.5 = zero) and, when
+    """One row per channel: sigmoid(query), sigmoid(key) (grey, 0.5 = zero, one bar for both) and, when
     ``image`` is given, :func:`mean_query_push` over the image, on a diverging scale centred
     at 0 with a colour bar: red where the channel draws the average query, blue where it
     pushes it away.
@@ -123,17 +123,19 @@ def qk_channels_figure(qk: RecordedQK, channels, image=None, scores=None, sample
     if scores is not None and len(scores) != len(channels):
         raise ValueError(f"got {len(scores)} scores for {len(channels)} channels")
     ncols = 2 if image is None else 3
-    fig, axes = plt.subplots(len(channels), ncols, figsize=(2.8 * ncols, 2.9 * len(channels)), squeeze=False)
+    fig, axes = plt.subplots(len(channels), ncols, figsize=(2.9 * ncols + 0.8, 2.9 * len(channels)), squeeze=False,
+                             layout="constrained")
+    sigmoid_scale = plot.map_scale([[[0.0, 1.0]]], vmin=0.0, vmax=1.0, cmap="gray")
     for r, (block, head, channel) in enumerate(channels):
         q, k = qk_images(qk, block, head, channel, sample)
         label = f"  {scores[r]}" if scores is not None else ""
         plot.show_map(q, ax=axes[r, 0], cmap="gray", vmin=0.0, vmax=1.0, title=f"sigmoid(q)  block {block} head {head} ch {channel}")
         plot.show_map(k, ax=axes[r, 1], cmap="gray", vmin=0.0, vmax=1.0, title=f"sigmoid(k){label}")
+        plot.colorbar(list(axes[r, :2]), sigmoid_scale, label="sigmoid (0.5: channel = 0)")
         if image is not None:
             push = mean_query_push(qk, block, head, channel, sample)
             plot.overlay(image, push, ax=axes[r, 2], title="where the mean query is sent", colorbar=True,
                          label="mean(q) · k")
-    fig.tight_layout()
     return fig
 
 
