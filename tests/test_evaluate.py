@@ -252,3 +252,14 @@ def test_shapes_data_scenes():
         data.scene(5)
     with pytest.raises(ValueError, match="objects"):
         ev.ShapesData(Cfg(), 5, objects=3)
+
+
+def test_resuming_refuses_other_weights(vit, tmp_path):
+    data = FakeData(2)
+    kw = dict(methods=["random"], ks=(3,), progress=False, out=tmp_path / "run")
+    ev.leaderboard(vit, data, **kw)
+    other = randomize(type(vit)(**TINY), 5)
+    assert ev.model_fingerprint(other) != ev.model_fingerprint(vit)
+    with pytest.raises(ValueError, match="another configuration"):
+        ev.leaderboard(other, data, **kw)
+    assert ev.leaderboard(vit, data, **kw).chunks_loaded == 1

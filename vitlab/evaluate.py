@@ -446,6 +446,20 @@ def _check_config(out: Path, config: dict) -> None:
             )
 
 
+def model_fingerprint(model) -> str:
+    """A short hash of the model's parameters and buffers (names, shapes, values): a resumed
+    run checks it, so saved chunks of another model's weights are never mixed in."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                 if t.numel() else b"")
+    return h.hexdigest()[:16]
+
+
 def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[int] = (5, 10, 20),
                 chunk: int = 20, batch_size: int = 128, probability: str = "head", out=None,
                 progress: bool = True, model_name: str | None = None, target: str = "predicted") -> Leaderboard:
@@ -462,7 +476,9 @@ def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[
         probability: how SaCo and the perturbation curves read the target's probability
             (:data:`vitlab.faithfulness.PROBABILITIES`; ``"head"``: the model's own).
         out: folder for resumable per-chunk results (``chunks/``) and ``config.json``; the
-            table files are written by :func:`write` (the command line does both).
+            table files are written by :func:`write` (the command line does both). A folder
+            written with another configuration (data, methods, K's, chunking, probability,
+            target, model name or weights) is refused; remove it to start over.
         progress: a progress bar over this process's chunks (process 0 only).
         model_name: recorded in the config (and so checked when resuming).
         target: explain the model's prediction (``"predicted"``, the papers' choice) or the
@@ -492,7 +508,10 @@ def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[
     n = len(data)
     has_masks = data.batch([0]).object_masks is not None
     measures = measure_names(ks, has_masks)
+    from vitlab import __version__
+
     config = {"data": data.describe() if hasattr(data, "describe") else {"n": n}, "model": model_name,
+              "weights": model_fingerprint(model), "vitlab": __version__,
               "methods": methods, "ks": ks, "chunk": chunk, "probability": probability, "target": target}
     rank, world = _dist_info()
     out = None if out is None else Path(out)
