@@ -239,19 +239,28 @@ def test_shapes_data_scenes():
 
     from vitlab.shapes import make_scenes
 
-    data = ev.ShapesData(Cfg(), 5)
-    one, two = make_scenes(3, ev.SHAPES_SEED, 1), make_scenes(2, ev.SHAPES_SEED + 1, 2)
+    B = ev.SCENE_BLOCK
+    data = ev.ShapesData(Cfg(), 2 * B + 4)
+    one, two = make_scenes(B, ev.SHAPES_SEED, 1), make_scenes(B, ev.SHAPES_SEED + 1, 2)
     img, labels, masks = data.scene(3)                    # odd: the second two-object scene
     assert np.array_equal(img, two.images[1]) and list(labels) == list(two.labels[1]) and masks.shape[0] == 2
     img, labels, masks = data.scene(4)
     assert np.array_equal(img, one.images[2]) and masks.shape[0] == 1
+    second = make_scenes(B, ev.SHAPES_SEED + 2, 1)          # the second block of one-object scenes
+    assert np.array_equal(data.scene(2 * B + 2)[0], second.images[1])
+    # scene i does not depend on how many scenes were asked for
+    small = ev.ShapesData(Cfg(), 6)
+    for i in range(6):
+        assert np.array_equal(small.scene(i)[0], data.scene(i)[0])
     b = data.batch([4, 3])
     want = (torch.as_tensor(one.images[2]).permute(2, 0, 1).float() / 255 - 0.5) / 0.25
     torch.testing.assert_close(b.x[0], want, atol=1e-5, rtol=0)
     with pytest.raises(IndexError):
-        data.scene(5)
+        data.scene(2 * B + 4)
     with pytest.raises(ValueError, match="objects"):
         ev.ShapesData(Cfg(), 5, objects=3)
+    with pytest.raises(ValueError, match="training seeds"):
+        ev.ShapesData(Cfg(), 5, seed=999_999)
 
 
 def test_resuming_refuses_other_weights(vit, tmp_path):

@@ -41,8 +41,11 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 import torch
 
-#: Seed of the leaderboard's held-out shapes scenes (training uses seeds >= 1,000,000).
-SHAPES_SEED = 7100
+#: First seed of the leaderboard's held-out shapes scenes (training uses seeds >= 1,000,000).
+SHAPES_SEED = 500_000
+#: Scenes are drawn in blocks of this many, each block from its own seed, so scene i is the
+#: same whatever the number of scenes asked for.
+SCENE_BLOCK = 50
 
 
 # --------------------------------------------------------------------------------------
@@ -158,41 +161,55 @@ class Batch(NamedTuple):
 class ShapesData:
     """Held-out shapes scenes (:func:`vitlab.shapes.make_scenes`): half with one object, half
     with two (``objects="mixed"``: even indices one object, odd indices two), or all with
-    ``objects`` = 1 or 2. Labels are per object, so the class explained is the prediction."""
+    ``objects`` = 1 or 2. Labels are per object, so the class explained is the prediction.
+
+    Scenes come in blocks of :data:`SCENE_BLOCK`, block b of the k-object scenes drawn from
+    seed ``seed + 2 b + k - 1``: scene i is the same for every ``n`` above i.
+    """
 
     def __init__(self, model, n: int = 500, objects: str | int = "mixed", seed: int = SHAPES_SEED):
         from vitlab.models import preprocess_batch
-        from vitlab.shapes import make_scenes
 
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be a positive int, got {n!r}")
         if objects not in ("mixed", 1, 2):
             raise ValueError(f"objects must be 'mixed', 1 or 2, got {objects!r}")
-        self.n, self.objects, self.seed = n, objects, seed
+        self.n, self.objects, self.seed = n, objects, int(seed)
+        counts = {1: (n + 1) // 2, 2: n // 2} if objects == "mixed" else {int(objects): n}
+        last = self.seed + 2 * (max(counts.values()) // SCENE_BLOCK) + 1
+        if self.seed < 0 or last >= 1_000_000:
+            raise ValueError(f"seeds {self.seed} .. {last} would reach the training seeds (>= 1,000,000)")
         self._model = model
         self._preprocess = preprocess_batch
-        if objects == "mixed":
-            n1 = (n + 1) // 2
-            self._parts = [make_scenes(n1, seed, 1)] + ([make_scenes(n - n1, seed + 1, 2)] if n > n1 else [])
-        else:
-            self._parts = [make_scenes(n, seed, int(objects))]
-        self.classes = self._parts[0].classes
+        self._blocks: dict[tuple[int, int], object] = {}
+        self.classes = self._block(1 if objects == "mixed" else int(objects), 0).classes
 
     def __len__(self) -> int:
         return self.n
 
     def describe(self) -> dict:
-        return {"data": "shapes", "n": self.n, "objects": self.objects, "seed": self.seed}
+        return {"data": "shapes", "n": self.n, "objects": self.objects, "seed": self.seed,
+                "block": SCENE_BLOCK}
+
+    def _block(self, k: int, b: int):
+        from vitlab.shapes import make_scenes
+
+        if (k, b) not in self._blocks:
+            self._blocks[(k, b)] = make_scenes(SCENE_BLOCK, self.seed + 2 * b + k - 1, k)
+        return self._blocks[(k, b)]
 
     def scene(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Scene ``i``: its ``H x W x 3`` uint8 image, its objects' classes (``K``) and their
         masks (``K x H x W`` bool)."""
         if not 0 <= int(i) < self.n:
             raise IndexError(f"scene {i} is outside 0 .. {self.n - 1}")
+        i = int(i)
         if self.objects == "mixed":  # even indices: one object; odd: two
-            part, j = self._parts[i % 2], i // 2
+            k, j = 1 + i % 2, i // 2
         else:
-            part, j = self._parts[0], i
+            k, j = int(self.objects), i
+        part = self._block(k, j // SCENE_BLOCK)
+        j %= SCENE_BLOCK
         return part.images[j], part.labels[j], part.masks[j]
 
     def batch(self, indices: Sequence[int]) -> Batch:
