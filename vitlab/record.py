@@ -376,11 +376,12 @@ class _Session:
     def finish_forward(self) -> None:
         """At the end of a forward of a model with ``zero_unreached`` (of its encoder or
         transformer, after any backbone): one hook on the attention tensors captured since,
-        called once a backward has computed every gradient it will compute. Each capture gets its gradient, or zeros where the differentiated output does not depend on
-        that attention at all (e.g. the last layer's vision self-attention of LXMERT, whose
-        output no answer reads). Attentions outside the graph of the backward get zeros too:
-        call ``backward()`` on the score (``torch.autograd.grad`` with a subset of the
-        attentions as inputs leaves the others at zero)."""
+        called once a backward has computed every gradient it will compute. Each capture gets
+        its gradient, or zeros where the differentiated output does not depend on that
+        attention at all (e.g. the last layer's vision self-attention of LXMERT, whose output
+        no answer reads). Attentions outside the graph of the backward get zeros too: call
+        ``backward()`` on the score (``torch.autograd.grad`` with a subset of the attentions
+        as inputs leaves the others at zero)."""
         pending, self._pending = self._pending, []
         if not pending:
             return
@@ -860,9 +861,12 @@ def _adapter_for(model: nn.Module):
             return _attach_timm, found
     if is_hf_model(model):
         model_type = getattr(model.config, "model_type", None)
-        found = _lxmert_encoder(model) if model_type == "lxmert" else _detr_core(model) if model_type == "detr" else None
-        if found is not None:
-            return (_attach_lxmert if model_type == "lxmert" else _attach_detr), found
+        finders = {"lxmert": (_lxmert_encoder, _attach_lxmert), "detr": (_detr_core, _attach_detr)}
+        if model_type in finders:
+            find, attach = finders[model_type]
+            found = find(model)
+            if found is not None:
+                return attach, found
         found = _hf_attention_modules(model)
         if found:
             return _attach_hf, found
