@@ -609,7 +609,7 @@ def memory_agreement(model, x: torch.Tensor, block: int, target=None, k: int = 1
         raise ValueError(f"k must be a positive int, got {k!r}")
     top = unit_top_classes(model, block, 1, mode)[:, 0]  # hidden
     index = record_blocks(model).index(_block(model, block))
-    with torch.no_grad(), record(model, eval_mode=True, mlp=True) as rec:
+    with torch.no_grad(), record(model, eval_mode=True, mlp=True, capture=()) as rec:
         logits = _logits(model(x))
     t = _target_for(target, logits)
     acts = rec.mlp_activations[index]  # B x N x hidden
@@ -642,7 +642,7 @@ def projection_map(model, x: torch.Tensor, target=None) -> torch.Tensor:
     class_head = ClassHead(norms, head)
     with torch.enable_grad():
         x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
-        with record(model, detach=False, eval_mode=True) as rec:
+        with record(model, detach=False, eval_mode=True, capture=("attention", "hidden")) as rec:
             logits = _logits(model(x_in))
             t = resolve_target(target, logits)
             cls_states = torch.stack([h[:, 0] for h in rec.hidden_states], dim=1)  # B x L x D
@@ -922,9 +922,9 @@ def token_removal(model, x: torch.Tensor, ranking: torch.Tensor, fraction: float
     allowed = allowed.to(x.device)
     with torch.no_grad():
         if t is None:
-            with record(model, eval_mode=True):
+            with record(model, eval_mode=True, capture=()):
                 t = _logits(model(x)).argmax(-1)
-        with record(model, eval_mode=True, attention_edit=lambda layer, num_tokens: allowed):
+        with record(model, eval_mode=True, capture=(), attention_edit=lambda layer, num_tokens: allowed):
             logits = _logits(model(x))
     t = resolve_target(t, logits)
     predicted = logits.argmax(-1)

@@ -44,7 +44,7 @@ class RecordedQK(NamedTuple):
 
 def record_qk(model, x: torch.Tensor) -> RecordedQK:
     """Queries and keys of every block of ``model`` on ``x``: one forward, no gradients."""
-    with torch.no_grad(), record(model, eval_mode=True) as rec:
+    with torch.no_grad(), record(model, eval_mode=True, capture=("query", "key")) as rec:
         model(x)
     return RecordedQK(list(rec.queries), list(rec.keys), rec.layout)
 
