@@ -331,3 +331,20 @@ def test_training_command_writes_a_loadable_file_and_report(which, tmp_path):
     loaded = vitlab.load_model(f"shapes-{which}", weights_path=out)
     for k, v in res["model_object"].state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k]), k
+
+
+def test_kind_weights_and_the_where_first_curriculum(lxmert, scenes):
+    q = make_questions(scenes, 2, per_scene=20, weights=[8, 1, 1])
+    share = np.mean(np.array(q.kind) == "where")
+    assert 0.7 < share < 0.9                                          # 800 draws, expected 0.8
+    with pytest.raises(ValueError, match="positive"):
+        make_questions(scenes, 2, weights=[1, 0, 1])
+    assert train_lxmert.parse_kinds("where:2,exists,which:0.5") == (("where", "exists", "which"), [2.0, 1.0, 0.5])
+    for bad in ("colour", "where,where", "where:0", "where:x"):
+        with pytest.raises(ValueError, match="--kinds|weight"):
+            train_lxmert.parse_kinds(bad)
+    stream = train_lxmert.question_batches(lxmert, batch=4, per_scene=2, chunk=8, seed=0,
+                                           first_kinds=("where",), first_batches=3)
+    kinds = [next(stream)[4] for _ in range(12)]
+    assert all(k == "where" for b in kinds[:4] for k in b)          # the first chunk: where only
+    assert {k for b in kinds[4:] for k in b} - {"where"}              # then every kind

@@ -156,10 +156,11 @@ class Questions:
         )
 
 
-def make_questions(scenes: Scenes, seed: int, per_scene: int = 3, kinds=QUESTION_TYPES) -> Questions:
+def make_questions(scenes: Scenes, seed: int, per_scene: int = 3, kinds=QUESTION_TYPES, weights=None) -> Questions:
     """Draw ``per_scene`` questions about every two-object scene, deterministically from ``seed``.
 
-    Each question's kind is drawn uniformly from ``kinds``; ``where`` names one of the two
+    Each question's kind is drawn from ``kinds``, uniformly or in proportion to ``weights``
+    (one positive number per kind); ``where`` names one of the two
     objects (each with probability 1/2); ``exists`` names a present class or an absent one
     (1/2 each; the absent class uniformly among the six); ``which`` asks for one of the two
     sides of the axis along which the objects lie further apart. Questions are ordered scene by
@@ -170,8 +171,8 @@ def make_questions(scenes: Scenes, seed: int, per_scene: int = 3, kinds=QUESTION
     if isinstance(per_scene, bool) or not isinstance(per_scene, Integral) or per_scene < 1:
         raise ValueError(f"per_scene must be a positive integer, got {per_scene!r}")
     kinds = tuple(kinds)
-    if not kinds or any(k not in QUESTION_TYPES for k in kinds):
-        raise ValueError(f"kinds must be a non-empty subset of {QUESTION_TYPES}, got {kinds!r}")
+    if not kinds or any(k not in QUESTION_TYPES for k in kinds) or len(set(kinds)) != len(kinds):
+        raise ValueError(f"kinds must be distinct kinds from {QUESTION_TYPES}, got {kinds!r}")
     labels = np.asarray(scenes.labels)
     if labels.ndim != 2 or labels.shape[1] != 2:
         raise ValueError(f"questions are asked about two-object scenes (make_scenes(..., n_objects=2)); "
@@ -183,10 +184,17 @@ def make_questions(scenes: Scenes, seed: int, per_scene: int = 3, kinds=QUESTION
     cells = cell_of(boxes, size)                           # n x 2
     k_cls = len(scenes.classes)
 
+    if weights is not None:
+        weights = np.asarray(weights, dtype=np.float64)
+        if weights.shape != (len(kinds),) or not (weights > 0).all():
+            raise ValueError(f"weights must be {len(kinds)} positive numbers, one per kind, got {weights!r}")
     rng = np.random.default_rng([int(seed), 31337])
     m = n * per_scene
     scene = np.repeat(np.arange(n), per_scene)
-    kind_id = rng.integers(0, len(kinds), size=m)
+    if weights is None:
+        kind_id = rng.integers(0, len(kinds), size=m)
+    else:
+        kind_id = rng.choice(len(kinds), size=m, p=weights / weights.sum())
     pick = rng.integers(0, 2, size=m)                       # which object (where / exists-yes)
     present = rng.random(m) < 0.5                           # exists: ask a present class?
     absent_rank = rng.integers(0, k_cls - 2, size=m)        # exists-no: which absent class

@@ -97,7 +97,7 @@ def batches(model, *, batch: int, chunk: int, seed: int):
         c += 1
 
 
-def train_step(model, opt, feature_map, labels, clip: float = 0.1) -> float:
+def train_step(model, opt, feature_map, labels, clip: float = 1.0) -> float:
     """One optimiser step on a batch of precomputed feature maps; returns the loss before it."""
     dev = feature_map.device
     labels = [{k: v.to(dev) for k, v in t.items()} for t in labels]
@@ -268,14 +268,14 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(DETR_PATH), help="where to write the safetensors weights ('' to skip)")
     p.add_argument("--report", default=str(DETR_PATH.with_suffix(".json")),
                    help="where to write training history and held-out evaluation as JSON ('' to skip)")
-    p.add_argument("--steps", type=int, default=3000, help="optimiser steps")
+    p.add_argument("--steps", type=int, default=2500, help="optimiser steps")
     p.add_argument("--batch", type=int, default=32, help="scenes per step")
     p.add_argument("--chunk", type=int, default=512, help="scenes generated (and encoded by the backbone) at a time")
-    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.01)
     p.add_argument("--warmup", type=float, default=0.05, help="warmup, as a fraction of the steps")
     p.add_argument("--weight-decay", type=float, default=1e-4)
-    p.add_argument("--clip", type=float, default=0.1, help="gradient norm clip, DETR's 0.1 (0: none)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (DETR used 0.1; 0: none)")
     p.add_argument("--arch", default="{}", help='JSON overrides of the DETR size, e.g. \'{"num_queries": 10}\'')
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="CPU threads (one is faster on a busy machine)")

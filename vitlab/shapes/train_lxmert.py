@@ -4,7 +4,7 @@ Recipe (see ``vitlab/models/shapes-lxmert.md`` for the measured numbers):
 
 - data: an endless stream of new two-object scenes (:func:`vitlab.shapes.make_scenes`, difficulty
   1, the evaluated setting), ``--per-scene`` questions about each (:func:`vitlab.shapes.qa.make_questions`:
-  where / exists / which, kinds drawn uniformly); no scene is seen twice;
+  where / exists / which, drawn 2 : 1 : 1 by default, see ``--kinds``); no scene is seen twice;
 - the frozen ``shapes-vit-tiny`` turns each chunk of scenes into its 49 patch tokens once
   (fp32, no gradient), and LXMERT learns on top: cross-entropy over the answers;
 - AdamW, linear warmup then cosine decay, gradient clipping.
@@ -36,8 +36,8 @@ from vitlab.shapes.qa import QUESTION_TYPES, make_questions
 from vitlab.shapes.train import TRAIN_SEED_BASE
 
 __all__ = [
-    "EVAL_SEED", "VAL_SEED", "evaluate_lxmert", "feature_chunks", "lr_schedule", "main", "parse_args",
-    "question_batches", "train", "train_step",
+    "EVAL_SEED", "VAL_SEED", "evaluate_lxmert", "feature_chunks", "lr_schedule", "main", "parse_args", "parse_kinds",
+    "question_batches", "scene_features", "train", "train_step",
 ]
 
 #: Seed of the validation scenes logged during training.
@@ -86,17 +86,25 @@ def feature_chunks(model, *, chunk: int, seed: int, n_objects=2, difficulty: flo
         c += 1
 
 
-def question_batches(model, *, batch: int, per_scene: int, chunk: int, seed: int, kinds=QUESTION_TYPES):
+def question_batches(model, *, batch: int, per_scene: int, chunk: int, seed: int, kinds=QUESTION_TYPES,
+                     weights=None, first_kinds=None, first_batches: int = 0):
     """Endless training batches ``(visual_feats, input_ids, attention_mask, answer_ids, kinds)``.
 
-    Every chunk of ``chunk`` scenes gets ``per_scene`` questions each, shuffled; a batch holds
-    ``batch`` questions, each with its scene's tokens.
+    Every chunk of ``chunk`` scenes gets ``per_scene`` questions each (kinds drawn in proportion
+    to ``weights``, uniformly if None), shuffled; a batch holds ``batch`` questions, each with its
+    scene's tokens. Curriculum: the first ``first_batches`` batches ask only ``first_kinds``
+    (drawn uniformly; a chunk started within them is asked about in full).
     """
     rng = np.random.default_rng([seed, 11])
+    made = 0
     for scene_seed, scenes, feats in feature_chunks(model, chunk=chunk, seed=seed):
-        q = make_questions(scenes, scene_seed, per_scene=per_scene, kinds=kinds)
+        if made < first_batches and first_kinds:
+            q = make_questions(scenes, scene_seed, per_scene=per_scene, kinds=first_kinds)
+        else:
+            q = make_questions(scenes, scene_seed, per_scene=per_scene, kinds=kinds, weights=weights)
         order = rng.permutation(len(q))
         for i in range(0, len(order) - batch + 1, batch):
+            made += 1
             sel = q.select(order[i : i + batch])
             ids, mask = model.encode(sel.text)
             yield feats[torch.from_numpy(sel.scene)], ids, mask, torch.from_numpy(sel.answer_id).to(ids.device), sel.kind
@@ -148,6 +156,25 @@ def evaluate_lxmert(model, n: int = 1000, seed: int = EVAL_SEED, per_scene: int 
     return res
 
 
+def parse_kinds(text: str) -> tuple[tuple[str, ...], list[float]]:
+    """``"where:2,exists:1,which"`` -> ``(("where", "exists", "which"), [2.0, 1.0, 1.0])``."""
+    kinds, weights = [], []
+    for part in text.split(","):
+        name, _, w = part.strip().partition(":")
+        if name not in QUESTION_TYPES or name in kinds:
+            raise ValueError(f"--kinds takes distinct kinds from {','.join(QUESTION_TYPES)}, each with an "
+                             f"optional :weight, e.g. where:2,exists:1,which:1; got {text!r}")
+        try:
+            weight = float(w) if w else 1.0
+        except ValueError:
+            raise ValueError(f"the weight of {name!r} in --kinds must be a number, got {w!r}") from None
+        if not weight > 0:
+            raise ValueError(f"the weight of {name!r} in --kinds must be positive, got {weight}")
+        kinds.append(name)
+        weights.append(weight)
+    return tuple(kinds), weights
+
+
 def train(args) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -160,7 +187,11 @@ def train(args) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(args.steps, args.warmup, args.min_lr_ratio))
-    batches = question_batches(model, batch=args.batch, per_scene=args.per_scene, chunk=args.chunk, seed=args.seed)
+    kinds, weights = parse_kinds(args.kinds)
+    first = parse_kinds(args.first_kinds)[0] if args.first_kinds else None
+    batches = question_batches(model, batch=args.batch, per_scene=args.per_scene, chunk=args.chunk, seed=args.seed,
+                               kinds=kinds, weights=weights, first_kinds=first,
+                               first_batches=int(round(args.first_frac * args.steps)))
     from tqdm.auto import tqdm
 
     bar = tqdm(total=args.steps, desc="train shapes-lxmert", mininterval=5.0, disable=args.no_progress)
@@ -192,6 +223,7 @@ def train(args) -> dict:
     info = {
         "command": "python -m vitlab.shapes.train_lxmert " + " ".join(shlex.quote(a) for a in args.argv),
         "seed": args.seed, "steps": args.steps, "batch": args.batch, "per_scene": args.per_scene,
+        "kinds": dict(zip(kinds, weights)), "first_kinds": args.first_kinds, "first_frac": args.first_frac,
         "questions_seen": args.steps * args.batch, "arch": arch, "train_minutes": round(minutes, 2),
         "threads": args.threads, "device": str(device), "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
@@ -218,10 +250,15 @@ def parse_args(argv=None):
     p.add_argument("--report", default=str(LXMERT_PATH.with_suffix(".json")),
                    help="where to write training history and held-out evaluation as JSON ('' to skip)")
     p.add_argument("--steps", type=int, default=3000, help="optimiser steps")
-    p.add_argument("--batch", type=int, default=128, help="questions per step")
+    p.add_argument("--batch", type=int, default=64, help="questions per step")
     p.add_argument("--per-scene", type=int, default=4, help="questions drawn about each scene")
+    p.add_argument("--kinds", default="where:2,exists:1,which:1",
+                   help="question kinds to train on, each with an optional sampling weight (kind:weight, comma-separated)")
+    p.add_argument("--first-kinds", default="where", help="curriculum: the kinds asked alone at first ('' for none)")
+    p.add_argument("--first-frac", type=float, default=0.2,
+                   help="curriculum: the fraction of the steps (rounded up to whole chunks) that ask only --first-kinds")
     p.add_argument("--chunk", type=int, default=512, help="scenes generated (and encoded by the backbone) at a time")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.01)
     p.add_argument("--warmup", type=float, default=0.05, help="warmup, as a fraction of the steps")
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -248,6 +285,14 @@ def parse_args(argv=None):
             args.report = ""
     if args.steps < 1 or args.batch < 1 or args.per_scene < 1:
         p.error("--steps, --batch and --per-scene must be positive")
+    try:
+        parse_kinds(args.kinds)
+        if args.first_kinds:
+            parse_kinds(args.first_kinds)
+    except ValueError as e:
+        p.error(str(e))
+    if not 0 <= args.first_frac < 1:
+        p.error(f"--first-frac must be in [0, 1), got {args.first_frac}")
     return args
 
 
