@@ -1,0 +1,381 @@
+"""vitlab.relevance end to end on LXMERT and DETR (Chefer, Gur & Wolf 2021), tiny random models.
+
+Every method is checked against a computation written here from a separate recording
+(``vitlab.record(model, gradients=True)`` + ``backward()`` per score, one forward per query)
+and :func:`propagate` or explicit formulas; LXMERT's sample 0 also against the dense loop of
+test_relevance. Batch = items, the model comes back as it was, one forward and one backward.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import DetrModel, LxmertModel
+
+import vitlab
+from vitlab.relevance import (
+    AttentionEvent,
+    BimodalMaps,
+    detr_gradcam,
+    detr_raw_attention,
+    detr_relevance,
+    detr_rollout,
+    lxmert_gradcam,
+    lxmert_raw_attention,
+    lxmert_relevance,
+    lxmert_rollout,
+    propagate,
+)
+
+from test_record_multimodal import ViTLxmert, lxmert_inputs, model_state, randomize_biases, tiny_detr, tiny_lxmert, vit_detr
+from test_relevance import loop_propagate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def state(model):
+    """model_state plus every parameter's .grad (the methods must write none)."""
+    return model_state(model), [p.grad is None for p in model.parameters()]
+
+
+def peaked(model, std=0.3, seed=0):
+    """Weights of std ``std`` (LayerNorms kept): gradients large enough that float32 keeps the
+    relevance's digits. With Hugging Face's 0.02 init the attention gradients are ~1e-5, and
+    eq. 8's ``R - I`` of an ``R`` that close to I loses ~4% in float32 against float64 loops."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def ev(cap, query=None, key=None, attention=None, grad=None):
+    return AttentionEvent(query or cap.query_modality, key or cap.key_modality,
+                          cap.attention.detach() if attention is None else attention,
+                          cap.grad if grad is None else grad)
+
+
+# ----------------------------------------------------------------------------- LXMERT, by hand
+def lxmert_expected(model, inputs, target):
+    """R^{ti}[CLS] and R^{tt}[CLS] (CLS entry 0) from a recording with backward(), the events
+    listed here layer by layer: co-attention pair as one step, then the two self-attentions."""
+    with vitlab.record(model, gradients=True) as rec:
+        score = model(**inputs).question_answering_score
+        score[torch.arange(score.shape[0]), torch.as_tensor(target)].sum().backward()
+    model.zero_grad(set_to_none=True)
+    steps = [ev(c) for c in rec.stream("lang")] + [ev(c) for c in rec.stream("vision")]
+    for lv, vl, cl, cv in zip(*(rec.stream(s) for s in ("lang->vision", "vision->lang", "cross.lang", "cross.vision")),
+                              strict=True):
+        steps += [(ev(lv), ev(vl)), ev(cl), ev(cv)]
+    Nt, Nv = rec.stream("lang->vision")[0].attention.shape[-2:]
+    R = propagate(steps, {"lang": Nt, "vision": Nv})
+    text = R["lang", "lang"][:, 0].clone()
+    text[:, 0] = 0
+    return R["lang", "vision"][:, 0], text, steps, rec
+
+
+def test_lxmert_relevance_equals_the_events_by_hand_and_the_dense_loop():
+    model = peaked(tiny_lxmert())
+    inputs = lxmert_inputs()
+    before = state(model)
+    out = lxmert_relevance(model, inputs, target=[3, 5])
+    assert state(model) == before
+    assert isinstance(out, BimodalMaps) and out.image.shape == (2, 9) and out.text.shape == (2, 6)
+    assert out.target.tolist() == [3, 5]
+    image, text, steps, rec = lxmert_expected(model, inputs, [3, 5])
+    torch.testing.assert_close(out.image, image, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out.text, text, atol=1e-6, rtol=1e-5)
+    assert (out.image > 0).all() and out.text[:, 0].eq(0).all() and (out.text[:, 1:] > 0).any()
+    # sample 0 by the explicit float64 loops of test_relevance
+    R = loop_propagate([s if isinstance(s, tuple) else (s,) for s in steps], {"lang": 6, "vision": 9})
+    assert np.allclose(out.image[0].numpy(), R["lang", "vision"][0], rtol=1e-4, atol=1e-7)
+    assert np.allclose(out.text[0, 1:].numpy(), R["lang", "lang"][0, 1:], rtol=1e-4, atol=1e-7)
+    # the simultaneous co-attention step matters: one direction after the other differs
+    sequential = [e for s in steps for e in (s if isinstance(s, tuple) else (s,))]
+    assert not torch.allclose(propagate(sequential, {"lang": 6, "vision": 9})["lang", "vision"][:, 0], out.image,
+                              atol=1e-6, rtol=1e-4)
+
+
+def test_lxmert_batch_equals_items_predicted_target_and_train_mode_restored():
+    model = tiny_lxmert().train()
+    inputs = lxmert_inputs(batch=3)
+    before = state(model)
+    batch = lxmert_relevance(model, inputs)
+    assert state(model) == before and model.training
+    with torch.no_grad():
+        predicted = model.eval()(**inputs).question_answering_score.argmax(-1)
+    model.train()
+    assert torch.equal(batch.target, predicted)
+    for i in range(3):
+        one = lxmert_relevance(model, {k: v[i:i + 1] for k, v in inputs.items()})
+        torch.testing.assert_close(one.image[0], batch.image[i], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(one.text[0], batch.text[i], atol=1e-6, rtol=1e-5)
+    other = lxmert_relevance(model, inputs, target=(predicted + 1) % 7)
+    assert not torch.allclose(other.image, batch.image, atol=1e-6, rtol=1e-4)
+    # padded words (last sample) get no relevance
+    assert batch.text[-1, -2:].abs().max() < 1e-7
+
+
+def test_lxmert_baselines_are_their_formulas():
+    model = tiny_lxmert(x_layers=3)
+    inputs = lxmert_inputs()
+    before = state(model)
+    raw, rolled, cam = (f(model, inputs) for f in (lxmert_raw_attention, lxmert_rollout, lxmert_gradcam))
+    assert state(model) == before
+    _, _, _, rec = lxmert_expected(model, inputs, raw.target)
+    A = {s: [c.attention.detach().double() for c in rec.stream(s)] for s in rec.streams}
+    last_lv, last_cl = A["lang->vision"][-1], A["cross.lang"][-1]
+    # raw attention: last layer, heads averaged, CLS row
+    torch.testing.assert_close(raw.image.double(), last_lv.mean(1)[:, 0], atol=1e-6, rtol=0)
+    text = last_cl.mean(1)[:, 0].clone()
+    text[:, 0] = 0
+    torch.testing.assert_close(raw.text.double(), text, atol=1e-6, rtol=0)
+
+    def roll(mats):  # rownorm(A + I) products, first layer applied first, per sample
+        out = []
+        for b in range(2):
+            ms = [m[b].mean(0) + torch.eye(m.shape[-1], dtype=m.dtype) for m in mats]
+            ms = [m / m.sum(-1, keepdim=True) for m in ms]
+            out.append(torch.linalg.multi_dot(ms[::-1]) if len(ms) > 1 else ms[0])
+        return torch.stack(out)
+
+    T = roll(A["lang"] + A["cross.lang"][:-1])
+    V = roll(A["vision"] + A["cross.vision"][:-1])
+    expected = torch.stack([T[b].T @ last_lv[b].mean(0) @ V[b] for b in range(2)])[:, 0]
+    torch.testing.assert_close(rolled.image.double(), expected, atol=1e-6, rtol=1e-5)
+    text = roll(A["lang"] + A["cross.lang"])[:, 0].clone()
+    text[:, 0] = 0
+    torch.testing.assert_close(rolled.text.double(), text, atol=1e-6, rtol=1e-5)
+    assert rolled.image.min() >= 0
+    # GradCAM: head weights = gradient averaged over the whole map
+    G = {s: [c.grad.double() for c in rec.stream(s)] for s in rec.streams}
+    for got, A_, G_ in ((cam.image, last_lv, G["lang->vision"][-1]), (cam.text, last_cl, G["cross.lang"][-1])):
+        want = (G_.mean(dim=(2, 3), keepdim=True) * A_).mean(1).clamp(min=0)[:, 0]
+        if got is cam.text:
+            want[:, 0] = 0
+        torch.testing.assert_close(got.double(), want, atol=1e-7, rtol=1e-5)
+    assert torch.equal(cam.target, raw.target) and torch.equal(rolled.target, raw.target)
+
+
+def test_lxmert_errors_say_what_is_wrong():
+    model = tiny_lxmert()
+    inputs = lxmert_inputs()
+    with pytest.raises(ValueError, match=r"target 7 is outside the model's classes: allowed 0 \.\. 6"):
+        lxmert_relevance(model, inputs, target=7)
+    with pytest.raises(ValueError, match="target has 3 classes but the batch has 2 samples"):
+        lxmert_relevance(model, inputs, target=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"unexpected input key 'pixel_values'; LxmertForQuestionAnswering takes"):
+        lxmert_relevance(model, {**inputs, "pixel_values": torch.zeros(2, 3, 8, 8)})
+    no_pos = {k: v for k, v in inputs.items() if k != "visual_pos"}
+    with pytest.raises(ValueError, match=r"inputs need 'input_ids' .* and 'visual_feats' and 'visual_pos'"):
+        lxmert_gradcam(model, no_pos)
+    with pytest.raises(ValueError, match=r"inputs\['visual_pos'\] has shape \(3, 9, 4\)"):
+        lxmert_relevance(model, {**inputs, "visual_pos": torch.rand(3, 9, 4)})
+    with pytest.raises(TypeError, match="inputs must be a dict"):
+        lxmert_rollout(model, list(inputs.values()))
+    with pytest.raises(TypeError, match="returned no question_answering_score: use LxmertForQuestionAnswering"):
+        lxmert_relevance(tiny_lxmert(LxmertModel), inputs)
+    with pytest.raises(TypeError, match="explains a Hugging Face DETR detector"):
+        detr_relevance(model, torch.zeros(1, 3, 32, 32))
+    with pytest.raises(ValueError, match=r"backbone=True\) needs the images as inputs\['pixel_values'\]"):
+        lxmert_relevance(model, inputs, backbone=True)
+    with pytest.raises(RuntimeError, match="inference_mode"), torch.inference_mode():
+        lxmert_relevance(model, inputs)
+    frozen = tiny_lxmert().requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"attention of lxmert\.encoder\.layer\.0\.attention\.self is outside"):
+        lxmert_relevance(frozen, inputs)
+    with torch.no_grad():  # fine under no_grad
+        assert lxmert_relevance(model, inputs).image.shape == (2, 9)
+
+
+# ----------------------------------------------------------------------------- DETR, by hand
+def detr_expected(model, x, b, j, backbone_prefix=None):
+    """R^{qi}[j] of image b for the logit of query j's best class: its own forward and
+    backward, events listed here; with ``backbone_prefix`` the ViT's attention in front, the
+    transformer's image axes placed after the prefix tokens in zero matrices."""
+    xin = x[b:b + 1].clone().requires_grad_(backbone_prefix is not None)
+    with vitlab.record(model, gradients=True) as rec:
+        logits = model(pixel_values=xin).logits
+        c = int(logits[0, j, :-1].argmax())
+        logits[0, j, c].backward()
+    model.zero_grad(set_to_none=True)
+    P = backbone_prefix or 0
+
+    def placed(t, rows, cols):  # t inside zeros, shifted by P along the image axes
+        out = torch.zeros(*t.shape[:-2], t.shape[-2] + P * rows, t.shape[-1] + P * cols, dtype=t.dtype)
+        out[..., P * rows:, P * cols:] = t
+        return out
+
+    steps = [ev(cap, "image", "image") for cap in rec.stream("backbone")] if backbone_prefix is not None else []
+    for cap in rec.stream("encoder"):
+        steps.append(ev(cap, attention=placed(cap.attention.detach(), 1, 1), grad=placed(cap.grad, 1, 1)))
+    for dec, cross in zip(rec.stream("decoder"), rec.stream("cross"), strict=True):
+        steps += [ev(dec), ev(cross, attention=placed(cross.attention.detach(), 0, 1), grad=placed(cross.grad, 0, 1))]
+    Ni = rec.stream("encoder")[0].attention.shape[-1] + P
+    Q = rec.stream("decoder")[0].attention.shape[-1]
+    R = propagate(steps, {"image": Ni, "queries": Q})
+    grid = rec.layout.grid if backbone_prefix is not None else rec.feature_grid
+    return R["queries", "image"][0, j, P:].reshape(grid), c, rec
+
+
+def test_detr_relevance_per_query_equals_its_own_backward_and_batch_equals_items():
+    model = tiny_detr()
+    x = torch.randn(2, 3, 64, 48)
+    with torch.no_grad():
+        probs = model(pixel_values=x).logits.softmax(-1)[..., :-1]
+    best = probs.max(-1).values
+    threshold = float(best.flatten().sort().values[-4])  # three detections, somewhere in the batch
+    before = state(model)
+    out = detr_relevance(model, x, threshold=threshold)
+    assert state(model) == before and model.config._attn_implementation == "sdpa"
+    assert len(out) == 2
+    found = [(b, int(j)) for b in range(2) for j in torch.nonzero(best[b] > threshold).flatten()]
+    assert [(b, int(j)) for b, o in enumerate(out) for j in o.queries] == found and len(found) == 3
+    for b, o in enumerate(out):
+        assert o.maps.shape == (len(o.queries), 8, 6)
+        for k, j in enumerate(o.queries.tolist()):
+            expected, c, _ = detr_expected(model, x, b, j)
+            assert int(o.labels[k]) == c
+            assert float(o.probabilities[k]) == pytest.approx(float(best[b, j]), abs=1e-6)
+            torch.testing.assert_close(o.maps[k], expected, atol=1e-6, rtol=1e-4)
+    # batch = items, also when the queries are given per image (several per image)
+    given = detr_relevance(model, x, queries=[[4, 0, 2], [1]])
+    for b, qs in enumerate([[4, 0, 2], [1]]):
+        alone = detr_relevance(model, x[b:b + 1], queries=qs)[0]
+        assert given[b].queries.tolist() == alone.queries.tolist() == qs
+        torch.testing.assert_close(given[b].maps, alone.maps, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(alone.maps[0], detr_expected(model, x, b, qs[0])[0], atol=1e-6, rtol=1e-4)
+    # an image without detections gets none, while the other has some
+    top = best.max(-1).values  # per image
+    assert top[0] != top[1]
+    out = detr_relevance(model, x, threshold=float(top.min()))
+    empty = int(top.argmin())
+    assert out[empty].queries.numel() == 0 and out[empty].maps.shape == (0, 8, 6)
+    assert len(out[1 - empty].queries) >= 1
+
+
+def test_detr_relevance_through_a_vit_backbone():
+    model, vit = vit_detr()
+    randomize_biases(model)
+    x = torch.randn(2, 3, 32, 32)
+    before = state(model)
+    out = detr_relevance(model, x, queries=[3, 1], backbone=True)
+    plain = detr_relevance(model, x, queries=[3, 1])
+    assert state(model) == before and vit.blocks[0].attn.fused_attn
+    P = vit.num_prefix_tokens
+    for b in range(2):
+        assert out[b].maps.shape == plain[b].maps.shape == (2, 4, 4)
+        for k, j in enumerate([3, 1]):
+            expected, _, rec = detr_expected(model, x, b, j, backbone_prefix=P)
+            torch.testing.assert_close(out[b].maps[k], expected, atol=1e-6, rtol=1e-4)
+            torch.testing.assert_close(plain[b].maps[k], detr_expected(model, x, b, j)[0], atol=1e-6, rtol=1e-4)
+    assert not torch.allclose(out[0].maps, plain[0].maps, atol=1e-5, rtol=1e-3)
+    with pytest.raises(ValueError, match=r"backbone=True\) carries relevance through a ViT backbone"):
+        detr_relevance(tiny_detr(), torch.randn(1, 3, 64, 48), queries=0, backbone=True)
+
+
+def test_lxmert_relevance_through_a_vit_backbone():
+    from timm.models.vision_transformer import VisionTransformer
+    from transformers import LxmertConfig
+
+    torch.manual_seed(0)
+    vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2, num_classes=0).eval()
+    cfg = LxmertConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64, l_layers=1,
+                       x_layers=2, r_layers=1, visual_feat_dim=16, visual_pos_dim=4, num_qa_labels=7)
+    model = randomize_biases(ViTLxmert(cfg, vit).eval())
+    vit.requires_grad_(False)  # frozen, as in shapes-lxmert: the input is made to require grad
+    inputs = dict(input_ids=torch.randint(0, 50, (2, 5)), pixel_values=torch.randn(2, 3, 32, 32))
+    before = state(model)
+    out = lxmert_relevance(model, inputs, target=2, backbone=True)
+    plain = lxmert_relevance(model, inputs, target=2)
+    assert state(model) == before and out.image.shape == plain.image.shape == (2, 16)
+    # by hand: the ViT's blocks as image self-attention over its 17 tokens, regions after the CLS
+    with vitlab.record(model, gradients=True) as rec:
+        x = inputs["pixel_values"].clone().requires_grad_(True)
+        model(inputs["input_ids"], x).question_answering_score[:, 2].sum().backward()
+    model.zero_grad(set_to_none=True)
+
+    def placed(cap):
+        A, G = cap.attention.detach(), cap.grad
+        rows, cols = (1 if cap.query_modality == "vision" else 0), (1 if cap.key_modality == "vision" else 0)
+        A2 = torch.zeros(*A.shape[:-2], A.shape[-2] + rows, A.shape[-1] + cols)
+        G2 = torch.zeros_like(A2)
+        A2[..., rows:, cols:], G2[..., rows:, cols:] = A, G
+        return AttentionEvent(cap.query_modality, cap.key_modality, A2, G2)
+
+    steps = [ev(c, "vision", "vision") for c in rec.stream("backbone")]
+    steps += [placed(c) for c in rec.stream("lang") + rec.stream("vision")]
+    for lv, vl, cl, cv in zip(*(rec.stream(s) for s in ("lang->vision", "vision->lang", "cross.lang", "cross.vision"))):
+        steps += [(placed(lv), placed(vl)), placed(cl), placed(cv)]
+    R = propagate(steps, {"lang": 5, "vision": 17})
+    torch.testing.assert_close(out.image, R["lang", "vision"][:, 0, 1:], atol=1e-6, rtol=1e-4)
+    text = R["lang", "lang"][:, 0].clone()
+    text[:, 0] = 0
+    torch.testing.assert_close(out.text, text, atol=1e-6, rtol=1e-4)
+    assert not torch.allclose(out.image, plain.image, atol=0, rtol=1e-2)
+
+
+def test_detr_baselines_are_their_formulas():
+    model = tiny_detr()
+    x = torch.randn(2, 3, 64, 48)
+    queries = [[0, 3], [2]]
+    before = state(model)
+    raw, rolled, cam = (f(model, x, queries=queries) for f in (detr_raw_attention, detr_rollout, detr_gradcam))
+    assert state(model) == before
+    for b, qs in enumerate(queries):
+        for k, j in enumerate(qs):
+            _, c, rec = detr_expected(model, x, b, j)
+            A = {s: [cap.attention.detach()[0].double() for cap in rec.stream(s)] for s in rec.streams}
+            cross, G = A["cross"][-1], rec.stream("cross")[-1].grad[0].double()
+            torch.testing.assert_close(raw[b].maps[k].double(), cross.mean(0)[j].reshape(8, 6), atol=1e-6, rtol=0)
+
+            def roll(mats):
+                ms = [m.mean(0) + torch.eye(m.shape[-1], dtype=m.dtype) for m in mats]
+                return torch.linalg.multi_dot([m / m.sum(-1, keepdim=True) for m in ms][::-1])
+
+            want = (roll(A["decoder"]).T @ cross.mean(0) @ roll(A["encoder"]))[j]
+            torch.testing.assert_close(rolled[b].maps[k].double(), want.reshape(8, 6), atol=1e-6, rtol=1e-5)
+            gc = (G.mean(dim=(1, 2), keepdim=True) * cross).mean(0).clamp(min=0)[j]
+            torch.testing.assert_close(cam[b].maps[k].double(), gc.reshape(8, 6), atol=1e-7, rtol=1e-5)
+            assert int(cam[b].labels[k]) == int(raw[b].labels[k]) == c
+
+
+def test_detr_errors_say_what_is_wrong():
+    model = tiny_detr()
+    x = torch.randn(1, 3, 64, 48)
+    with pytest.raises(ValueError, match=r"no object detected: .* \(highest: 0\.\d+\); lower threshold or pass queries"):
+        detr_relevance(model, x)  # random weights: nothing near 0.9
+    with pytest.raises(ValueError, match=r"queries holds query 5; the model has queries 0 \.\. 4"):
+        detr_gradcam(model, x, queries=[1, 5])
+    with pytest.raises(ValueError, match="queries has 2 lists for a batch of 1 images"):
+        detr_relevance(model, x, queries=[[1], [2]])
+    with pytest.raises(ValueError, match=r"threshold must be a probability in \[0, 1\), got 1\.5"):
+        detr_rollout(model, x, threshold=1.5)
+    with pytest.raises(ValueError, match=r"pixel_values must be a tensor B x 3 x H x W, got \(3, 64, 48\)"):
+        detr_relevance(model, x[0], queries=0)
+    with pytest.raises(TypeError, match="returned no class logits: use DetrForObjectDetection"):
+        detr_relevance(tiny_detr(DetrModel), x, queries=0)
+    with pytest.raises(TypeError, match="explains a Hugging Face LXMERT"):
+        lxmert_relevance(model, lxmert_inputs())
+
+
+# ----------------------------------------------------------------------------- cost
+@pytest.mark.parametrize("call", [
+    lambda: (tiny_lxmert(), lambda m: lxmert_relevance(m, lxmert_inputs(batch=3))),
+    lambda: (tiny_lxmert(), lambda m: lxmert_gradcam(m, lxmert_inputs(batch=3))),
+    lambda: (tiny_detr(), lambda m: detr_relevance(m, torch.randn(2, 3, 64, 48), queries=[[0, 1, 4], [2, 3]])),
+    lambda: (tiny_detr(), lambda m: detr_gradcam(m, torch.randn(2, 3, 64, 48), queries=[0, 1])),
+], ids=["lxmert_relevance", "lxmert_gradcam", "detr_relevance", "detr_gradcam"])
+def test_one_forward_and_one_backward_per_batch(call, monkeypatch):
+    model, run = call()
+    forwards, backwards = [], []
+    handle = model.register_forward_hook(lambda mod, args, out: forwards.append(1))
+    grad, backward = torch.autograd.grad, torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: backwards.append(1) or grad(*a, **k))
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: backwards.append(1) or backward(*a, **k))
+    try:
+        run(model)
+    finally:
+        handle.remove()
+    assert len(forwards) == 1 and len(backwards) == 1
