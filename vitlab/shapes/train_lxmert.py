@@ -249,7 +249,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(LXMERT_PATH), help="where to write the safetensors weights ('' to skip)")
     p.add_argument("--report", default=str(LXMERT_PATH.with_suffix(".json")),
                    help="where to write training history and held-out evaluation as JSON ('' to skip)")
-    p.add_argument("--steps", type=int, default=3000, help="optimiser steps")
+    p.add_argument("--steps", type=int, default=4000, help="optimiser steps")
     p.add_argument("--batch", type=int, default=64, help="questions per step")
     p.add_argument("--per-scene", type=int, default=4, help="questions drawn about each scene")
     p.add_argument("--kinds", default="where:2,exists:1,which:1",
