@@ -379,3 +379,21 @@ def test_one_forward_and_one_backward_per_batch(call, monkeypatch):
     finally:
         handle.remove()
     assert len(forwards) == 1 and len(backwards) == 1
+
+
+def test_embedded_shapes_models_with_and_without_their_frozen_vit_backbone():
+    """shapes-lxmert / shapes-detr (random heads on the shipped shapes-vit-tiny, frozen): the
+    49 patch tokens are the regions / the 7 x 7 feature map; backbone=True goes through the
+    frozen ViT by making a copy of the images require grad (the caller's tensor is untouched)."""
+    lxmert = vitlab.load_model("shapes-lxmert", pretrained=False)
+    detr = vitlab.load_model("shapes-detr", pretrained=False)
+    ids, mask = lxmert.encode(["where is the circle", "is there a square"])
+    x = torch.randn(2, 3, 112, 112, generator=torch.Generator().manual_seed(0))
+    inputs = dict(input_ids=ids, attention_mask=mask, pixel_values=x)
+    before = state(lxmert), state(detr)
+    plain, through = lxmert_relevance(lxmert, inputs), lxmert_relevance(lxmert, inputs, backbone=True)
+    assert plain.image.shape == through.image.shape == (2, 49) and plain.text.shape == (2, ids.shape[1])
+    assert not torch.allclose(plain.image, through.image, atol=0, rtol=1e-3)
+    maps = detr_relevance(detr, x, queries=[0, 5], backbone=True)
+    assert [m.maps.shape for m in maps] == [(2, 7, 7)] * 2 and all(m.maps.min() >= 0 for m in maps)
+    assert (state(lxmert), state(detr)) == before and not x.requires_grad

@@ -589,7 +589,7 @@ def _sizes(steps: list[Step]) -> dict[str, int]:
 def _backbone_prefix(rec, image_tokens: int, method: str) -> int:
     """The ViT backbone's prefix-token count, after checking its patches are the image tokens."""
     layout = rec.layout
-    if layout is None or not rec.stream("backbone"):
+    if layout is None or not rec.streams.get("backbone"):
         raise ValueError(f"{method}(backbone=True) carries relevance through a ViT backbone's self-attention, "
                          "but no ViT backbone ran in this forward (vitlab.record found none)")
     if layout.num_patches != image_tokens:
@@ -666,7 +666,7 @@ def lxmert_relevance(model, inputs: dict, target=None, backbone: bool = False) -
     image_tokens = _last(rec, "lang->vision", method).attention.shape[-1]
     prefix = _backbone_prefix(rec, image_tokens, method) if backbone else 0
     grad_output = torch.zeros_like(logits)
-    grad_output[torch.arange(batch), t] = 1  # the score: sum over samples of each one's target logit
+    grad_output[torch.arange(batch, device=logits.device), t] = 1  # the score: sum over samples of each one's target logit
     grads = _attention_grads(logits, grad_output, captures, batched=False, method=method)
     steps = _events(captures, grads, "vision", prefix)
     R = propagate(steps, _sizes(steps))
@@ -757,7 +757,7 @@ def lxmert_gradcam(model, inputs: dict, target=None) -> BimodalMaps:
     t = resolve_target(target, logits)
     co, lang = _last(rec, "lang->vision", method), _last(rec, "cross.lang", method)
     grad_output = torch.zeros_like(logits)
-    grad_output[torch.arange(logits.shape[0]), t] = 1
+    grad_output[torch.arange(logits.shape[0], device=logits.device), t] = 1
     g_co, g_lang = _attention_grads(logits, grad_output, [co, lang], batched=False, method=method)
     zero = torch.zeros_like
     image = attention_matrix_gradcam(co.attention.detach(), zero(co.attention) if g_co is None else g_co)[:, 0]
