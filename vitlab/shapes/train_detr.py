@@ -124,9 +124,9 @@ def detect(logits: torch.Tensor, pred_boxes: torch.Tensor, threshold: float = 0.
     """Detections of one batch of DETR outputs: per image ``{"scores", "labels", "boxes"}`` for the
     queries whose most probable real class (softmax over classes + "no object") beats
     ``threshold``; boxes ``(x0, y0, x1, y1)`` normalised to [0, 1]."""
-    prob = logits.float().softmax(-1)[..., :-1]
+    prob = logits.detach().float().softmax(-1)[..., :-1]
     scores, labels = prob.max(-1)
-    cx, cy, w, h = pred_boxes.float().unbind(-1)
+    cx, cy, w, h = pred_boxes.detach().float().unbind(-1)
     xyxy = torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], -1)
     out = []
     for s, l, b in zip(scores, labels, xyxy):
