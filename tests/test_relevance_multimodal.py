@@ -358,6 +358,12 @@ def test_detr_errors_say_what_is_wrong():
         detr_relevance(tiny_detr(DetrModel), x, queries=0)
     with pytest.raises(TypeError, match="explains a Hugging Face LXMERT"):
         lxmert_relevance(model, lxmert_inputs())
+    # every parameter frozen and images that do not require grad: no attention is in the graph
+    # (raw attention and rollout need no gradient)
+    model.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"attention of model\.encoder\.layers\.0\.self_attn is outside"):
+        detr_relevance(model, x, queries=0)
+    assert detr_rollout(model, x, queries=0)[0].maps.shape == (1, 8, 6)
 
 
 # ----------------------------------------------------------------------------- cost

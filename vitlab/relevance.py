@@ -601,7 +601,7 @@ def _backbone_prefix(rec, image_tokens: int, method: str) -> int:
 
 # --- LXMERT ----------------------------------------------------------------------------------------
 def _lxmert_forward(model, inputs, method: str, grad: bool, backbone: bool = False):
-    """Checks, then one recorded forward: ``(rec, logits, kwargs)``."""
+    """Checks, then one recorded forward: ``(rec, logits)``."""
     _require_family(model, "lxmert", method)
     kwargs, _ = _checked_lxmert_inputs(model, inputs, method)
     if backbone:
@@ -775,7 +775,7 @@ def _detr_forward(model, pixel_values, pixel_mask, method: str, grad: bool, back
         got = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
         raise ValueError(f"{method}: pixel_values must be a tensor B x 3 x H x W, got {got}")
     x = pixel_values
-    if backbone:
+    if backbone:  # a copy of the images requires grad: the frozen backbone's attention joins the graph
         x = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
     if grad:
         _require_gradients_possible(method)
@@ -861,7 +861,7 @@ def _per_image(found, rows: torch.Tensor, grid) -> list[DetectionMaps]:
     return out
 
 
-def _detr_grads(rec, logits, found, captures, method):
+def _detr_grads(logits, found, captures, method):
     grad_output, index, K = _slot_grad_output(logits, found)
     if K == 1:  # one query per image: a plain backward
         grads = _attention_grads(logits, grad_output[0], captures, batched=False, method=method)
@@ -921,7 +921,7 @@ def detr_relevance(model, pixel_values: torch.Tensor, queries=None, threshold: f
     prefix = _backbone_prefix(rec, image_tokens, method) if backbone else 0
     if backbone:
         grid = rec.layout.grid
-    grads, index, K = _detr_grads(rec, logits, found, captures, method)
+    grads, index, K = _detr_grads(logits, found, captures, method)
     steps = _events(captures, grads, "image", prefix, slots=K)
     rows = propagate(steps, _sizes(steps)).rows("queries", "image", index)[..., prefix:]  # K x B x tokens
     return _per_image(found, rows, grid)
@@ -969,7 +969,7 @@ def detr_gradcam(model, pixel_values: torch.Tensor, queries=None, threshold: flo
     rec, logits = _detr_forward(model, pixel_values, pixel_mask, method, grad=True)
     found = _detr_queries(logits, queries, threshold, method)
     cross = _last(rec, "cross", method)
-    (g,), index, K = _detr_grads(rec, logits, found, [cross], method)
+    (g,), index, K = _detr_grads(logits, found, [cross], method)
     A = cross.attention.detach().expand(K, *cross.attention.shape)
     cam = attention_matrix_gradcam(A, torch.zeros_like(A) if g is None else g)  # K x B x Q x N
     rows = read_rows(cam, index)  # K x B x N
