@@ -68,9 +68,17 @@ Transformer-MM-Explainability, ``lxmert/.../ExplanationGenerator.py`` and
   loop skips the image branch of the last cross-modality layer, which cannot change
   ``R^{tt}`` or ``R^{ti}`` (only rows of the image modality read it). It also zeroes
   ``R^{tt}[0, 0]`` before display: :meth:`Relevances.rows` does that with ``drop_self``.
+
+End to end (one recorded forward and one backward per batch): :func:`lxmert_relevance`
+(:class:`BimodalMaps`: image and text relevance of the answer) and :func:`detr_relevance`
+(one :class:`DetectionMaps` per image: a map per detected object), optionally through the
+self-attention of a ViT backbone (``backbone=True``); the paper's baselines with the same
+outputs: ``lxmert_raw_attention`` / ``lxmert_rollout`` / ``lxmert_gradcam`` and
+``detr_raw_attention`` / ``detr_rollout`` / ``detr_gradcam``.
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -484,8 +492,6 @@ def _require_gradients_possible(method: str) -> None:
 
 def _checked_lxmert_inputs(model, inputs, method: str) -> tuple[dict, int]:
     """``inputs`` as a dict of tensors the model's forward takes, and the batch size."""
-    import inspect
-
     if not isinstance(inputs, Mapping):
         raise TypeError(f"{method}: inputs must be a dict of tensors (keys among {LXMERT_INPUTS}), "
                         f"got {type(inputs).__name__}")
@@ -504,11 +510,12 @@ def _checked_lxmert_inputs(model, inputs, method: str) -> tuple[dict, int]:
     for key, value in inputs.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{method}: inputs[{key!r}] must be a tensor, got {type(value).__name__}")
-        if value.ndim == 0 or (batch is not None and value.shape[0] != batch):
+        if value.ndim == 0:
+            raise ValueError(f"{method}: inputs[{key!r}] is a scalar; every input is a batch (samples first)")
+        if batch is not None and value.shape[0] != batch:
             raise ValueError(f"{method}: inputs[{key!r}] has shape {tuple(value.shape)}; every input needs "
-                             f"the batch size {batch} first" if batch is not None else
-                             f"{method}: inputs[{key!r}] is a scalar; inputs are batches")
-        batch = value.shape[0] if batch is None else batch
+                             f"the batch size {batch} first")
+        batch = value.shape[0]
     return dict(inputs), int(batch)
 
 
