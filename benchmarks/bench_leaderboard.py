@@ -7,6 +7,15 @@ positive and negative perturbation curves, pointing, mass on object) on ``shapes
 one process. Prints the wall time, the time per scene, the number of model forwards the
 measures need per scene, and the forwards per second that implies. Run it on an otherwise
 idle machine: a second job on 2 cores roughly halves the speed.
+
+Measured 2026-12-01 (2 cores, 2 threads, a machine shared with other jobs):
+- ``--samples 100`` (K = 5, 10, 20; 581 measure forwards per scene): 352.5 s, 3.53 s per
+  scene, 165 forwards/s; the load average rose from 0.3 to 5 during the run. At that rate
+  500 scenes take about 29 minutes.
+- The chapter-7 notebook's table (K = 10 only, 311 measure forwards per scene): 500 scenes in
+  1528 s at load 4-8; 40 scenes in about 30 s on the idle machine (0.75 s per scene), which
+  puts 500 scenes at K = 10 near 6 minutes and the full K = 5, 10, 20 table near 12 minutes
+  when the cores are free.
 """
 from __future__ import annotations
 
