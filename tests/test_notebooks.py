@@ -23,6 +23,8 @@ def test_runner_executes_and_writes_figures(tmp_path):
     src.mkdir()
     nbformat.write(nb, src / "01_demo.ipynb")
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 / 0")]), src / "02_broken.ipynb")
+    start, end = runner.RUN_TIMES_MARKERS
+    (src / "README.md").write_text(f"# Notebooks\n\n{start}\n| typed by hand |\n{end}\n\nthe rest\n")
     figs = tmp_path / "figs"
     assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--only", "demo"]) == 0
     written = sorted(p.name for p in (figs / "01_demo").glob("*.png"))
@@ -31,6 +33,15 @@ def test_runner_executes_and_writes_figures(tmp_path):
     assert runner.main(["--notebooks", str(src), "--figures", str(figs)]) == 1
     times = json.loads((figs / "run_times.json").read_text())
     assert set(times["full"]) == {"01_demo"} and times["full"]["01_demo"] > 0
+    readme = (src / "README.md").read_text()         # the README's table is the measured one
+    assert readme.startswith(f"# Notebooks\n\n{start}\n| notebook |") and readme.endswith(f"{end}\n\nthe rest\n")
+    assert "typed by hand" not in readme and readme.count("| `01_demo` |") == 1
+
+
+def test_run_times_table():
+    table = runner.run_times_table({"full": {"02_b": 95.0, "01_a": 12.34}, "quick": {"01_a": 3.06, "03_c": 1.0}})
+    assert table.splitlines()[2:] == ["| `01_a` | 12 s | 3 s |", "| `02_b` | 1.6 min |  |", "| `03_c` |  | 1 s |"]
+    assert not runner.write_run_times_table(Path("/nonexistent/README.md"), {})
 
 
 def test_runner_names_the_failing_cell_and_refuses_an_empty_selection(tmp_path, capfd):

@@ -6,7 +6,9 @@ directory: ``notebooks/``); every image it displays is written to
 time; a failing notebook is reported with the failing cell (its number and first line) and
 the error, and the run exits non-zero. Cells have no time limit unless ``--timeout`` sets
 one, so a slow or busy machine only takes longer. The times are also written to
-``figures/run_times.json`` (what the teacher's guide quotes).
+``figures/run_times.json`` (``{"full": {notebook: seconds}, "quick": {...}}``) and, as a
+table, into ``notebooks/README.md`` between the markers :data:`RUN_TIMES_MARKERS`, so the
+teacher's guide quotes measured times, never typed ones.
 
 Options: ``--quick`` sets ``VITLAB_QUICK=1`` for the kernels (the documented switch that
 notebooks read to run fewer steps, as CI does); ``--only PATTERN`` runs the notebooks
@@ -23,6 +25,9 @@ import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+
+RUN_TIMES_MARKERS = ("<!-- run-times: written by python -m vitlab.notebooks -->", "<!-- /run-times -->")
 
 
 def _repo_root() -> Path:
@@ -50,6 +55,30 @@ def write_figures(nb, out_dir: Path) -> list[Path]:
                 path.write_bytes(base64.b64decode(data["image/png"]))
                 written.append(path)
     return written
+
+
+def run_times_table(times: dict) -> str:
+    """``{"full": {notebook: seconds}, "quick": {...}}`` -> a Markdown table, one row per notebook
+    (a run not measured yet is left empty)."""
+    def fmt(s):
+        return "" if s is None else f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min"
+    full, quick = times.get("full", {}), times.get("quick", {})
+    rows = [f"| `{n}` | {fmt(full.get(n))} | {fmt(quick.get(n))} |" for n in sorted({*full, *quick})]
+    return "\n".join(["| notebook | full run | quick run (`--quick`) |", "|---|---:|---:|", *rows])
+
+
+def write_run_times_table(readme: Path, times: dict) -> bool:
+    """Replace the text between the :data:`RUN_TIMES_MARKERS` of ``readme`` with
+    :func:`run_times_table`; returns False (and leaves the file alone) where it has no markers."""
+    start, end = RUN_TIMES_MARKERS
+    text = readme.read_text() if readme.is_file() else ""
+    i, j = text.find(start), text.find(end)
+    if i < 0 or j < i:
+        return False
+    new = text[:i + len(start)] + "\n" + run_times_table(times) + "\n" + text[j:]
+    if new != text:
+        readme.write_text(new)
+    return True
 
 
 class NotebookFailed(RuntimeError):
@@ -137,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         old.setdefault(key, {}).update(times)
         args.figures.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
+        write_run_times_table(args.notebooks / "README.md", old)
     if failed:
         print(f"{len(failed)} of {len(paths)} notebooks failed: {', '.join(failed)}", file=sys.stderr)
         return 1
