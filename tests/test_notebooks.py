@@ -10,7 +10,8 @@ from vitlab import notebooks as runner
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 
 
-def test_runner_executes_and_writes_figures(tmp_path):
+def test_runner_executes_and_writes_figures(tmp_path, monkeypatch):
+    monkeypatch.delenv("VITLAB_QUICK", raising=False)  # a full run: its times are recorded as "full"
     nb = nbformat.v4.new_notebook()
     nb.cells = [
         nbformat.v4.new_code_cell("import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
