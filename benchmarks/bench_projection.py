@@ -22,6 +22,10 @@ block is 16 x 12 x 197 x 192 x 1000 = 7.3 GMACs, about a third of the forward's,
 full projection cannot reach it in fp32; what a reader reads (some blocks, the CLS token,
 identifiability or one class's logit) can.
 
+Idle machine, 2026-12-01 11:00 (2 threads, wall clock, median of 5 rounds; plain forward
+267 ms): residual, all blocks 1.60x; all four fields 2.84x; blocks=-1 1.12x; blocks=[2, 5,
+8, 11] 1.27x; tokens=0 1.10x; class_identifiability 1.43x; sublayer_contributions 1.23x.
+
 Measured 2026-12-01 on a machine shared with four other agents' jobs (2 cores, load average
 5-9 throughout, so no idle figures), median of 5 rounds; ``project`` records with
 ``vitlab.record(..., capture=("hidden",))``, keeping only the residual stream on the fused

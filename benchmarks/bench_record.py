@@ -39,6 +39,10 @@ Attention-only recording meets the 1.15x goal everywhere and sits at the eager+k
 full recording of DeiT-tiny at batch 16 does not (1.18x): keeping Q, K, V (views that hold
 each block's qkv output alive) and the hidden states costs the rest. The median times are
 noisy under such load (vit_base at batch 16 ran 18-27 s per forward); the ratios are not.
+
+Idle machine, 2026-12-01 11:02 (2 threads, median of 21 interleaved rounds): deit_tiny batch 1
+full 1.25x / attention only 1.15x (eager + keep 1.07x); batch 16 1.00x / 0.94x (0.93x);
+vit_base batch 1 1.06x / 1.02x (1.02x).
 """
 from __future__ import annotations
 
