@@ -283,16 +283,11 @@ def _target_masks(object_masks, target: torch.Tensor) -> np.ndarray:
 
 def predicted_class(model, x: torch.Tensor) -> torch.Tensor:
     """The model's top-1 class per sample, in eval mode (each module's mode put back)."""
+    from vitlab.record import eval_mode
     from vitlab.targets import _logits
 
-    was = [(m, m.training) for m in model.modules()]
-    try:
-        model.eval()
-        with torch.no_grad():
-            return _logits(model(x)).argmax(-1).cpu()
-    finally:
-        for m, mode in was:
-            m.training = mode
+    with eval_mode(model), torch.no_grad():
+        return _logits(model(x)).argmax(-1).cpu()
 
 
 def _non_constant(maps: torch.Tensor) -> torch.Tensor:

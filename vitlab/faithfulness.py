@@ -35,10 +35,6 @@ def _batches(n: int, batch_size: int):
 # only run the model forward (under no_grad, in eval mode, restored after); no hooks.
 
 
-def _module_modes(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
-    return [(m, m.training) for m in model.modules()]
-
-
 def _pixel_saliency(saliency, x: torch.Tensor) -> torch.Tensor:
     """``B x gh x gw`` (bilinear upsampling) or ``B x H x W`` map -> ``B x H x W`` float on x's device."""
     if x.ndim != 4:
@@ -74,21 +70,16 @@ def _channel_means(x: torch.Tensor) -> torch.Tensor:
 def _run_items(model, n_items: int, make_chunk, batch_size: int, progress: bool, desc: str) -> torch.Tensor:
     """Logits of ``n_items`` inputs built chunk by chunk (``make_chunk(start, stop)``): one
     forward per chunk of ``batch_size``, eval mode and no_grad; every module's mode restored."""
-    from vitlab.targets import _logits
-
     from tqdm.auto import tqdm
 
-    modes = _module_modes(model)
+    from vitlab.record import eval_mode
+    from vitlab.targets import _logits
+
     out = []
-    try:
-        model.eval()
-        with torch.no_grad():
-            chunks = list(_batches(n_items, batch_size))
-            for s in tqdm(chunks, desc=desc, unit="forward", disable=not progress):
-                out.append(_logits(model(make_chunk(s.start, s.stop))).detach().float().cpu())
-    finally:
-        for m, mode in modes:
-            m.training = mode
+    with eval_mode(model), torch.no_grad():
+        chunks = list(_batches(n_items, batch_size))
+        for s in tqdm(chunks, desc=desc, unit="forward", disable=not progress):
+            out.append(_logits(model(make_chunk(s.start, s.stop))).detach().float().cpu())
     return torch.cat(out)
 
 

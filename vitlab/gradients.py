@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from vitlab.attention import check_images
 from vitlab.layout import token_layout
+from vitlab.record import eval_mode
 from vitlab.targets import (
     _logits, check_score, check_target, is_multi_label, require_class_head, resolve_target, target_score,
 )
@@ -43,17 +44,11 @@ def input_x_gradient(model, x: torch.Tensor, target=None, score: str = "logit",
     if torch.is_inference_mode_enabled():
         raise RuntimeError("input_x_gradient needs gradients: call it outside torch.inference_mode()")
     grid = None if pixels else token_layout(model, x).grid
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        model.eval()
-        with torch.enable_grad():
-            x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
-            logits = _logits(model(x_in))
-            t = resolve_target(target, logits)
-            (g,) = torch.autograd.grad(target_score(logits, t, score, is_multi_label(model)).sum(), [x_in])
-    finally:
-        for m, mode in modes:
-            m.training = mode
+    with eval_mode(model), torch.enable_grad():
+        x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
+        logits = _logits(model(x_in))
+        t = resolve_target(target, logits)
+        (g,) = torch.autograd.grad(target_score(logits, t, score, is_multi_label(model)).sum(), [x_in])
     per_pixel = (x_in.detach() * g).sum(dim=1)  # B x H x W
     if pixels:
         return per_pixel

@@ -882,6 +882,20 @@ def _vit_only(model: nn.Module, what: str):
     return attach, found
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``model`` with every module in eval mode inside the block; each module's own mode
+    comes back on exit, also when the block raises. For code that only runs forwards (no
+    hooks, no recording): the measures of :mod:`vitlab.faithfulness`, input x gradient."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        yield model
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a supported ViT, in the order they run (one per recorded layer)."""
     return [block for _, block, _ in _vit_only(model, "vitlab.record.blocks")[1]]

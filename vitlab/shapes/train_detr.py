@@ -25,17 +25,16 @@ import platform
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from vitlab.shapes.bimodal import DETR_ARCH, DETR_PATH, build_shapes_detr, save_bimodal
+from vitlab.shapes.bimodal import DETR_ARCH, DETR_PATH, build_shapes_detr
 from vitlab.shapes.data import make_scenes, scenes_to_tensor
 from vitlab.shapes.model import MEAN, STD
 from vitlab.shapes.qa import object_boxes
 from vitlab.shapes.train import TRAIN_SEED_BASE
-from vitlab.shapes.train_lxmert import lr_schedule
+from vitlab.shapes.train_lxmert import finish_run, lr_schedule
 
 __all__ = [
     "EVAL_SEED", "VAL_SEED", "box_iou", "detect", "detr_targets", "evaluate_detr", "main", "parse_args",
@@ -247,20 +246,7 @@ def train(args) -> dict:
         "arch": arch, "train_minutes": round(minutes, 2), "threads": args.threads, "device": str(device),
         "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
     }
-    result = {"model": "shapes-detr", "training": info, "history": history}
-    if args.eval_n:
-        t1 = time.time()
-        result["evaluation"] = evaluate_detr(model, n=args.eval_n)
-        result["evaluation"]["minutes"] = round((time.time() - t1) / 60, 2)
-        log("held-out evaluation: " + json.dumps(result["evaluation"]))
-    if args.out:
-        save_bimodal(model, args.out, arch=arch, extra={"training": info})
-        log(f"wrote {args.out} ({Path(args.out).stat().st_size / 1e6:.1f} MB) after {minutes:.1f} min")
-    if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps(result, indent=1))
-    result["model_object"] = model
-    return result
+    return finish_run(model, "shapes-detr", info, history, args, evaluate_detr, arch, minutes, log)
 
 
 def parse_args(argv=None):

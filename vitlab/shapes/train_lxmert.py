@@ -228,10 +228,19 @@ def train(args) -> dict:
         "threads": args.threads, "device": str(device), "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
     }
-    result = {"model": "shapes-lxmert", "training": info, "history": history}
+    return finish_run(model, "shapes-lxmert", info, history, args, evaluate_lxmert, arch, minutes, log)
+
+
+def finish_run(model, name: str, info: dict, history: list, args, evaluate, arch: dict, minutes: float,
+               log) -> dict:
+    """The end of a training command (shapes-lxmert and shapes-detr alike): the held-out
+    ``evaluate(model, n=args.eval_n)`` if asked, the weights to ``args.out`` and the JSON report
+    (training info, history, evaluation) to ``args.report``; returns the report with the model
+    under ``"model_object"``."""
+    result = {"model": name, "training": info, "history": history}
     if args.eval_n:
         t1 = time.time()
-        result["evaluation"] = evaluate_lxmert(model, n=args.eval_n)
+        result["evaluation"] = evaluate(model, n=args.eval_n)
         result["evaluation"]["minutes"] = round((time.time() - t1) / 60, 2)
         log("held-out evaluation: " + json.dumps(result["evaluation"]))
     if args.out:
