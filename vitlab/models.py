@@ -1,5 +1,7 @@
 """Load a ViT by name — timm, Hugging Face, or one of vitlab's embedded offline models —
-and turn an image into that model's input.
+and turn an image into that model's input. The bi-modal transformers of chapter 5 load the
+same way: Hugging Face DETR (``facebook/detr-resnet-50``) and LXMERT
+(``unc-nlp/lxmert-vqa-uncased``), with their task heads.
 
 ``load_model(name)`` never hangs when offline: if the weights are neither cached nor
 reachable it raises :class:`ModelUnavailableError` within a few seconds, naming the model,
@@ -51,7 +53,52 @@ _HF_KNOWN: dict[str, dict[str, Any]] = {
         data=dict(input_size=(3, 224, 224), mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
                   interpolation="bicubic", crop_pct=0.875, crop_mode="center"),
     ),
+    # DETR (Carion et al. 2020), the detector chapter 5 explains: a ResNet-50 (timm's, its weights part of
+    # the checkpoint), 6 encoder + 6 decoder layers of width 256 with 8 heads, 100 object queries, the 91
+    # COCO category ids (id2label filled from torchvision's COCO table, see _coco_detection_labels). Its
+    # processor keeps the aspect ratio: shortest edge 800, longest at most 1333, ImageNet mean / std.
+    "facebook/detr-resnet-50": dict(
+        model_type="detr", head=True, labels="coco-detection",
+        config=dict(use_timm_backbone=True, backbone="resnet50", dilation=False, num_queries=100,
+                    encoder_layers=6, decoder_layers=6, encoder_attention_heads=8, decoder_attention_heads=8,
+                    encoder_ffn_dim=2048, decoder_ffn_dim=2048, d_model=256, position_embedding_type="sine"),
+        data=dict(shortest_edge=800, longest_edge=1333, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
+                  interpolation="bilinear"),
+    ),
+    # LXMERT (Tan & Bansal 2019) fine-tuned on VQA: 9 language, 5 object-relationship and 5 cross-modality
+    # layers of width 768 with 12 heads, BERT's uncased vocabulary, 2048-d region features with 4-d boxes,
+    # 3129 answers. No image processor: it takes region features (see LXMERT_REGION_FEATURES).
+    "unc-nlp/lxmert-vqa-uncased": dict(
+        model_type="lxmert", head=True,
+        config=dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, l_layers=9, r_layers=5,
+                    x_layers=5, vocab_size=30522, visual_feat_dim=2048, visual_pos_dim=4, num_qa_labels=3129),
+        data=None,
+    ),
 }
+
+# The Hugging Face class load_model builds for a config's model_type, for any repo (cached or known):
+# the bi-modal models get their task heads, whose scores the relevance methods explain
+# (vitlab.relevance.detr_relevance, lxmert_relevance). Other model types: see _load_hf.
+HF_TASK_CLASSES: dict[str, str] = {
+    "detr": "DetrForObjectDetection",
+    "lxmert": "LxmertForQuestionAnswering",
+}
+
+LXMERT_REGION_FEATURES = (
+    "LXMERT does not look at pixels: it takes the features of image regions found by an object detector, "
+    "inputs['visual_feats'] (B x regions x 2048; the pretrained models saw 36 regions per image) and their boxes "
+    "inputs['visual_pos'] (B x regions x 4: x1, y1, x2, y2 divided by the image's width and height), with the "
+    "tokenised question (input_ids, attention_mask; tokenizer: AutoTokenizer.from_pretrained("
+    "'unc-nlp/lxmert-base-uncased')). vitlab does not compute region features. They come from the Faster R-CNN "
+    "the LXMERT authors used (bottom-up attention, trained on Visual Genome; github.com/airsplay/lxmert and "
+    "github.com/airsplay/py-bottom-up-attention), which Hugging Face's research project 'lxmert' "
+    "runs in PyTorch (examples/research_projects/lxmert of github.com/huggingface/transformers, since moved to "
+    "github.com/huggingface/transformers-research-projects; demo.ipynb, modeling_frcnn.py, processing_image.py): "
+    "GeneralizedRCNN.from_pretrained('unc-nlp/frcnn-vg-finetuned') after its Preprocess gives 'roi_features' "
+    "(visual_feats) and 'normalized_boxes' (visual_pos); the VQA answer names are airsplay/lxmert's "
+    "data/vqa/trainval_label2ans.json. Offline, vitlab's 'shapes-lxmert' takes pixel_values instead "
+    "(vitlab.preprocess works for it)."
+)
 
 
 class ModelUnavailableError(RuntimeError):
@@ -151,14 +198,68 @@ def _load_timm(name: str, pretrained: bool, **kwargs) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------- Hugging Face
+def _coco_detection_labels() -> dict[int, str]:
+    """DETR's COCO ``id2label``: the 91 COCO category ids, "N/A" at the 11 unused ones and at 0.
+
+    torchvision ships the same table for its COCO detectors (index 0 is its "__background__",
+    which DETR's checkpoint calls "N/A"), so no download is needed.
+    """
+    from torchvision.models.detection import FasterRCNN_ResNet50_FPN_Weights
+
+    names = FasterRCNN_ResNet50_FPN_Weights.DEFAULT.meta["categories"]
+    return {i: ("N/A" if name == "__background__" else name) for i, name in enumerate(names)}
+
+
+def _known_config(repo: str):
+    """The configuration of a checkpoint in :data:`_HF_KNOWN`, built without any file."""
+    import transformers
+
+    known = _HF_KNOWN[repo]
+    kwargs = dict(known["config"])
+    if known.get("labels") == "coco-detection":
+        kwargs["id2label"] = _coco_detection_labels()
+        kwargs["label2id"] = {name: i for i, name in kwargs["id2label"].items()}  # "N/A": its last id, 83
+    return transformers.AutoConfig.for_model(known["model_type"], **kwargs)
+
+
+def _no_pretrained_backbone(config) -> None:
+    """A DETR's backbone weights are in its checkpoint: never fetch a separately pretrained backbone
+    (``use_pretrained_backbone``; transformers 5 builds timm backbones without pretrained weights anyway)."""
+    for cfg in (config, getattr(config, "backbone_config", None)):
+        if cfg is not None and hasattr(cfg, "use_pretrained_backbone"):
+            cfg.use_pretrained_backbone = False
+
+
+def _aspect_data_config(proc=None, known: dict | None = None) -> dict[str, Any]:
+    """DETR-style preprocessing (aspect ratio kept): shortest edge, longest-edge cap, mean, std."""
+    if proc is not None:
+        size = dict(getattr(proc, "size", None) or {})
+        resample = int(getattr(proc, "resample", 2))
+        return dict(shortest_edge=int(size.get("shortest_edge", 800)), longest_edge=int(size.get("longest_edge", 1333)),
+                    mean=tuple(proc.image_mean), std=tuple(proc.image_std),
+                    interpolation={2: "bilinear", 3: "bicubic"}.get(resample, "bilinear"))
+    return dict(known or _HF_KNOWN["facebook/detr-resnet-50"]["data"])
+
+
 def _hf_data_config(repo: str, model: nn.Module) -> dict[str, Any]:
-    """timm-style data config from the checkpoint's image processor (or the known table)."""
+    """timm-style data config from the checkpoint's image processor (or the known table).
+
+    A DETR gets an aspect-ratio keeping config instead (``shortest_edge``, ``longest_edge``, ``mean``,
+    ``std``, ``interpolation``; no ``input_size``, no crop), which :func:`preprocess` applies as DETR's
+    image processor does. LXMERT takes region features, not pixels: a TypeError says where to get them.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type == "lxmert":
+        raise TypeError(f"vitlab.preprocess cannot prepare images for {type(model).__name__}. "
+                        + LXMERT_REGION_FEATURES)
     try:
         from transformers import AutoImageProcessor
 
         proc = AutoImageProcessor.from_pretrained(repo, local_files_only=True)
     except Exception:  # noqa: BLE001 - processor not cached: fall back to the table / config
         proc = None
+    if model_type == "detr":
+        return _aspect_data_config(proc, _HF_KNOWN[repo]["data"] if repo in _HF_KNOWN else None)
     if proc is not None:
         size = getattr(proc, "crop_size", None) if getattr(proc, "do_center_crop", False) else getattr(proc, "size", None)
         size = dict(size) if size is not None else {}
@@ -182,8 +283,20 @@ def _hf_data_config(repo: str, model: nn.Module) -> dict[str, Any]:
                 interpolation="bilinear", crop_pct=1.0, crop_mode="squash")
 
 
-def _load_hf(repo: str, pretrained: bool, **kwargs) -> nn.Module:
+def _hf_class(repo: str, config):
+    """The transformers class to build: the task head of :data:`HF_TASK_CLASSES` for DETR / LXMERT,
+    the image classifier for a ViT / DeiT checkpoint with labels, else the bare model."""
     import transformers
+
+    if config.model_type in HF_TASK_CLASSES:
+        return getattr(transformers, HF_TASK_CLASSES[config.model_type])
+    has_head = bool(getattr(config, "id2label", None)) and config.model_type in ("vit", "deit") and (
+        repo not in _HF_KNOWN or _HF_KNOWN[repo]["head"]
+    )
+    return transformers.AutoModelForImageClassification if has_head else transformers.AutoModel
+
+
+def _load_hf(repo: str, pretrained: bool, **kwargs) -> nn.Module:
     from transformers import AutoConfig
 
     how = f"python -c \"import vitlab; vitlab.load_model('{repo}')\"   (or: hf download {repo})"
@@ -193,8 +306,7 @@ def _load_hf(repo: str, pretrained: bool, **kwargs) -> nn.Module:
     except Exception:  # noqa: BLE001 - not cached
         config = None
     if config is None and repo in _HF_KNOWN and not pretrained:
-        known = _HF_KNOWN[repo]
-        config = transformers.AutoConfig.for_model(known["model_type"], **known["config"])
+        config = _known_config(repo)
     if pretrained:
         _check_weights_reachable(repo, hf_repo=repo, url=None, how=how)
         if config is None:
@@ -202,15 +314,15 @@ def _load_hf(repo: str, pretrained: bool, **kwargs) -> nn.Module:
     elif config is None:
         raise _unavailable(repo, how, "its configuration is not cached either, so even pretrained=False "
                                       f"cannot build it; known offline: {', '.join(_HF_KNOWN)}")
-    has_head = bool(getattr(config, "id2label", None)) and config.model_type in ("vit", "deit") and (
-        repo not in _HF_KNOWN or _HF_KNOWN[repo]["head"]
-    )
-    auto = transformers.AutoModelForImageClassification if has_head else transformers.AutoModel
+    if config.model_type == "detr":
+        _no_pretrained_backbone(config)
+    cls = _hf_class(repo, config)
     if pretrained:
-        model = auto.from_pretrained(repo, **kwargs)
+        model = cls.from_pretrained(repo, config=config, **kwargs)
     else:
-        model = auto.from_config(config, **kwargs)
-    model.vitlab_data_config = _hf_data_config(repo, model)
+        model = cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)
+    if config.model_type != "lxmert":  # LXMERT takes region features: data_config explains
+        model.vitlab_data_config = _hf_data_config(repo, model)
     return model
 
 
@@ -227,8 +339,16 @@ def load_model(name: str, pretrained: bool = True, **kwargs) -> nn.Module:
         name: an embedded vitlab model (``"shapes-vit-tiny"``, ``"dinov2_small_imgfocus"``),
             any timm ViT name (``"deit_tiny_patch16_224"``, ``"vit_small_patch14_reg4_dinov2"``,
             ...), or a Hugging Face id (``"google/vit-base-patch16-224"``,
-            ``"facebook/dinov2-small"``, ...).
-        pretrained: ``False`` gives the same architecture with random weights.
+            ``"facebook/dinov2-small"``, ...). The bi-modal models of chapter 5 get their task
+            heads (:data:`HF_TASK_CLASSES`, by the config's ``model_type``, for any repo):
+            ``"facebook/detr-resnet-50"`` gives a ``DetrForObjectDetection`` (ResNet-50 backbone
+            included in the checkpoint: no separately pretrained backbone is fetched; images via
+            :func:`preprocess`, which keeps DETR's aspect ratio), ``"unc-nlp/lxmert-vqa-uncased"``
+            a ``LxmertForQuestionAnswering`` (3129 VQA answers; it takes region features, not
+            images: :data:`LXMERT_REGION_FEATURES` says where they come from).
+        pretrained: ``False`` gives the same architecture with random weights, built offline
+            without any download for the checkpoints vitlab knows (``_HF_KNOWN``: the two above,
+            DETR with COCO's 91 category ids and names, and the ViTs) and for any cached config.
         **kwargs: passed to the underlying constructor (e.g. ``img_size`` for timm models).
 
     Raises:
@@ -256,9 +376,10 @@ def data_config(model: nn.Module) -> dict[str, Any]:
         import timm.data
 
         return timm.data.resolve_data_config({}, model=model)
-    if hasattr(model, "config") and hasattr(model.config, "image_size"):
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if hasattr(model, "config") and (hasattr(model.config, "image_size") or model_type in HF_TASK_CLASSES):
         repo = getattr(model.config, "_name_or_path", "") or ""
-        return _hf_data_config(repo, model)
+        return _hf_data_config(repo, model)  # a TypeError for LXMERT, saying where its inputs come from
     raise TypeError(f"cannot tell how to preprocess images for {type(model).__name__}")
 
 
@@ -266,17 +387,28 @@ def preprocess(image, model: nn.Module) -> torch.Tensor:
     """``image`` (path, URL, PIL image or array) -> ``1 x 3 x H x W`` input for ``model``.
 
     Uses the model's own data configuration (timm's pretrained config, or the Hugging Face
-    image processor's settings), on the device of the model's parameters.
+    image processor's settings), on the device of the model's parameters. A DETR keeps the
+    image's aspect ratio, as its image processor does (``DetrImageProcessor``: shortest edge
+    800, longest at most 1333, ImageNet mean / std, no crop), so ``H x W`` follows the image.
+    LXMERT takes region features, not images: a TypeError says where to get them.
     """
-    import timm.data
-
     from vitlab.images import load_image
 
     img = load_image(image)
     cfg = data_config(model)
-    keys = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")
-    transform = timm.data.create_transform(**{k: cfg[k] for k in keys if k in cfg}, is_training=False)
-    x = transform(img).unsqueeze(0)
+    if "shortest_edge" in cfg:  # DETR-style: resize keeping the aspect ratio, normalise, no crop
+        from transformers import DetrImageProcessor
+
+        proc = DetrImageProcessor(size={"shortest_edge": cfg["shortest_edge"], "longest_edge": cfg["longest_edge"]},
+                                  image_mean=list(cfg["mean"]), image_std=list(cfg["std"]), do_pad=False,
+                                  resample={"bilinear": 2, "bicubic": 3}[cfg.get("interpolation", "bilinear")])
+        x = proc(images=img, return_tensors="pt")["pixel_values"]
+    else:
+        import timm.data
+
+        keys = ("input_size", "interpolation", "mean", "std", "crop_pct", "crop_mode")
+        transform = timm.data.create_transform(**{k: cfg[k] for k in keys if k in cfg}, is_training=False)
+        x = transform(img).unsqueeze(0)
     param = next(model.parameters(), None)
     return x.to(param.device) if param is not None else x
 
@@ -306,4 +438,10 @@ def preprocess_batch(images, model: nn.Module) -> torch.Tensor:
         raise ValueError(f"expected a batch N x H x W x 3, got one image of shape {images.shape}; use preprocess()")
     if len(images) == 0:
         raise ValueError("preprocess_batch got an empty batch")
-    return torch.cat([preprocess(img, model) for img in images])
+    xs = [preprocess(img, model) for img in images]
+    sizes = sorted({tuple(x.shape[-2:]) for x in xs})
+    if len(sizes) > 1:
+        raise ValueError(f"preprocess_batch: {type(model).__name__} keeps each image's aspect ratio, giving inputs of "
+                         f"sizes {sizes}; explain them one at a time, or pad them to one size with "
+                         "transformers' DetrImageProcessor (pixel_values and pixel_mask)")
+    return torch.cat(xs)
