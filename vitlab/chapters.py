@@ -255,3 +255,329 @@ def shift_masks(masks, down: int, right: int) -> torch.Tensor:
     dst_x = slice(max(0, right), W - max(0, -right))
     out[..., dst_y, dst_x] = m[..., src_y, src_x]
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 5: relevance of LXMERT's answers and DETR's detections, graded against the masks
+# ---------------------------------------------------------------------------------------------
+
+
+def _lxmert_methods() -> dict:
+    from vitlab import relevance as rv
+
+    return {
+        "relevance": rv.lxmert_relevance,
+        "relevance + backbone": lambda m, inputs: rv.lxmert_relevance(m, inputs, backbone=True),
+        "raw attention": rv.lxmert_raw_attention,
+        "rollout": rv.lxmert_rollout,
+        "GradCAM": rv.lxmert_gradcam,
+    }
+
+
+def _detr_methods() -> dict:
+    from vitlab import relevance as rv
+
+    return {
+        "relevance": rv.detr_relevance,
+        "relevance + backbone": lambda m, x, queries: rv.detr_relevance(m, x, queries=queries, backbone=True),
+        "raw attention": rv.detr_raw_attention,
+        "rollout": rv.detr_rollout,
+        "GradCAM": rv.detr_gradcam,
+    }
+
+
+#: The chapter-5 methods, in table order (the same names for LXMERT and DETR).
+BIMODAL_METHODS: tuple[str, ...] = ("relevance", "relevance + backbone", "raw attention", "rollout", "GradCAM")
+
+
+def _checked_methods(methods) -> tuple[str, ...]:
+    methods = tuple(methods)
+    unknown = [m for m in methods if m not in BIMODAL_METHODS]
+    if not methods or unknown:
+        raise ValueError(f"methods must be names from {BIMODAL_METHODS}, got {methods!r}")
+    return methods
+
+
+def named_word_positions(tokenizer, questions) -> np.ndarray:
+    """Position of the named class word in each tokenised question (``[CLS]`` = 0), -1 where
+    the question names no class (``which``). ``questions``: :class:`vitlab.shapes.qa.Questions`."""
+    from vitlab.shapes.data import CLASSES
+
+    pos = np.full(len(questions), -1, dtype=np.int64)
+    for i, (text, named) in enumerate(zip(questions.text, questions.named)):
+        if named >= 0:
+            tokens = tokenizer.tokenize(text)
+            pos[i] = tokens.index(CLASSES[int(named)])
+    return pos
+
+
+def lxmert_method_maps(model, x: torch.Tensor, questions, methods=BIMODAL_METHODS,
+                       batch_size: int = 100) -> dict:
+    """Image and text maps of every method for every question about the scenes ``x``.
+
+    ``model``: ``shapes-lxmert``; ``x``: ``S x 3 x H x W`` preprocessed scenes; ``questions``:
+    :class:`vitlab.shapes.qa.Questions` about them (``questions.scene`` indexes ``x``). Each
+    method explains the model's own answer. Returns method -> :class:`vitlab.relevance.BimodalMaps`
+    over all questions (``image``: ``Q x gh x gw`` on the backbone's patch grid, ``text``:
+    ``Q x L``, the questions padded to one length ``L``). One forward (and one backward) per
+    batch and method.
+    """
+    from vitlab.relevance import BimodalMaps
+
+    methods = _checked_methods(methods)
+    table = _lxmert_methods()
+    ids, mask = model.encode(list(questions.text))
+    scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
+    grid = tuple(int(g) for g in model.backbone.patch_embed.grid_size)
+    out = {}
+    for name in methods:
+        parts = []
+        for s in _batches(len(questions), batch_size):
+            inputs = dict(pixel_values=x[scene[s]], input_ids=ids[s], attention_mask=mask[s])
+            parts.append(table[name](model, inputs))
+        image = torch.cat([p.image for p in parts]).reshape(len(questions), *grid)
+        out[name] = BimodalMaps(image, torch.cat([p.text for p in parts]),
+                                torch.cat([p.target for p in parts]), torch.cat([p.logits for p in parts]))
+    return out
+
+
+class QuestionGrades(NamedTuple):
+    """Where each method's maps point, per question (from :func:`grade_lxmert`).
+
+    Attributes:
+        methods: the method names, in row order.
+        correct: ``Q`` bool, the model answered the question right.
+        has_target: ``Q`` bool, the answer is about one object (not ``is there a ...? no``).
+        on_target: ``M x Q`` bool, the top image patch lies on that object (pointing game).
+        on_other: ``M x Q`` bool, it lies on the scene's other object.
+        chance: ``Q``, the hit rate of a random top patch on the target object.
+        named_position: ``Q``, the named class word's token position (-1: none named).
+        named_top: ``M x Q`` bool, the named word is the most relevant text token (False
+            where none is named).
+        maps: method -> :class:`vitlab.relevance.BimodalMaps` (as :func:`lxmert_method_maps`).
+    """
+
+    methods: tuple
+    correct: np.ndarray
+    has_target: np.ndarray
+    on_target: np.ndarray
+    on_other: np.ndarray
+    chance: np.ndarray
+    named_position: np.ndarray
+    named_top: np.ndarray
+    maps: dict
+
+
+def grade_lxmert(model, x: torch.Tensor, masks, questions, methods=BIMODAL_METHODS, batch_size: int = 100,
+                 min_coverage: float = 0.5) -> QuestionGrades:
+    """Grade every method's LXMERT maps against the objects of two-object scenes.
+
+    ``masks``: ``S x 2 x H x W`` (the two objects of each scene in ``x``); the target object
+    of question q is ``questions.target[q]`` (-1: none, e.g. "is there a star? no"), the other
+    object is the scene's other one. The top patch lies "on" an object when it covers at least
+    ``min_coverage`` of the patch (:func:`pointing_game`). Text: is the named class word the
+    highest of the text map (``[CLS]`` is 0 there, padding never counts)?
+    """
+    masks = _as_tensor(masks)
+    if masks.ndim != 4 or masks.shape[:2] != (x.shape[0], 2):
+        raise ValueError(f"masks must be S x 2 x H x W for the {x.shape[0]} scenes of x, got {tuple(masks.shape)}")
+    maps = lxmert_method_maps(model, x, questions, methods, batch_size)
+    methods = tuple(maps)
+    scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
+    target = torch.as_tensor(np.asarray(questions.target), dtype=torch.long)
+    has_target = target >= 0
+    t = target.clamp(min=0)
+    m_target, m_other = masks[scene, t], masks[scene, 1 - t]
+    grid = tuple(next(iter(maps.values())).image.shape[1:])
+    pos = named_word_positions(model.tokenizer, questions)
+    _, attn_mask = model.encode(list(questions.text))
+    on_target, on_other, named_top = [], [], []
+    for name in methods:
+        image = maps[name].image
+        on_target.append((pointing_game(image, m_target, min_coverage) & has_target).numpy())
+        on_other.append((pointing_game(image, m_other, min_coverage) & has_target).numpy())
+        named_top.append(top_token_is(maps[name].text, pos, valid=attn_mask == 1))
+    correct = np.concatenate([(maps[methods[0]].logits.argmax(-1) == torch.as_tensor(questions.answer_id)).numpy()])
+    from vitlab.localization import chance_pointing
+
+    return QuestionGrades(methods, correct, has_target.numpy(), np.stack(on_target), np.stack(on_other),
+                          chance_pointing(m_target, grid, min_coverage).numpy(), pos, np.stack(named_top), maps)
+
+
+def detr_detections(model, x: torch.Tensor, threshold: float = 0.9, batch_size: int = 100) -> list[dict]:
+    """DETR's detections per image: ``{"queries", "labels", "scores", "boxes"}`` (boxes
+    ``(x0, y0, x1, y1)`` in [0, 1]) for the queries whose best real class has a probability
+    above ``threshold`` (the "no object" class left out). One forward per batch, no gradient."""
+    from vitlab.record import eval_mode
+
+    if not 0 <= threshold < 1:
+        raise ValueError(f"threshold must be a probability in [0, 1), got {threshold!r}")
+    out = []
+    with torch.no_grad(), eval_mode(model):
+        for s in _batches(x.shape[0], batch_size):
+            res = model(pixel_values=x[s])
+            prob = res.logits.softmax(-1)[..., :-1]
+            scores, labels = prob.max(-1)
+            cx, cy, w, h = res.pred_boxes.unbind(-1)
+            boxes = torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], -1)
+            for b in range(scores.shape[0]):
+                keep = torch.nonzero(scores[b] > threshold).flatten()
+                out.append({"queries": keep, "labels": labels[b, keep], "scores": scores[b, keep],
+                            "boxes": boxes[b, keep]})
+    return out
+
+
+def detr_method_maps(model, x: torch.Tensor, queries, methods=BIMODAL_METHODS, batch_size: int = 100) -> dict:
+    """Every method's map of every given query: method -> ``D x gh x gw`` (detections in image
+    order, then query order). ``queries``: one list of query indices per image of ``x`` (e.g.
+    ``[d["queries"] for d in detr_detections(...)]``); batches whose images have none are
+    skipped. The ``relevance + backbone`` maps lie on the backbone's patch grid, the others on
+    DETR's feature grid (the same grid for ``shapes-detr``)."""
+    methods = _checked_methods(methods)
+    table = _detr_methods()
+    queries = [torch.as_tensor(q, dtype=torch.long).reshape(-1) for q in queries]
+    if len(queries) != x.shape[0]:
+        raise ValueError(f"queries must hold one list per image: {len(queries)} lists for {x.shape[0]} images")
+    out = {}
+    for name in methods:
+        parts = []
+        for s in _batches(x.shape[0], batch_size):
+            qs = queries[s]
+            if not any(len(q) for q in qs):
+                continue
+            parts += [d.maps for d in table[name](model, x[s], queries=qs)]
+        out[name] = torch.cat(parts) if parts else torch.zeros(0)
+    return out
+
+
+class DetectionGrades(NamedTuple):
+    """Where each method's map of each detection points (from :func:`grade_detr`).
+
+    Attributes:
+        methods: the method names, in row order.
+        scene, query, label, score: ``D`` each: the image, the query, its class and probability.
+        box: ``D x 4`` predicted box ``(x0, y0, x1, y1)`` in [0, 1].
+        matched: ``D``, the object (0 or 1) whose box overlaps the detection's most (-1: neither).
+        iou: ``D``, that overlap (intersection over union with the object's mask box).
+        class_correct: ``D`` bool, the detection's class is the matched object's.
+        on_detected: ``M x D`` bool, the map's top patch lies on the matched object.
+        on_other: ``M x D`` bool, it lies on the scene's other object.
+        chance: ``D``, the hit rate of a random top patch on the matched object.
+        maps: method -> ``D x gh x gw``.
+    """
+
+    methods: tuple
+    scene: np.ndarray
+    query: np.ndarray
+    label: np.ndarray
+    score: np.ndarray
+    box: np.ndarray
+    matched: np.ndarray
+    iou: np.ndarray
+    class_correct: np.ndarray
+    on_detected: np.ndarray
+    on_other: np.ndarray
+    chance: np.ndarray
+    maps: dict
+
+
+def grade_detr(model, x: torch.Tensor, masks, labels, threshold: float = 0.9, methods=BIMODAL_METHODS,
+               batch_size: int = 100, min_coverage: float = 0.5) -> DetectionGrades:
+    """Detect (:func:`detr_detections`), explain every detection with every method, and grade
+    the maps against the two objects of each scene (``masks``: ``S x 2 x H x W``, ``labels``:
+    ``S x 2`` classes). Each detection is matched to the object whose mask's bounding box it
+    overlaps most (duplicates of one object all match it); a detection overlapping neither
+    (``matched`` -1) counts as a miss for every method."""
+    from vitlab.localization import chance_pointing
+    from vitlab.shapes.qa import object_boxes
+    from vitlab.shapes.train_detr import box_iou
+
+    masks = _as_tensor(masks)
+    labels = np.asarray(labels)
+    if masks.ndim != 4 or masks.shape[:2] != (x.shape[0], 2) or labels.shape != (x.shape[0], 2):
+        raise ValueError(f"need masks S x 2 x H x W and labels S x 2 for the {x.shape[0]} scenes of x; "
+                         f"got masks {tuple(masks.shape)}, labels {labels.shape}")
+    dets = detr_detections(model, x, threshold, batch_size)
+    maps = detr_method_maps(model, x, [d["queries"] for d in dets], methods, batch_size)
+    methods = tuple(maps)
+    H, W = masks.shape[-2:]
+    gt = object_boxes(masks.numpy().astype(bool)) / np.array([W, H, W, H], dtype=np.float32)  # S x 2 x 4
+    scene = np.concatenate([np.full(len(d["queries"]), i) for i, d in enumerate(dets)]).astype(np.int64)
+    cat = lambda k: torch.cat([d[k] for d in dets]).numpy()  # noqa: E731
+    query, label, score, box = cat("queries"), cat("labels"), cat("scores"), cat("boxes")
+    iou = np.stack([box_iou(box[i:i + 1], gt[s])[0] for i, s in enumerate(scene)]) if len(scene) else np.zeros((0, 2))
+    matched = np.where(iou.max(1) > 0, iou.argmax(1), -1) if len(scene) else np.zeros(0, dtype=np.int64)
+    best_iou = iou.max(1) if len(scene) else np.zeros(0)
+    m = np.clip(matched, 0, 1)
+    class_correct = (matched >= 0) & (label == labels[scene, m])
+    m_det = masks[torch.as_tensor(scene), torch.as_tensor(m)]
+    m_oth = masks[torch.as_tensor(scene), torch.as_tensor(1 - m)]
+    ok = matched >= 0
+    on_det, on_oth = [], []
+    for name in methods:
+        on_det.append(pointing_game(maps[name], m_det, min_coverage).numpy() & ok)
+        on_oth.append(pointing_game(maps[name], m_oth, min_coverage).numpy() & ok)
+    grid = tuple(next(iter(maps.values())).shape[1:])
+    return DetectionGrades(methods, scene, query, label, score, box, matched, best_iou, class_correct,
+                           np.stack(on_det), np.stack(on_oth), chance_pointing(m_det, grid, min_coverage).numpy(),
+                           maps)
+
+
+def object_gaps(masks) -> np.ndarray:
+    """Per scene: the shortest distance in pixels between its two objects (``S x 2 x H x W``
+    masks; 0 when they touch or overlap)."""
+    from scipy.ndimage import distance_transform_edt
+
+    m = np.asarray(_as_tensor(masks).numpy(), dtype=bool)
+    if m.ndim != 4 or m.shape[1] != 2:
+        raise ValueError(f"masks must be S x 2 x H x W, got shape {m.shape}")
+    out = np.empty(len(m))
+    for i, (a, b) in enumerate(m):
+        if not a.any() or not b.any():
+            raise ValueError(f"scene {i} has an empty object mask")
+        out[i] = distance_transform_edt(~a)[b].min()
+    return out
+
+
+def text_occlusion(model, x: torch.Tensor, questions, batch_size: int = 100) -> torch.Tensor:
+    """How much each word of each question matters to the answer: the drop of the answer's
+    logit when that word is replaced by ``[UNK]`` (a faithfulness test for text maps).
+
+    ``model``: ``shapes-lxmert``; ``x``, ``questions`` as :func:`lxmert_method_maps`. The
+    answer is the model's own on the intact question. Returns ``Q x L`` (questions padded to
+    one length ``L``, token positions as in the text maps): NaN at ``[CLS]``, ``[SEP]`` and
+    padding. One forward per batch and word position.
+    """
+    from vitlab.record import eval_mode
+
+    tok = model.tokenizer
+    ids, mask = model.encode(list(questions.text))
+    scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
+    word = (mask == 1) & (ids != tok.cls_id) & (ids != tok.sep_id)
+    out = torch.full(ids.shape, float("nan"))
+    with torch.no_grad(), eval_mode(model):
+        for s in _batches(len(questions), batch_size):
+            xb, ib, mb = x[scene[s]], ids[s], mask[s]
+            logits = model(pixel_values=xb, input_ids=ib, attention_mask=mb).question_answering_score
+            answer = logits.argmax(-1, keepdim=True)
+            base = logits.gather(1, answer)[:, 0]
+            for pos in torch.nonzero(word[s].any(0)).flatten().tolist():
+                rows = word[s][:, pos]
+                ib2 = ib.clone()
+                ib2[rows, pos] = tok.unk_id
+                occluded = model(pixel_values=xb[rows], input_ids=ib2[rows], attention_mask=mb[rows])
+                drop = base[rows] - occluded.question_answering_score.gather(1, answer[rows])[:, 0]
+                out[torch.arange(s.start, s.stop)[rows], pos] = drop.float().cpu()
+    return out
+
+
+def top_token_is(scores: torch.Tensor, positions, valid=None) -> np.ndarray:
+    """Per row: is the highest score at ``positions[row]``? ``scores``: ``Q x L`` (NaN never
+    counts); ``valid``: optional ``Q x L`` bool of the positions that may count. Rows with
+    ``positions`` < 0 give False."""
+    s = torch.as_tensor(scores, dtype=torch.float32).clone()
+    s[torch.isnan(s)] = float("-inf")
+    if valid is not None:
+        s[~torch.as_tensor(valid, dtype=torch.bool)] = float("-inf")
+    pos = np.asarray(positions)
+    return (s.argmax(-1).numpy() == pos) & (pos >= 0)
