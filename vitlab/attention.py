@@ -422,3 +422,87 @@ def rank_qk_channels(model, x: torch.Tensor, pattern: str = "one_way", top: int 
         QKChannel(int(i) // (H * D), int(i) // D % H, int(i) % D, float(v))
         for v, i in zip(values.tolist(), flat.tolist())
     ]
+
+
+def cross_region_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Cross-region pattern score per channel: two regions, each drawn to the other.
+
+    ``q``, ``k``: ``... x P x D`` (patch tokens x channels). Returns ``... x D`` in [-1, 1]:
+    minus the Pearson correlation, over the patches, of the query's *sign* ``s_i = sign(q_i)``
+    with the key ``k_i``.
+
+    Why these two: channel c adds ``q_ic k_jc`` to the logit from patch i to patch j. Within
+    row i the softmax ignores what every key shares, so the channel favours the keys with
+    ``sign(q_ic) * (k_jc - mean_j k_jc) > 0``: the query's sign picks the direction, only the
+    key's contrast counts. Split the patches by the query's sign, A (positive) and B
+    (negative). Score near 1: the key is low on A and high on B, so A's queries favour B's
+    keys and B's queries favour A's keys -- information flows both ways *between* two
+    regions (the query positive on A, the key negative there). Near -1: each region favours
+    its own keys (a region attends to itself, the pattern :func:`two_way_score` looks for,
+    here without being fooled by a query or key offset). A query of one sign everywhere
+    (every row favours the same keys: the one-way pattern) or a constant key scores 0.
+    """
+    s = q.sign()
+    sc = s - s.mean(dim=-2, keepdim=True)
+    kc = k - k.mean(dim=-2, keepdim=True)
+    cov = (sc * kc).sum(dim=-2)
+    norm = (sc.square().sum(dim=-2) * kc.square().sum(dim=-2)).sqrt()
+    return torch.where(norm > 0, -cov / norm.clamp_min(torch.finfo(norm.dtype).tiny), torch.zeros_like(cov))
+
+
+class TokenNorms(NamedTuple):
+    """Residual-stream norms of the patch tokens, from :func:`token_norms`.
+
+    Attributes:
+        norms: ``B x K x gh x gw``: the L2 norm (over the model width) of the residual stream
+            leaving block ``blocks[i]``, at every patch token.
+        high: ``B x K x gh x gw`` bool: ``norms > ratio x`` the median patch norm of the same
+            image and block (the high-norm rule of :func:`token_norms`).
+        blocks: the K block indices, counted from 0.
+        ratio: the factor of the rule.
+    """
+
+    norms: torch.Tensor
+    high: torch.Tensor
+    blocks: list[int]
+    ratio: float
+
+
+def token_norms(model, x: torch.Tensor, blocks=None, ratio: float = 3.0) -> TokenNorms:
+    """L2 norm of every patch token's residual stream after each block, and which are outliers.
+
+    Darcet, Oquab, Mairal & Bojanowski (ICLR 2024, "Vision Transformers Need Registers",
+    Sec. 2) find, in large DINOv2 and other ViTs, a few patch tokens -- mostly in redundant
+    background -- whose output norm is far above all others; the CLS token's attention
+    gathers on them, and extra "register" tokens appended to the input remove them. This
+    measures that norm: ``||h_l[b, i]||`` of the hidden state leaving block l
+    (``rec.hidden_states`` of :func:`vitlab.record`), patch tokens only, on the patch grid.
+
+    High-norm rule: a patch is flagged when its norm exceeds ``ratio`` times the median
+    patch norm of the same image and block. The median makes the rule scale-free (norms grow
+    with depth) and unmoved by a few outliers; ``ratio=3`` is a choice: in the paper the
+    outliers form a separate mode far above the bulk, while ordinary patches vary by far less.
+
+    Args:
+        model: a timm or Hugging Face ViT (run in eval mode, its mode put back).
+        x: ``B x 3 x H x W`` input batch.
+        blocks: block indices to keep (negative from the end); None: every block.
+        ratio: the factor of the high-norm rule, > 1.
+    """
+    check_images(x, "token_norms")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 1:
+        raise ValueError(f"ratio must be a number > 1 (a multiple of the median norm), got {ratio!r}")
+    with torch.no_grad(), record(model, eval_mode=True, capture=("hidden",)) as rec:
+        model(x)
+    L = len(rec.hidden_states)
+    if blocks is None:
+        blocks = list(range(L))
+    elif isinstance(blocks, int):
+        raise ValueError(f"blocks must be a list of block indices (or None for all), got the int {blocks}; "
+                         f"write [{blocks}]")
+    blocks = [_check_index("block", b, L) for b in blocks]
+    P = rec.layout.num_prefix
+    norms = torch.stack([rec.hidden_states[l][:, P:].norm(dim=-1) for l in blocks], dim=1)  # B x K x patches
+    high = norms > ratio * norms.median(dim=-1, keepdim=True).values
+    grid = rec.layout.patches_to_grid
+    return TokenNorms(grid(norms), grid(high), blocks, float(ratio))

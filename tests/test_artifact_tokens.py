@@ -1,0 +1,142 @@
+"""token_norms (high-norm "artifact" tokens, Darcet et al. 2024) and cross_region_score (Q/K).
+
+The norms are checked against a hook-free forward through ``model.blocks``; the cross-region
+score against hand-built channels and numpy's correlation.
+"""
+import numpy as np
+import pytest
+import torch
+from timm.models.vision_transformer import VisionTransformer
+
+from conftest import TINY, randomize
+from vitlab.attention import TokenNorms, cross_region_score, token_norms
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_vit(seed: int = 0, **kw) -> VisionTransformer:
+    return randomize(VisionTransformer(**{**TINY, **kw}), seed)
+
+
+def manual_hidden_states(model: VisionTransformer, x: torch.Tensor) -> list[torch.Tensor]:
+    """The residual stream leaving each block, by running timm's layers one by one (no hooks)."""
+    with torch.no_grad():
+        h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+        out = []
+        for block in model.blocks:
+            h = block(h)
+            out.append(h)
+    return out
+
+
+@pytest.mark.parametrize("kw", [{}, dict(reg_tokens=2, img_size=(32, 48))])
+def test_norms_equal_a_manual_forward_through_the_blocks(kw):
+    model = tiny_vit(3, **kw)
+    x = torch.randn(2, 3, *model.patch_embed.img_size)
+    tn = token_norms(model, x)
+    P = model.num_prefix_tokens
+    gh, gw = model.patch_embed.grid_size
+    hidden = manual_hidden_states(model, x)
+    expected = torch.stack([h[:, P:].norm(dim=-1).reshape(2, gh, gw) for h in hidden], dim=1)
+    assert isinstance(tn, TokenNorms) and tn.blocks == [0, 1, 2] and tn.ratio == 3.0
+    assert tn.norms.shape == (2, 3, gh, gw)
+    torch.testing.assert_close(tn.norms, expected, rtol=1e-5, atol=1e-5)
+    # the rule, computed independently with numpy: norm > ratio * the image's median in that block
+    e = expected.numpy().reshape(2, 3, -1)
+    flags = e > 3.0 * np.median(e, axis=-1, keepdims=True)
+    assert np.array_equal(tn.high.numpy().reshape(2, 3, -1), flags)
+
+
+def test_a_planted_bright_patch_is_the_one_flagged():
+    model = tiny_vit(4)
+    x = torch.randn(1, 3, 32, 32) * 0.1
+    x[0, :, 8:16, 16:24] = 50.0  # patch (row 1, column 2) of the 4 x 4 grid
+    tn = token_norms(model, x, blocks=[-1])
+    assert tn.blocks == [2]
+    high = tn.high[0, 0]
+    assert high[1, 2] and int(high.sum()) == 1
+    assert tn.norms[0, 0].flatten().argmax() == 1 * 4 + 2
+
+
+def test_block_selection_and_ratio():
+    model = tiny_vit(5)
+    x = torch.randn(2, 3, 32, 32)
+    everything = token_norms(model, x)
+    some = token_norms(model, x, blocks=[-1, 0], ratio=1.5)
+    assert some.blocks == [2, 0]
+    torch.testing.assert_close(some.norms, everything.norms[:, [2, 0]])
+    median = everything.norms[:, [2, 0]].flatten(2).median(-1).values[..., None, None]
+    assert torch.equal(some.high, everything.norms[:, [2, 0]] > 1.5 * median)
+    with pytest.raises(ValueError, match="ratio must be a number > 1"):
+        token_norms(model, x, ratio=1.0)
+    with pytest.raises(ValueError, match=r"blocks must be a list .* write \[1\]"):
+        token_norms(model, x, blocks=1)
+    with pytest.raises(ValueError, match=r"block must be an int in \[0, 3\)"):
+        token_norms(model, x, blocks=[3])
+
+
+def test_batch_equals_items_one_by_one():
+    model = tiny_vit(6)
+    x = torch.randn(3, 3, 32, 32)
+    batch = token_norms(model, x, ratio=1.2)
+    for b in range(3):
+        item = token_norms(model, x[b:b + 1], ratio=1.2)
+        torch.testing.assert_close(batch.norms[b:b + 1], item.norms, rtol=1e-5, atol=1e-5)
+        assert torch.equal(batch.high[b:b + 1], item.high)
+
+
+def test_the_model_is_left_unchanged_and_train_mode_gives_the_eval_norms():
+    model = tiny_vit(7)
+    model.blocks[1].train()  # an odd mix of modes, with dropout that would change the norms
+    model.blocks[1].attn.attn_drop.p = 0.5
+    model.blocks[1].attn.proj_drop.p = 0.5
+    x = torch.randn(2, 3, 32, 32)
+    params = [p.detach().clone() for p in model.parameters()]
+    modes = [(n, m.training) for n, m in model.named_modules()]
+    fused = [(n, m.fused_attn) for n, m in model.named_modules() if hasattr(m, "fused_attn")]
+    tn = token_norms(model, x)
+    assert [(n, m.training) for n, m in model.named_modules()] == modes
+    assert [(n, m.fused_attn) for n, m in model.named_modules() if hasattr(m, "fused_attn")] == fused
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+    assert not tn.norms.requires_grad
+    model.eval()
+    expected = torch.stack([h[:, 1:].norm(dim=-1).reshape(2, 4, 4) for h in manual_hidden_states(model, x)], 1)
+    torch.testing.assert_close(tn.norms, expected, rtol=1e-5, atol=1e-5)
+
+
+# --- cross_region_score -----------------------------------------------------------------
+def test_cross_region_score_on_hand_built_channels():
+    # 4 patches x 5 channels; the query is positive on patches 0, 1 (region A), negative on 2, 3 (B)
+    q = torch.tensor([[1.0, 1, 1, 1, 2], [2, 2, 1, 1, 3], [-1, -1, 1, 1, 1], [-3, -3, 1, 1, 4]])
+    k = torch.tensor([[4.0, 6, -1, 2, 5], [4, 6, -2, 2, 5], [6, 4, 3, 2, 5], [6, 4, 4, 2, 5]])
+    s = cross_region_score(q, k)
+    assert s[0].item() == pytest.approx(1.0)  # key low on A, high on B (an offset of 5 changes nothing)
+    assert s[1].item() == pytest.approx(-1.0)  # key high on A: each region attends to itself
+    assert s[2].item() == pytest.approx(0.0)  # query of one sign everywhere: one-way, not two regions
+    assert s[3].item() == pytest.approx(0.0)  # constant key: changes no attention weight
+    assert s[4].item() == pytest.approx(0.0)  # both
+
+
+def test_cross_region_score_is_minus_numpys_correlation_of_the_query_sign_with_the_key():
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 3, 50, 7, generator=g), torch.randn(2, 3, 50, 7, generator=g)
+    s = cross_region_score(q, k)
+    assert s.shape == (2, 3, 7)
+    for idx in np.ndindex(2, 3, 7):
+        a, b, c = idx
+        r = np.corrcoef(np.sign(q[a, b, :, c].numpy()), k[a, b, :, c].numpy())[0, 1]
+        assert s[idx].item() == pytest.approx(-r, abs=1e-5)
+    # invariant: rescaling the query per patch by positive factors, or shifting the key, changes nothing
+    torch.testing.assert_close(cross_region_score(q * (torch.rand(q.shape, generator=g) + 0.1), k + 3.0), s)
+
+
+def test_a_cross_region_channel_routes_each_region_to_the_other():
+    # one channel on its own: softmax_j(q_i k_j) must put most of row i on the other region
+    q = torch.tensor([[2.0], [1.5], [-1.0], [-2.5], [-0.5]])
+    k = torch.tensor([[-1.0], [-2.0], [1.5], [1.0], [2.0]])
+    assert cross_region_score(q, k).item() > 0.9
+    rows = (q @ k.T).softmax(-1)
+    region = q[:, 0] > 0
+    other = (rows * (region[None, :] != region[:, None])).sum(-1)
+    assert bool((other > 0.5).all())
