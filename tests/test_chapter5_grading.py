@@ -178,3 +178,26 @@ def test_object_gaps_measures_the_shortest_pixel_distance():
     assert ch.object_gaps(masks)[0] == 0
     with pytest.raises(ValueError, match="S x 2"):
         ch.object_gaps(masks[:, :1])
+
+
+def test_answers_without_hidden_tokens_equal_a_model_that_never_saw_them(lxmert, scenes, x):
+    """Hiding image tokens by the attention mask = deleting them from the input (LXMERT has no
+    position embedding but the boxes, so the remaining tokens carry all the image gives it)."""
+    qs = make_questions(scenes, seed=11, per_scene=2)
+    n = 49
+    g = torch.Generator().manual_seed(0)
+    drop = torch.rand(len(qs), n, generator=g) < 0.3
+    got = ch.lxmert_answers_without(lxmert, x, qs, drop, batch_size=5)
+    none = ch.lxmert_answers_without(lxmert, x, qs, torch.zeros(len(qs), n, dtype=torch.bool))
+    ids, mask = lxmert.encode(list(qs.text))
+    with torch.no_grad():
+        for q in range(len(qs)):
+            feats, boxes = lxmert.visual_inputs(x[qs.scene[q]][None])
+            keep = ~drop[q]
+            a, m = ids[q:q + 1], mask[q:q + 1]
+            out = lxmert(input_ids=a, attention_mask=m, visual_feats=feats[:, keep], visual_pos=boxes[:, keep])
+            assert int(got[q]) == int(out.question_answering_score.argmax())
+            full = lxmert(pixel_values=x[qs.scene[q]][None], input_ids=a, attention_mask=m)
+            assert int(none[q]) == int(full.question_answering_score.argmax())
+    with pytest.raises(ValueError, match="Q x N"):
+        ch.lxmert_answers_without(lxmert, x, qs, drop[:, :5])

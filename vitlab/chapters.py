@@ -329,16 +329,33 @@ def lxmert_method_maps(model, x: torch.Tensor, questions, methods=BIMODAL_METHOD
     ids, mask = model.encode(list(questions.text))
     scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
     grid = tuple(int(g) for g in model.backbone.patch_embed.grid_size)
+    feats, pos = _scene_features(model, x, batch_size)
     out = {}
     for name in methods:
         parts = []
         for s in _batches(len(questions), batch_size):
-            inputs = dict(pixel_values=x[scene[s]], input_ids=ids[s], attention_mask=mask[s])
-            parts.append(table[name](model, inputs))
+            if name == "relevance + backbone":  # relevance through the ViT: the pixels go in
+                images = dict(pixel_values=x[scene[s]])
+            else:  # the frozen ViT's tokens, computed once per scene, are the same input
+                images = dict(visual_feats=feats[scene[s]], visual_pos=pos[scene[s]])
+            parts.append(table[name](model, dict(input_ids=ids[s], attention_mask=mask[s], **images)))
         image = torch.cat([p.image for p in parts]).reshape(len(questions), *grid)
         out[name] = BimodalMaps(image, torch.cat([p.text for p in parts]),
                                 torch.cat([p.target for p in parts]), torch.cat([p.logits for p in parts]))
     return out
+
+
+def _scene_features(model, x: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shapes-lxmert``'s visual inputs for every scene, once: ``(feats S x N x C, boxes S x N x 4)``."""
+    from vitlab.record import eval_mode
+
+    feats, pos = [], []
+    with torch.no_grad(), eval_mode(model):
+        for s in _batches(x.shape[0], batch_size):
+            f, p = model.visual_inputs(x[s])
+            feats.append(f)
+            pos.append(p)
+    return torch.cat(feats), torch.cat(pos)
 
 
 class QuestionGrades(NamedTuple):
@@ -555,17 +572,19 @@ def text_occlusion(model, x: torch.Tensor, questions, batch_size: int = 100) -> 
     scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
     word = (mask == 1) & (ids != tok.cls_id) & (ids != tok.sep_id)
     out = torch.full(ids.shape, float("nan"))
+    feats, boxes = _scene_features(model, x, batch_size)
     with torch.no_grad(), eval_mode(model):
         for s in _batches(len(questions), batch_size):
-            xb, ib, mb = x[scene[s]], ids[s], mask[s]
-            logits = model(pixel_values=xb, input_ids=ib, attention_mask=mb).question_answering_score
+            ib, mb = ids[s], mask[s]
+            xb = dict(visual_feats=feats[scene[s]], visual_pos=boxes[scene[s]])
+            logits = model(input_ids=ib, attention_mask=mb, **xb).question_answering_score
             answer = logits.argmax(-1, keepdim=True)
             base = logits.gather(1, answer)[:, 0]
             for pos in torch.nonzero(word[s].any(0)).flatten().tolist():
                 rows = word[s][:, pos]
                 ib2 = ib.clone()
                 ib2[rows, pos] = tok.unk_id
-                occluded = model(pixel_values=xb[rows], input_ids=ib2[rows], attention_mask=mb[rows])
+                occluded = model(input_ids=ib2[rows], attention_mask=mb[rows], **{k: v[rows] for k, v in xb.items()})
                 drop = base[rows] - occluded.question_answering_score.gather(1, answer[rows])[:, 0]
                 out[torch.arange(s.start, s.stop)[rows], pos] = drop.float().cpu()
     return out
@@ -581,3 +600,30 @@ def top_token_is(scores: torch.Tensor, positions, valid=None) -> np.ndarray:
         s[~torch.as_tensor(valid, dtype=torch.bool)] = float("-inf")
     pos = np.asarray(positions)
     return (s.argmax(-1).numpy() == pos) & (pos >= 0)
+
+
+def lxmert_answers_without(model, x: torch.Tensor, questions, drop, batch_size: int = 100) -> torch.Tensor:
+    """``shapes-lxmert``'s answers when some image tokens are hidden from it: ``Q`` answer ids.
+
+    ``drop``: ``Q x N`` bool, the image tokens (patches) question q may not see; they are
+    masked out of every attention to the image (``visual_attention_mask`` = 0), as if they
+    were not there. A faithfulness test for image maps: hide the patch a map calls most
+    relevant and see whether the answer changes. ``x``, ``questions`` as
+    :func:`lxmert_method_maps`.
+    """
+    from vitlab.record import eval_mode
+
+    drop = torch.as_tensor(drop, dtype=torch.bool)
+    feats, boxes = _scene_features(model, x, batch_size)
+    if drop.shape != (len(questions), feats.shape[1]):
+        raise ValueError(f"drop must be Q x N = {len(questions)} x {feats.shape[1]} (questions x image tokens), "
+                         f"got {tuple(drop.shape)}")
+    ids, mask = model.encode(list(questions.text))
+    scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
+    out = []
+    with torch.no_grad(), eval_mode(model):
+        for s in _batches(len(questions), batch_size):
+            logits = model(input_ids=ids[s], attention_mask=mask[s], visual_feats=feats[scene[s]],
+                           visual_pos=boxes[scene[s]], visual_attention_mask=(~drop[s]).to(feats.dtype))
+            out.append(logits.question_answering_score.argmax(-1))
+    return torch.cat(out)
