@@ -447,22 +447,29 @@ def detr_detections(model, x: torch.Tensor, threshold: float = 0.9, batch_size: 
 def detr_method_maps(model, x: torch.Tensor, queries, methods=BIMODAL_METHODS, batch_size: int = 100) -> dict:
     """Every method's map of every given query: method -> ``D x gh x gw`` (detections in image
     order, then query order). ``queries``: one list of query indices per image of ``x`` (e.g.
-    ``[d["queries"] for d in detr_detections(...)]``); batches whose images have none are
-    skipped. The ``relevance + backbone`` maps lie on the backbone's patch grid, the others on
-    DETR's feature grid (the same grid for ``shapes-detr``)."""
+    ``[d["queries"] for d in detr_detections(...)]``). The ``relevance + backbone`` maps lie on
+    the backbone's patch grid, the others on DETR's feature grid (the same grid for
+    ``shapes-detr``).
+
+    The gradient methods run one backward per batch with K slots, K = the most detections of
+    any image in the batch; so the images are batched by their number of detections (fewest
+    first; images without any are skipped), which keeps K close to every image's own count.
+    """
     methods = _checked_methods(methods)
     table = _detr_methods()
     queries = [torch.as_tensor(q, dtype=torch.long).reshape(-1) for q in queries]
     if len(queries) != x.shape[0]:
         raise ValueError(f"queries must hold one list per image: {len(queries)} lists for {x.shape[0]} images")
+    counts = np.array([len(q) for q in queries])
+    order = [i for i in np.argsort(counts, kind="stable") if counts[i] > 0]
     out = {}
     for name in methods:
-        parts = []
-        for s in _batches(x.shape[0], batch_size):
-            qs = queries[s]
-            if not any(len(q) for q in qs):
-                continue
-            parts += [d.maps for d in table[name](model, x[s], queries=qs)]
+        per_image: list[torch.Tensor | None] = [None] * len(queries)
+        for s in _batches(len(order), batch_size):
+            idx = order[s]
+            for i, d in zip(idx, table[name](model, x[idx], queries=[queries[i] for i in idx])):
+                per_image[i] = d.maps
+        parts = [m for m in per_image if m is not None]
         out[name] = torch.cat(parts) if parts else torch.zeros(0)
     return out
 
