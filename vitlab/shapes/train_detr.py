@@ -254,7 +254,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(DETR_PATH), help="where to write the safetensors weights ('' to skip)")
     p.add_argument("--report", default=str(DETR_PATH.with_suffix(".json")),
                    help="where to write training history and held-out evaluation as JSON ('' to skip)")
-    p.add_argument("--steps", type=int, default=2500, help="optimiser steps")
+    p.add_argument("--steps", type=int, default=3600, help="optimiser steps")
     p.add_argument("--batch", type=int, default=32, help="scenes per step")
     p.add_argument("--chunk", type=int, default=512, help="scenes generated (and encoded by the backbone) at a time")
     p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
