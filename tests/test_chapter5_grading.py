@@ -201,3 +201,18 @@ def test_answers_without_hidden_tokens_equal_a_model_that_never_saw_them(lxmert,
             assert int(none[q]) == int(full.question_answering_score.argmax())
     with pytest.raises(ValueError, match="Q x N"):
         ch.lxmert_answers_without(lxmert, x, qs, drop[:, :5])
+
+
+def test_precomputed_scene_features_give_the_same_results(lxmert, scenes, x):
+    qs = make_questions(scenes, seed=13, per_scene=2)
+    features = ch.lxmert_scene_features(lxmert, x, batch_size=4)
+    assert features[0].shape[:2] == (len(x), 49) and features[1].shape == (len(x), 49, 4)
+    drop = torch.zeros(len(qs), 49, dtype=torch.bool)
+    drop[:, :10] = True
+    assert torch.equal(ch.lxmert_answers_without(lxmert, x, qs, drop, features=features),
+                       ch.lxmert_answers_without(lxmert, x, qs, drop))
+    torch.testing.assert_close(ch.text_occlusion(lxmert, x, qs, features=features), ch.text_occlusion(lxmert, x, qs),
+                               equal_nan=True)
+    a = ch.lxmert_method_maps(lxmert, x, qs, methods=("relevance",), features=features)["relevance"]
+    b = ch.lxmert_method_maps(lxmert, x, qs, methods=("relevance",))["relevance"]
+    torch.testing.assert_close(a.image, b.image)

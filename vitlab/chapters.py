@@ -312,7 +312,7 @@ def named_word_positions(tokenizer, questions) -> np.ndarray:
 
 
 def lxmert_method_maps(model, x: torch.Tensor, questions, methods=BIMODAL_METHODS,
-                       batch_size: int = 100) -> dict:
+                       batch_size: int = 100, features=None) -> dict:
     """Image and text maps of every method for every question about the scenes ``x``.
 
     ``model``: ``shapes-lxmert``; ``x``: ``S x 3 x H x W`` preprocessed scenes; ``questions``:
@@ -329,7 +329,7 @@ def lxmert_method_maps(model, x: torch.Tensor, questions, methods=BIMODAL_METHOD
     ids, mask = model.encode(list(questions.text))
     scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
     grid = tuple(int(g) for g in model.backbone.patch_embed.grid_size)
-    feats, pos = _scene_features(model, x, batch_size)
+    feats, pos = lxmert_scene_features(model, x, batch_size) if features is None else features
     out = {}
     for name in methods:
         parts = []
@@ -345,8 +345,10 @@ def lxmert_method_maps(model, x: torch.Tensor, questions, methods=BIMODAL_METHOD
     return out
 
 
-def _scene_features(model, x: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``shapes-lxmert``'s visual inputs for every scene, once: ``(feats S x N x C, boxes S x N x 4)``."""
+def lxmert_scene_features(model, x: torch.Tensor, batch_size: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shapes-lxmert``'s visual inputs for every scene, once: ``(feats S x N x C, boxes S x N x 4)``
+    (the frozen ViT's tokens and their grid boxes). The functions below that take ``features=``
+    accept them, so that several calls on the same scenes run the ViT once."""
     from vitlab.record import eval_mode
 
     feats, pos = [], []
@@ -563,7 +565,7 @@ def object_gaps(masks) -> np.ndarray:
     return out
 
 
-def text_occlusion(model, x: torch.Tensor, questions, batch_size: int = 100) -> torch.Tensor:
+def text_occlusion(model, x: torch.Tensor, questions, batch_size: int = 100, features=None) -> torch.Tensor:
     """How much each word of each question matters to the answer: the drop of the answer's
     logit when that word is replaced by ``[UNK]`` (a faithfulness test for text maps).
 
@@ -579,7 +581,7 @@ def text_occlusion(model, x: torch.Tensor, questions, batch_size: int = 100) -> 
     scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
     word = (mask == 1) & (ids != tok.cls_id) & (ids != tok.sep_id)
     out = torch.full(ids.shape, float("nan"))
-    feats, boxes = _scene_features(model, x, batch_size)
+    feats, boxes = lxmert_scene_features(model, x, batch_size) if features is None else features
     with torch.no_grad(), eval_mode(model):
         for s in _batches(len(questions), batch_size):
             ib, mb = ids[s], mask[s]
@@ -609,7 +611,8 @@ def top_token_is(scores: torch.Tensor, positions, valid=None) -> np.ndarray:
     return (s.argmax(-1).numpy() == pos) & (pos >= 0)
 
 
-def lxmert_answers_without(model, x: torch.Tensor, questions, drop, batch_size: int = 100) -> torch.Tensor:
+def lxmert_answers_without(model, x: torch.Tensor, questions, drop, batch_size: int = 100,
+                           features=None) -> torch.Tensor:
     """``shapes-lxmert``'s answers when some image tokens are hidden from it: ``Q`` answer ids.
 
     ``drop``: ``Q x N`` bool, the image tokens (patches) question q may not see; they are
@@ -621,7 +624,7 @@ def lxmert_answers_without(model, x: torch.Tensor, questions, drop, batch_size: 
     from vitlab.record import eval_mode
 
     drop = torch.as_tensor(drop, dtype=torch.bool)
-    feats, boxes = _scene_features(model, x, batch_size)
+    feats, boxes = lxmert_scene_features(model, x, batch_size) if features is None else features
     if drop.shape != (len(questions), feats.shape[1]):
         raise ValueError(f"drop must be Q x N = {len(questions)} x {feats.shape[1]} (questions x image tokens), "
                          f"got {tuple(drop.shape)}")

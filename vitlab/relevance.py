@@ -519,11 +519,18 @@ def _checked_lxmert_inputs(model, inputs, method: str) -> tuple[dict, int]:
     return dict(inputs), int(batch)
 
 
-def _recorded_forward(model, kwargs: dict, grad: bool):
+def _recorded_forward(model, kwargs: dict, grad: bool, method: str, through_pixels: bool = False):
     """One forward of ``model(**kwargs)`` inside :func:`vitlab.record` (attention only, eval
-    mode): ``(rec, output)``; with ``grad`` the attentions stay in the autograd graph."""
+    mode): ``(rec, output)``; with ``grad`` the attentions stay in the autograd graph.
+    ``through_pixels``: the images go in as a copy that requires grad, so that a frozen
+    backbone's attention joins the graph too (relevance through the backbone)."""
     from vitlab.record import record
 
+    if through_pixels:
+        x = kwargs["pixel_values"]
+        kwargs = {**kwargs, "pixel_values": (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)}
+    if grad:
+        _require_gradients_possible(method)
     context = torch.enable_grad() if grad else torch.no_grad()
     with context, record(model, detach=not grad, eval_mode=True, capture=("attention",)) as rec:
         out = model(**kwargs)
@@ -611,15 +618,10 @@ def _lxmert_forward(model, inputs, method: str, grad: bool, backbone: bool = Fal
     """Checks, then one recorded forward: ``(rec, logits)``."""
     _require_family(model, "lxmert", method)
     kwargs, _ = _checked_lxmert_inputs(model, inputs, method)
-    if backbone:
-        if "pixel_values" not in kwargs:
-            raise ValueError(f"{method}(backbone=True) needs the images as inputs['pixel_values'] (the backbone "
-                             "runs inside the model); with region features there is no backbone to go through")
-        x = kwargs["pixel_values"]
-        kwargs["pixel_values"] = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
-    if grad:
-        _require_gradients_possible(method)
-    rec, out = _recorded_forward(model, kwargs, grad)
+    if backbone and "pixel_values" not in kwargs:
+        raise ValueError(f"{method}(backbone=True) needs the images as inputs['pixel_values'] (the backbone "
+                         "runs inside the model); with region features there is no backbone to go through")
+    rec, out = _recorded_forward(model, kwargs, grad, method, through_pixels=backbone)
     logits = getattr(out, "question_answering_score", None)
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{method} explains an answer score, but {type(model).__name__} returned no "
@@ -781,13 +783,9 @@ def _detr_forward(model, pixel_values, pixel_mask, method: str, grad: bool, back
     if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4:
         got = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
         raise ValueError(f"{method}: pixel_values must be a tensor B x 3 x H x W, got {got}")
-    x = pixel_values
-    if backbone:  # a copy of the images requires grad: the frozen backbone's attention joins the graph
-        x = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
-    if grad:
-        _require_gradients_possible(method)
-    kwargs = {"pixel_values": x} if pixel_mask is None else {"pixel_values": x, "pixel_mask": pixel_mask}
-    rec, out = _recorded_forward(model, kwargs, grad)
+    kwargs = {"pixel_values": pixel_values} if pixel_mask is None else {"pixel_values": pixel_values,
+                                                                       "pixel_mask": pixel_mask}
+    rec, out = _recorded_forward(model, kwargs, grad, method, through_pixels=backbone)
     logits = getattr(out, "logits", None)
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{method} explains detections, but {type(model).__name__} returned no class logits: "
