@@ -1,0 +1,294 @@
+"""Adapters for ViTs: timm ``VisionTransformer`` models and Hugging Face ViT, DeiT and Dinov2
+(and a ViT backbone inside a bimodal or detection model)."""
+from __future__ import annotations
+
+
+import torch
+from torch import nn
+
+from vitlab.layout import is_hf_model, is_timm_vit, token_layout
+from vitlab.record._session import AttentionCapture, _Session, _split_heads
+
+
+# Blocks whose second norm does not read the residual stream after the attention sublayer
+# (post-norm, parallel attention + MLP): their residual states are not recorded.
+_NOT_PRE_NORM = ("ResPostBlock", "ParallelScalingBlock", "ParallelThingsBlock")
+
+
+def _attach_residual(s: _Session, block: nn.Module, block_name: str) -> None:
+    """Hooks for ``residual=True``: the block's input and the input of its second norm (the
+    residual stream after the attention sublayer, in a pre-norm block)."""
+    norm2 = next((getattr(block, n) for n in ("norm2", "layernorm_after") if isinstance(getattr(block, n, None), nn.Module)), None)
+    if norm2 is None or type(block).__name__ in _NOT_PRE_NORM:
+        raise TypeError(
+            f"block {block_name} ({type(block).__name__}) is not a pre-norm block with a second norm "
+            "(norm2 / layernorm_after) reading the residual stream, so its residual states cannot be recorded"
+        )
+
+    def first_arg(args, kwargs):
+        return args[0] if args else next(iter(kwargs.values()))
+
+    s.hook(block, lambda mod, args, kwargs: s.rec.block_inputs.append(s.keep(first_arg(args, kwargs))),
+           pre=True, with_kwargs=True)
+    s.hook(norm2, lambda mod, args, kwargs: s.rec.mid_states.append(s.keep(first_arg(args, kwargs))),
+           pre=True, with_kwargs=True)
+
+
+def _edit_bias(s: _Session, layer: int, hidden: torch.Tensor, existing: torch.Tensor | None) -> torch.Tensor | None:
+    """The additive attention bias for block ``layer`` under ``s.attention_edit`` (None: no edit).
+
+    The edit returns a boolean mask of allowed query -> key pairs, ``N x N`` or anything that
+    broadcasts to ``B x heads x N x N`` (True = allowed), or None for no edit in this block;
+    disallowed pairs get -inf added to their logits before the softmax, on top of any mask
+    the caller passed (``existing``)."""
+    B, N = hidden.shape[0], hidden.shape[1]
+    allowed = s.attention_edit(layer, N)
+    if allowed is None:
+        return existing
+    allowed = torch.as_tensor(allowed, device=hidden.device)
+    if allowed.dtype != torch.bool:
+        raise TypeError(f"attention_edit must return a boolean mask (True = allowed), got dtype {allowed.dtype}")
+    if allowed.shape[-2:] != (N, N):
+        raise ValueError(f"attention_edit returned a mask of shape {tuple(allowed.shape)}; its last two dims must be {N} x {N}")
+    if not bool(allowed.any(dim=-1).all()):
+        raise ValueError(f"attention_edit: block {layer} has a query allowed to attend to no key (its softmax is undefined)")
+    while allowed.ndim < 4:
+        allowed = allowed.unsqueeze(0)
+    bias = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(~allowed, float("-inf"))
+    if existing is not None:
+        if existing.dtype == torch.bool:
+            existing = torch.zeros_like(existing, dtype=hidden.dtype).masked_fill(~existing, float("-inf"))
+        bias = bias + existing
+    return bias
+
+
+def _timm_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(block name, block, attention module) for every timm Attention-like block."""
+    found = []
+    for name, block in model.named_modules():
+        attn = getattr(block, "attn", None)
+        if (
+            isinstance(attn, nn.Module)
+            and hasattr(attn, "fused_attn")
+            and isinstance(getattr(attn, "attn_drop", None), nn.Module)
+            and hasattr(attn, "qkv")
+            and hasattr(attn, "num_heads")
+        ):
+            found.append((name, block, attn))
+    return found
+
+
+def _mlp_activation_module(block: nn.Module) -> nn.Module | None:
+    mlp = getattr(block, "mlp", None)
+    if mlp is None:
+        return None
+    for attr in ("act", "activation", "activation_fn", "intermediate_act_fn"):
+        m = getattr(mlp, attr, None)
+        if isinstance(m, nn.Module):
+            return m
+    return None
+
+
+def _attach_timm(model: nn.Module, s: _Session, mlp: bool, blocks, stream: str = "self",
+                 modality: str = "image") -> None:
+    want = s.capture
+    # the eager path only where the attention matrix is read or edited; Q, K, V and hidden
+    # states are the same on the fused path, which materialises no N x N matrix
+    eager = "attention" in want or s.attention_edit is not None
+    qkv_fields = want & {"query", "key", "value"}
+    s.rec.streams.setdefault(stream, [])
+    for index, (block_name, block, attn) in enumerate(blocks):
+        if eager:
+            s.set_attr(attn, "fused_attn", False)
+        if s.residual:
+            _attach_residual(s, block, block_name)
+        if s.attention_edit is not None:
+            def edit(mod, args, kwargs, index=index):
+                kwargs = dict(kwargs)
+                kwargs["attn_mask"] = _edit_bias(s, index, args[0] if args else kwargs["x"], kwargs.get("attn_mask"))
+                return args, kwargs
+            s.hook(attn, edit, pre=True, with_kwargs=True)
+        current: dict[str, AttentionCapture] = {}
+        H = attn.num_heads
+
+        # Q and K as the attention uses them: after q_norm / k_norm. When those are identities
+        # (most ViTs) they are read straight from the qkv output, with two hooks fewer per block.
+        q_plain = isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)
+
+        def new_capture(current=current, block_name=block_name, index=index) -> AttentionCapture:
+            cap = current["cap"] = s.open_capture(stream, f"{block_name}.attn", modality, modality, layer=index)
+            return cap
+
+        # timm calls qkv, then q_norm / k_norm, then attn_drop: the first hooked one opens the capture
+        def on_qkv(mod, inp, out, H=H, q_plain=q_plain, new_capture=new_capture):
+            cap = new_capture()
+            B, N, C3 = out.shape
+            # qkv: B x N x (3 * heads * head_dim) -> 3 x B x heads x N x head_dim
+            q, k, v = out.reshape(B, N, 3, H, C3 // (3 * H)).permute(2, 0, 3, 1, 4).unbind(0)
+            if "value" in want:
+                cap.value = s.keep(v)
+            if q_plain:
+                if "query" in want:
+                    cap.query = s.keep(q)
+                if "key" in want:
+                    cap.key = s.keep(k)
+
+        def on_q(mod, inp, out, current=current):
+            current["cap"].query = s.keep(out)
+
+        def on_k(mod, inp, out, current=current):
+            current["cap"].key = s.keep(out)
+
+        def on_drop(mod, inp, out, current=current, new_capture=new_capture):
+            cap = current["cap"] if qkv_fields else new_capture()
+            # after dropout (the identity in eval mode): what multiplies V, as Hugging Face records
+            s.capture_attention(cap, out, out)
+
+        if qkv_fields:
+            s.hook(attn.qkv, on_qkv)
+            if not q_plain and "query" in want:
+                s.hook(attn.q_norm, on_q)
+            if not q_plain and "key" in want:
+                s.hook(attn.k_norm, on_k)
+        if "attention" in want:
+            s.hook(attn.attn_drop, on_drop)
+        if "hidden" in want:
+            s.hook(block, lambda mod, inp, out: s.rec._hidden_states.append(s.keep(out)))
+        if mlp:
+            act = _mlp_activation_module(block)
+            if act is None:
+                raise TypeError(f"block {block_name} has no MLP activation module to record")
+            s.hook(act, lambda mod, inp, out: s.rec.mlp_activations.append(s.keep(out)))
+
+
+def _hf_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """(layer name, layer, attention) for HF ViT-family layers (q_proj/k_proj/v_proj style)."""
+    found = []
+    for name, layer in model.named_modules():
+        attn = getattr(layer, "attention", None)
+        if isinstance(attn, nn.Module) and all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj")):
+            found.append((name, layer, attn))
+    return found
+
+
+def _hf_configs(model: nn.Module) -> list:
+    seen, configs = set(), []
+    todo = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        configs.append(c)
+        for key in getattr(c, "sub_configs", {}) or {}:
+            sub = getattr(c, key, None)
+            if sub is not None:
+                todo.append(sub)
+    return configs
+
+
+def _hf_heads(attn: nn.Module) -> int:
+    return int(attn.num_attention_heads if hasattr(attn, "num_attention_heads") else attn.config.num_attention_heads)
+
+
+def _attach_hf(model: nn.Module, s: _Session, mlp: bool, layers, stream: str = "self",
+               modality: str = "image") -> None:
+    want = s.capture
+    if "attention" in want or s.attention_edit is not None:  # SDPA returns no attention weights
+        for config in _hf_configs(model):
+            # set the internal attribute directly: no recursion, exact restore
+            s.set_attr(config, "_attn_implementation_internal", "eager")
+    qkv_fields = want & {"query", "key", "value"}
+    s.rec.streams.setdefault(stream, [])
+    for index, (layer_name, layer, attn) in enumerate(layers):
+        H = _hf_heads(attn)
+        if s.residual:
+            _attach_residual(s, layer, layer_name)
+        if s.attention_edit is not None:
+            def edit(mod, args, kwargs, index=index):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                if len(args) > 1:
+                    args = (args[0], _edit_bias(s, index, hidden, args[1]), *args[2:])
+                else:
+                    kwargs = dict(kwargs)
+                    kwargs["attention_mask"] = _edit_bias(s, index, hidden, kwargs.get("attention_mask"))
+                return args, kwargs
+            s.hook(attn, edit, pre=True, with_kwargs=True)
+        current: dict[str, AttentionCapture] = {}
+
+        def new_capture(current=current, layer_name=layer_name, index=index) -> AttentionCapture:
+            cap = current["cap"] = s.open_capture(stream, f"{layer_name}.attention", modality, modality,
+                                                  layer=index)
+            return cap
+
+        def on_q(mod, inp, out, current=current, H=H):
+            current["cap"].query = s.keep(_split_heads(out, H))
+
+        def on_k(mod, inp, out, current=current, H=H):
+            current["cap"].key = s.keep(_split_heads(out, H))
+
+        def on_v(mod, inp, out, current=current, H=H):
+            current["cap"].value = s.keep(_split_heads(out, H))
+
+        def on_attn(mod, inp, out, current=current, new_capture=new_capture):
+            weights = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if weights is None:
+                raise RuntimeError(f"{type(mod).__name__} returned no attention weights in eager mode")
+            # eager_attention_forward returns the (post-dropout) matrix it multiplied with V;
+            # in eval mode that is the post-softmax attention itself.
+            s.capture_attention(current["cap"] if qkv_fields else new_capture(), weights, weights)
+
+        if qkv_fields:  # the capture opens when the attention module is entered
+            def open_capture(mod, args, new_capture=new_capture):
+                new_capture()  # and return None: a pre-hook's return value would replace the input
+
+            s.hook(attn, open_capture, pre=True)
+            for name, fn in (("query", on_q), ("key", on_k), ("value", on_v)):
+                if name in want:
+                    s.hook(getattr(attn, name[0] + "_proj"), fn)
+        if "attention" in want:
+            s.hook(attn, on_attn)
+        if "hidden" in want:
+            s.hook(layer, lambda mod, inp, out: s.rec._hidden_states.append(
+                s.keep(out[0] if isinstance(out, tuple) else out)))
+        if mlp:
+            act = _mlp_activation_module(layer)
+            if act is None:
+                raise TypeError(f"layer {layer_name} has no MLP activation module to record")
+            s.hook(act, lambda mod, inp, out: s.rec.mlp_activations.append(s.keep(out)))
+
+
+def _prefixed(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _backbone_vit(where: nn.Module, prefix: str):
+    """``(vit, attach, found)`` for the first supported ViT inside ``where`` (whose path in
+    the model is ``prefix``), block names given from the model's root; or None."""
+    for name, m in where.named_modules():
+        for is_family, modules, attach in ((is_timm_vit, _timm_attention_modules, _attach_timm),
+                                           (is_hf_model, _hf_attention_modules, _attach_hf)):
+            found = modules(m) if is_family(m) else []
+            if found:
+                root = _prefixed(prefix, name)
+                return m, attach, [(_prefixed(root, n), block, attn) for n, block, attn in found]
+    return None
+
+
+def _attach_backbone(s: _Session, where: nn.Module, prefix: str) -> None:
+    """Record the self-attention of a supported ViT inside ``where`` (a backbone feeding the
+    model its image tokens) as the ``backbone`` stream, modality ``backbone``; ``rec.layout``
+    becomes that ViT's token layout. Nothing when there is none."""
+    vit = _backbone_vit(where, prefix)
+    if vit is None:
+        return
+    vit_module, attach_vit, found_vit = vit
+    attach_vit(vit_module, s, False, found_vit, stream="backbone", modality="backbone")
+    s.rec.modalities = (*s.rec.modalities, "backbone")
+
+    def on_vit_input(mod, args, kwargs):
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        s.rec.layout = token_layout(vit_module, x if isinstance(x, torch.Tensor) and x.ndim == 4 else None)
+
+    s.hook(vit_module, on_vit_input, pre=True, with_kwargs=True)
+    s.rec.layout = token_layout(vit_module)

@@ -1,0 +1,217 @@
+"""Relevance and the paper's baselines for Hugging Face DETR (encoder-decoder; chapter 5)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vitlab.relevance._common import (
+    DetectionMaps, _attention_grads, _backbone_prefix, _events, _last, _recorded_forward,
+    _require_family, _rollout, _sizes, attention_matrix_gradcam,
+)
+from vitlab.relevance.engine import propagate, read_rows
+
+
+# --- DETR ------------------------------------------------------------------------------------------
+def _detr_forward(model, pixel_values, pixel_mask, method: str, grad: bool, backbone: bool = False):
+    """Checks, then one recorded forward: ``(rec, logits B x queries x (classes + 1))``."""
+    _require_family(model, "detr", method)
+    if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4:
+        got = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
+        raise ValueError(f"{method}: pixel_values must be a tensor B x 3 x H x W, got {got}")
+    kwargs = {"pixel_values": pixel_values} if pixel_mask is None else {"pixel_values": pixel_values,
+                                                                       "pixel_mask": pixel_mask}
+    rec, out = _recorded_forward(model, kwargs, grad, method, through_pixels=backbone)
+    logits = getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{method} explains detections, but {type(model).__name__} returned no class logits: "
+                        "use DetrForObjectDetection")
+    return rec, logits
+
+
+def _detr_queries(logits: torch.Tensor, queries, threshold: float, method: str):
+    """Per image ``(queries, labels, probabilities)`` to explain (see :func:`detr_relevance`)."""
+    B, Q, _ = logits.shape
+    probs = logits.detach().softmax(-1)[..., :-1]  # the last class is "no object"
+    best, labels = probs.max(-1)  # B x Q
+    if queries is None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+            raise ValueError(f"{method}: threshold must be a probability in [0, 1), got {threshold!r}")
+        chosen = [torch.nonzero(best[b] > threshold).flatten() for b in range(B)]
+        if not any(len(c) for c in chosen):
+            raise ValueError(
+                f"{method}: no object detected: no query's best class has a probability above threshold={threshold} "
+                f"in any image (highest: {float(best.max()):.3f}); lower threshold or pass queries=[...]")
+    else:
+        chosen = [c.to(best.device) for c in _checked_queries(queries, B, Q, method)]
+    return [(c, labels[b, c], best[b, c]) for b, c in enumerate(chosen)]
+
+
+def _checked_queries(queries, B: int, Q: int, method: str) -> list[torch.Tensor]:
+    def as_indices(v, where):
+        t = torch.as_tensor(v) if not (isinstance(v, Sequence) and len(v) == 0) else torch.zeros(0, dtype=torch.long)
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.ndim > 1:
+            raise ValueError(f"{method}: {where} must be query indices (ints), got {v!r}")
+        t = t.reshape(-1).long()
+        if t.numel() and (t.min() < 0 or t.max() >= Q):
+            raise ValueError(f"{method}: {where} holds query {int(t[(t < 0) | (t >= Q)][0])}; the model has "
+                             f"queries 0 .. {Q - 1}")
+        return t
+
+    def is_index(v):
+        return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, torch.Tensor) and v.ndim == 0)
+
+    usage = "an int or a list of ints (the same queries in every image), or one list per image"
+    if is_index(queries) or (isinstance(queries, torch.Tensor) and queries.ndim == 1):
+        per_image = [as_indices(queries, "queries")] * B
+    elif isinstance(queries, (Sequence, torch.Tensor)) and not isinstance(queries, (str, bytes)):
+        if all(is_index(v) for v in queries):
+            per_image = [as_indices(list(queries), "queries")] * B
+        elif len(queries) != B:
+            raise ValueError(f"{method}: queries has {len(queries)} lists for a batch of {B} images")
+        else:
+            per_image = [as_indices(q, f"queries[{b}]") for b, q in enumerate(queries)]
+    else:
+        raise ValueError(f"{method}: queries must be {usage}, got {queries!r}")
+    if not any(len(q) for q in per_image):
+        raise ValueError(f"{method}: queries selects no query in any image")
+    return per_image
+
+
+def _slot_grad_output(logits: torch.Tensor, found) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The K scores of one batched backward: slot k holds, for every image b, the logit of its
+    k-th explained query's class (zero weights where the image has fewer than k + 1).
+    Returns ``(grad_output K x B x Q x C, query index K x B, K)``."""
+    B = logits.shape[0]
+    K = max(len(q) for q, _, _ in found)
+    grad_output = torch.zeros(K, *logits.shape, dtype=logits.dtype, device=logits.device)
+    index = torch.zeros(K, B, dtype=torch.long, device=logits.device)
+    for b, (q, labels, _) in enumerate(found):
+        k = torch.arange(len(q), device=logits.device)
+        grad_output[k, b, q.to(logits.device), labels.to(logits.device)] = 1
+        index[k, b] = q.to(logits.device)
+    return grad_output, index, K
+
+
+def _per_image(found, rows: torch.Tensor, grid) -> list[DetectionMaps]:
+    """``rows``: ``K x B x tokens`` (slot k of image b) -> one :class:`DetectionMaps` per image."""
+    out = []
+    for b, (q, labels, probs) in enumerate(found):
+        maps = rows[: len(q), b].reshape(len(q), *grid)
+        out.append(DetectionMaps(q, labels, probs, maps))
+    return out
+
+
+def _detr_grads(logits, found, captures, method):
+    grad_output, index, K = _slot_grad_output(logits, found)
+    if K == 1:  # one query per image: a plain backward
+        grads = _attention_grads(logits, grad_output[0], captures, batched=False, method=method)
+        grads = [None if g is None else g.unsqueeze(0) for g in grads]
+    else:
+        grads = _attention_grads(logits, grad_output, captures, batched=True, method=method)
+    return grads, index, K
+
+
+def detr_relevance(model, pixel_values: torch.Tensor, queries=None, threshold: float = 0.9,
+                   pixel_mask: torch.Tensor | None = None, backbone: bool = False) -> list[DetectionMaps]:
+    """Generic attention relevance of each detected object of DETR (Chefer, Gur & Wolf 2021).
+
+    For each image and each explained object query j with best class c (the "no object"
+    class left out): the row ``R^{qi}[j]`` after :func:`propagate` over the encoder's
+    self-attention and, per decoder layer, the queries' self-attention and their
+    cross-attention to the image tokens, for the score ``logit[j, c]``, on the feature grid.
+
+    Several queries of one image need several gradients (the score differs per query, and
+    so does every layer's eq. 5 weighting). Instead of repeating the image as batch items (K
+    forwards' worth of work for K queries), this runs **one forward** for the batch and
+    **one backward call** with K stacked scores (``torch.autograd.grad(...,
+    is_grads_batched=True)``, vmapped over the score: slot k explains the k-th query of every
+    image at once, images being independent), then propagates the K x B relevance problems
+    as one batch. K = the most queries any image has; with K = 1 it is a plain backward.
+
+    Args:
+        model: ``DetrForObjectDetection`` (e.g. ``facebook/detr-resnet-50`` or vitlab's
+            ``shapes-detr``), run in eval mode; left exactly as it was.
+        pixel_values: ``B x 3 x H x W``, preprocessed images.
+        queries: None (every query whose best class probability exceeds ``threshold``, as
+            DETR's demo keeps them), or the queries to explain: an int or a list of ints for
+            every image, or one list per image.
+        threshold: the probability a detection must exceed (default 0.9, the paper's).
+        pixel_mask: DETR's optional ``B x H x W`` mask of valid pixels.
+        backbone: also carry relevance through the self-attention of a ViT backbone (vitlab's
+            ``shapes-detr``): its blocks are earlier self-attention layers of the image
+            modality over all the ViT's tokens (feature token k = patch k); the maps are read
+            on its patches.
+
+    Returns:
+        One :class:`DetectionMaps` per image (``maps``: ``K x h x w``). An image with no
+        detection gets K = 0 entries while another image of the batch has some.
+
+    Raises:
+        ValueError: no query to explain in any image (the message gives the highest
+            probability), bad ``queries`` or ``threshold``, a backbone that does not fit.
+        TypeError: not a DETR detector (``DetrModel`` has no class logits).
+    """
+    method = "detr_relevance"
+    rec, logits = _detr_forward(model, pixel_values, pixel_mask, method, grad=True, backbone=backbone)
+    found = _detr_queries(logits, queries, threshold, method)
+    captures = [c for c in rec.events if backbone or c.stream != "backbone"]
+    grid = rec.feature_grid
+    image_tokens = rec.stream("encoder")[0].attention.shape[-1] if rec.stream("encoder") else \
+        rec.stream("cross")[0].attention.shape[-1]
+    prefix = _backbone_prefix(rec, image_tokens, method) if backbone else 0
+    if backbone:
+        grid = rec.layout.grid
+    grads, index, K = _detr_grads(logits, found, captures, method)
+    steps = _events(captures, grads, "image", prefix, slots=K)
+    rows = propagate(steps, _sizes(steps)).rows("queries", "image", index)[..., prefix:]  # K x B x tokens
+    return _per_image(found, rows, grid)
+
+
+def detr_raw_attention(model, pixel_values: torch.Tensor, queries=None, threshold: float = 0.9,
+                       pixel_mask: torch.Tensor | None = None) -> list[DetectionMaps]:
+    """Raw attention baseline: row j of the last decoder layer's cross-attention, heads
+    averaged (the reference's ``generate_raw_attn``). One forward, no gradient; queries and
+    output as :func:`detr_relevance`."""
+    method = "detr_raw_attention"
+    rec, logits = _detr_forward(model, pixel_values, pixel_mask, method, grad=False)
+    found = _detr_queries(logits, queries, threshold, method)
+    cam = _last(rec, "cross", method).attention.mean(dim=1)  # B x Q x N
+    return [DetectionMaps(q, l, p, cam[b, q].reshape(len(q), *rec.feature_grid)) for b, (q, l, p) in enumerate(found)]
+
+
+def detr_rollout(model, pixel_values: torch.Tensor, queries=None, threshold: float = 0.9,
+                 pixel_mask: torch.Tensor | None = None) -> list[DetectionMaps]:
+    """Rollout baseline for DETR, as the reference's ``generate_rollout`` computes it.
+
+    Heads averaged; ``E`` = rollout of the encoder's self-attention layers
+    (``rownorm(a_L + I) ... rownorm(a_1 + I)``), ``D`` = rollout of the decoder's
+    self-attention layers (queries), ``C`` = the last decoder layer's cross-attention:
+    the map of query j is row j of ``D^T · C · E``. The earlier cross-attention layers do not
+    enter. One forward, no gradient; queries and output as :func:`detr_relevance`.
+    """
+    method = "detr_rollout"
+    rec, logits = _detr_forward(model, pixel_values, pixel_mask, method, grad=False)
+    found = _detr_queries(logits, queries, threshold, method)
+    C = _last(rec, "cross", method).attention.mean(dim=1)  # B x Q x N
+    E = _rollout([c.attention.mean(dim=1) for c in rec.stream("encoder")], C.shape[-1], C)
+    D = _rollout([c.attention.mean(dim=1) for c in rec.stream("decoder")], C.shape[-2], C)
+    R = D.mT @ C @ E
+    return [DetectionMaps(q, l, p, R[b, q].reshape(len(q), *rec.feature_grid)) for b, (q, l, p) in enumerate(found)]
+
+
+def detr_gradcam(model, pixel_values: torch.Tensor, queries=None, threshold: float = 0.9,
+                 pixel_mask: torch.Tensor | None = None) -> list[DetectionMaps]:
+    """GradCAM baseline on the last decoder layer's cross-attention (the reference's
+    ``generate_attn_gradcam``): row j of :func:`attention_matrix_gradcam` with the gradient of
+    query j's class logit. One forward, one (batched over queries, as in
+    :func:`detr_relevance`) backward to that attention map only."""
+    method = "detr_gradcam"
+    rec, logits = _detr_forward(model, pixel_values, pixel_mask, method, grad=True)
+    found = _detr_queries(logits, queries, threshold, method)
+    cross = _last(rec, "cross", method)
+    (g,), index, K = _detr_grads(logits, found, [cross], method)
+    A = cross.attention.detach().expand(K, *cross.attention.shape)
+    cam = attention_matrix_gradcam(A, torch.zeros_like(A) if g is None else g)  # K x B x Q x N
+    rows = read_rows(cam, index)  # K x B x N
+    return _per_image(found, rows, rec.feature_grid)

@@ -1,0 +1,205 @@
+"""Relevance and the paper's baselines for Hugging Face LXMERT (co-attention; chapter 5)."""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+
+import torch
+
+from vitlab.relevance._common import (
+    BimodalMaps, _attention_grads, _backbone_prefix, _events, _last, _recorded_forward,
+    _require_family, _rollout, _sizes, attention_matrix_gradcam,
+)
+from vitlab.relevance.engine import propagate
+
+
+# --- LXMERT and DETR end to end (Chefer, Gur & Wolf 2021, section 3 and 4) ------------------------
+#
+# One recorded forward (vitlab.record, graph-attached attention) and one call of
+# torch.autograd.grad with respect to the attention tensors only -- no parameter's .grad is
+# touched, no weight gradient is computed, and the backward stops at the earliest attention
+# it needs. The events then go through propagate().
+#
+# LXMERT (rec.modalities "lang", "vision"; CLS = text token 0). Event order, as LXMERT
+# computes: each language layer (self "lang"), each relational layer (self "vision"), then per
+# cross-modality layer the step (lang <- vision, vision <- lang) -- one module called twice on
+# the same inputs, so one simultaneous step, as in the reference code, which computes both
+# additions before adding either -- and after it the layer's self-attention of the text
+# (cross.lang) and of the image (cross.vision). LxmertXLayer runs its two self-attentions on
+# the co-attention outputs, and the reference applies them after the co-attention step, in the
+# same order; the two commute (each reads and writes only its own modality's rows). The
+# language and relational layers commute likewise.
+#
+# DETR (modalities "image": the flattened feature map, "queries": the object queries):
+# each encoder layer (self "image"), then per decoder layer its self-attention (self
+# "queries") and its cross-attention (queries <- image), the reference's order.
+
+#: What ``lxmert_relevance`` and its baselines accept in ``inputs`` (those the model's
+#: ``forward`` takes): the tokenised question and the region features with their boxes, or
+#: ``pixel_values`` for a model that computes its regions itself (vitlab's ``shapes-lxmert``).
+LXMERT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "visual_feats", "visual_pos",
+                 "visual_attention_mask", "pixel_values")
+
+
+def _checked_lxmert_inputs(model, inputs, method: str) -> tuple[dict, int]:
+    """``inputs`` as a dict of tensors the model's forward takes, and the batch size."""
+    if not isinstance(inputs, Mapping):
+        raise TypeError(f"{method}: inputs must be a dict of tensors (keys among {LXMERT_INPUTS}), "
+                        f"got {type(inputs).__name__}")
+    accepted = set(inspect.signature(model.forward).parameters)
+    allowed = [k for k in LXMERT_INPUTS if k in accepted]
+    unknown = [k for k in inputs if k not in allowed]
+    if unknown:
+        raise ValueError(f"{method}: unexpected input key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(map(repr, unknown))}; {type(model).__name__} takes {tuple(allowed)}")
+    has_regions = "visual_feats" in inputs and "visual_pos" in inputs
+    if "input_ids" not in inputs or not (has_regions or "pixel_values" in inputs):
+        images = "'visual_feats' and 'visual_pos'" + (" (or 'pixel_values')" if "pixel_values" in allowed else "")
+        raise ValueError(f"{method}: inputs need 'input_ids' (the tokenised question) and {images}; "
+                         f"got keys {tuple(inputs)}")
+    batch = None
+    for key, value in inputs.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{method}: inputs[{key!r}] must be a tensor, got {type(value).__name__}")
+        if value.ndim == 0:
+            raise ValueError(f"{method}: inputs[{key!r}] is a scalar; every input is a batch (samples first)")
+        if batch is not None and value.shape[0] != batch:
+            raise ValueError(f"{method}: inputs[{key!r}] has shape {tuple(value.shape)}; every input needs "
+                             f"the batch size {batch} first")
+        batch = value.shape[0]
+    return dict(inputs), int(batch)
+
+
+# --- LXMERT ----------------------------------------------------------------------------------------
+def _lxmert_forward(model, inputs, method: str, grad: bool, backbone: bool = False):
+    """Checks, then one recorded forward: ``(rec, logits)``."""
+    _require_family(model, "lxmert", method)
+    kwargs, _ = _checked_lxmert_inputs(model, inputs, method)
+    if backbone and "pixel_values" not in kwargs:
+        raise ValueError(f"{method}(backbone=True) needs the images as inputs['pixel_values'] (the backbone "
+                         "runs inside the model); with region features there is no backbone to go through")
+    rec, out = _recorded_forward(model, kwargs, grad, method, through_pixels=backbone)
+    logits = getattr(out, "question_answering_score", None)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{method} explains an answer score, but {type(model).__name__} returned no "
+                        "question_answering_score: use LxmertForQuestionAnswering")
+    return rec, logits
+
+
+def lxmert_relevance(model, inputs: dict, target=None, backbone: bool = False) -> BimodalMaps:
+    """Generic attention relevance of LXMERT's answer (Chefer, Gur & Wolf 2021, eq. 1-11).
+
+    Image relevance ``R^{ti}[CLS]`` and text relevance ``R^{tt}[CLS]`` (its CLS entry set to
+    0, as the reference code does), CLS being the first text token, for the answer
+    ``target``'s logit. One recorded forward and one backward for the whole batch (to the
+    attention tensors only), then :func:`propagate` over the events in LXMERT's order: each
+    language layer, each relational (image) layer, then per cross-modality layer the
+    co-attention step ``(text <- image, image <- text)`` -- simultaneous, both computed from
+    the same inputs -- followed by that layer's text and image self-attention (see the
+    comment above :data:`LXMERT_INPUTS`). Samples do not interact: batch = items.
+
+    Args:
+        model: ``LxmertForQuestionAnswering`` (or a subclass such as vitlab's
+            ``shapes-lxmert``), run in eval mode; left exactly as it was.
+        inputs: the model's keyword inputs (:data:`LXMERT_INPUTS`): ``input_ids`` (and usually
+            ``attention_mask``) of the questions plus ``visual_feats`` and ``visual_pos`` (region
+            features and boxes), or ``pixel_values`` for ``shapes-lxmert``.
+        target: the answer to explain: an int, one per sample, or None (the predicted answer).
+        backbone: also carry relevance through the self-attention of a ViT backbone inside the
+            model (``shapes-lxmert``; needs ``pixel_values``): its blocks are earlier
+            self-attention layers of the image modality, whose tokens are the ViT's tokens
+            (prefix tokens included, region k = patch k); ``image`` is then read on the patches.
+
+    Returns:
+        :class:`BimodalMaps` (``image`` ``B x regions``, ``text`` ``B x tokens``).
+    """
+    method = "lxmert_relevance"
+    _require_family(model, "lxmert", method)
+    batch = _checked_lxmert_inputs(model, inputs, method)[1]
+    from vitlab.targets import check_target, resolve_target
+
+    target = check_target(target, batch)
+    rec, logits = _lxmert_forward(model, inputs, method, grad=True, backbone=backbone)
+    t = resolve_target(target, logits)
+    captures = [c for c in rec.events if backbone or c.stream != "backbone"]
+    image_tokens = _last(rec, "lang->vision", method).attention.shape[-1]
+    prefix = _backbone_prefix(rec, image_tokens, method) if backbone else 0
+    grad_output = torch.zeros_like(logits)
+    grad_output[torch.arange(batch, device=logits.device), t] = 1  # the score: sum over samples of each one's target logit
+    grads = _attention_grads(logits, grad_output, captures, batched=False, method=method)
+    steps = _events(captures, grads, "vision", prefix)
+    R = propagate(steps, _sizes(steps))
+    image = R.rows("lang", "vision", 0)[..., prefix:]
+    text = R.rows("lang", "lang", 0, drop_self=True)
+    return BimodalMaps(image, text, t, logits.detach())
+
+
+def lxmert_raw_attention(model, inputs: dict) -> BimodalMaps:
+    """Raw attention baseline (Chefer et al. 2021): the last cross-modality layer, heads averaged.
+
+    ``image`` = row CLS of its text -> image co-attention; ``text`` = row CLS of its text
+    self-attention, CLS entry set to 0 (the reference's ``generate_raw_attn``). One forward
+    without gradients; ``target`` is the predicted answer.
+    """
+    method = "lxmert_raw_attention"
+    rec, logits = _lxmert_forward(model, inputs, method, grad=False)
+    image = _last(rec, "lang->vision", method).attention.mean(dim=1)[:, 0]  # B x regions
+    text = _last(rec, "cross.lang", method).attention.mean(dim=1)[:, 0].clone()  # B x tokens
+    text[:, 0] = 0
+    return BimodalMaps(image, text, logits.argmax(-1), logits)
+
+
+def lxmert_rollout(model, inputs: dict) -> BimodalMaps:
+    """Attention rollout baseline for LXMERT, as the reference's ``generate_rollout`` computes it.
+
+    Heads averaged everywhere; rollout(a_1..a_L) = ``rownorm(a_L + I) ... rownorm(a_1 + I)``.
+    With ``T`` = rollout of the text self-attention of the language layers and of every
+    cross-modality layer but the last, ``V`` = the same for the image (relational layers and
+    the image self-attention of every cross-modality layer but the last), and ``C`` = the last
+    cross-modality layer's text -> image co-attention: ``image = (T^T · C · V)[CLS]``;
+    ``text`` = row CLS of the rollout of all text self-attention layers (the last layer's
+    included), CLS entry set to 0. The other co-attention layers do not enter. One forward
+    without gradients; ``target`` is the predicted answer.
+    """
+    method = "lxmert_rollout"
+    rec, logits = _lxmert_forward(model, inputs, method, grad=False)
+    last_layer = _last(rec, "lang->vision", method).layer
+    text_cams = [c.attention.mean(dim=1) for c in rec.stream("lang")]
+    text_cams += [c.attention.mean(dim=1) for c in rec.stream("cross.lang") if c.layer < last_layer]
+    image_cams = [c.attention.mean(dim=1) for c in rec.stream("vision")]
+    image_cams += [c.attention.mean(dim=1) for c in rec.stream("cross.vision") if c.layer < last_layer]
+    C = _last(rec, "lang->vision", method).attention.mean(dim=1)  # B x Nt x Ni
+    T = _rollout(text_cams, C.shape[-2], C)
+    V = _rollout(image_cams, C.shape[-1], C)
+    image = (T.mT @ C @ V)[:, 0]
+    text_all = _rollout(text_cams + [_last(rec, "cross.lang", method).attention.mean(dim=1)], C.shape[-2], C)
+    text = text_all[:, 0].clone()
+    text[:, 0] = 0
+    return BimodalMaps(image, text, logits.argmax(-1), logits)
+
+
+def lxmert_gradcam(model, inputs: dict, target=None) -> BimodalMaps:
+    """GradCAM baseline on the last cross-modality layer (the reference's ``generate_attn_gradcam``).
+
+    ``image`` = row CLS of :func:`attention_matrix_gradcam` of its text -> image co-attention;
+    ``text`` = row CLS of the same for its text self-attention, CLS entry set to 0; gradients
+    of the ``target`` answer's logit (None: predicted). One forward, one backward (to these
+    two attention maps only).
+    """
+    method = "lxmert_gradcam"
+    _require_family(model, "lxmert", method)
+    from vitlab.targets import check_target, resolve_target
+
+    target = check_target(target, _checked_lxmert_inputs(model, inputs, method)[1])
+    rec, logits = _lxmert_forward(model, inputs, method, grad=True)
+    t = resolve_target(target, logits)
+    co, lang = _last(rec, "lang->vision", method), _last(rec, "cross.lang", method)
+    grad_output = torch.zeros_like(logits)
+    grad_output[torch.arange(logits.shape[0], device=logits.device), t] = 1
+    g_co, g_lang = _attention_grads(logits, grad_output, [co, lang], batched=False, method=method)
+    zero = torch.zeros_like
+    image = attention_matrix_gradcam(co.attention.detach(), zero(co.attention) if g_co is None else g_co)[:, 0]
+    text = attention_matrix_gradcam(lang.attention.detach(), zero(lang.attention) if g_lang is None else g_lang)[:, 0]
+    text = text.clone()
+    text[:, 0] = 0
+    return BimodalMaps(image, text, t, logits.detach())
