@@ -126,6 +126,28 @@ def test_fallback_only_on_unavailable_weights(monkeypatch, capsys):
         models.load_model_or_fallback("deit_tinny", "shapes-vit-tiny")
 
 
+def test_chapter_model_is_the_stored_one_unless_the_blog_model_is_asked_for(monkeypatch, capsys):
+    calls = []
+
+    def fake_load(name, pretrained=True, **kw):
+        calls.append((name, kw))
+        if name == "deit_tiny_patch16_224" and not available[0]:
+            raise vitlab.ModelUnavailableError("no weights here")
+        return timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+
+    monkeypatch.setattr(models, "load_model", fake_load)
+    available = [True]  # even where the blog's weights could be had, the default is the stored model
+    _, ran = models.load_chapter_model("shapes-vit-tiny", stored_kwargs={"x": 1})
+    assert ran == "shapes-vit-tiny" and calls == [("shapes-vit-tiny", {"x": 1})]
+    assert "USE_BLOG_MODEL = True" in capsys.readouterr().out
+    _, ran = models.load_chapter_model("shapes-vit-tiny", use_blog=True, img_size=224)
+    assert ran == "deit_tiny_patch16_224" and calls[-1] == ("deit_tiny_patch16_224", {"img_size": 224})
+    assert "will differ from the text" in capsys.readouterr().out
+    available[0] = False
+    _, ran = models.load_chapter_model("shapes-vit-tiny", use_blog=True)
+    assert ran == "shapes-vit-tiny" and "not downloadable" in capsys.readouterr().out
+
+
 def test_preprocess_batch_equals_items():
     model = vitlab.load_model("deit_tiny_patch16_224", pretrained=False)
     imgs = np.random.default_rng(0).integers(0, 256, size=(3, 64, 64, 3), dtype=np.uint8)

@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 from vitlab.layout import TokenLayout, token_layout
 from vitlab.record import Recording, record
 from vitlab.models import (
-    EMBEDDED_MODELS, ModelUnavailableError, load_model, load_model_or_fallback, preprocess, preprocess_batch,
+    EMBEDDED_MODELS, ModelUnavailableError, load_chapter_model, load_model, load_model_or_fallback, preprocess, preprocess_batch,
 )
 # explanation methods: every one is (model, x, ...) -> B x gh x gw (cls_attention: per layer/head)
 from vitlab.attention import (
@@ -45,7 +45,7 @@ _SUBMODULES = {"plot", "images", "shapes", "imgfocus", "localization", "chapters
 
 __all__ = [
     "__version__", "TokenLayout", "token_layout", "Recording", "record", "EMBEDDED_MODELS",
-    "ModelUnavailableError", "load_model", "load_model_or_fallback", "preprocess", "preprocess_batch",
+    "ModelUnavailableError", "load_chapter_model", "load_model", "load_model_or_fallback", "preprocess", "preprocess_batch",
     "cls_attention", "qk_maps", "qk_channel_scores", "rank_qk_channels", "raw_attention", "attention_gradcam",
     "attention_gradients", "rollout", "grad_rollout", "chefer_relevance", *_EXPORTS, *sorted(_SUBMODULES),
 ]

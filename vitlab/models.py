@@ -431,6 +431,32 @@ def load_model_or_fallback(preferred: str, fallback: str, pretrained: bool = Tru
         return model, fallback
 
 
+def load_chapter_model(stored: str, blog: str = "deit_tiny_patch16_224", use_blog: bool = False,
+                       stored_kwargs: dict | None = None, **blog_kwargs) -> tuple[nn.Module, str]:
+    """The model a chapter runs on: by default ``stored``, the embedded model that produced the
+    notebook's stored outputs and that its text describes, so a re-run anywhere (online or not)
+    draws the same figures; with ``use_blog=True`` the blog's ``blog`` model (timm's DeiT-tiny),
+    which needs its weights downloaded once, falling back to ``stored`` when they cannot be had.
+
+    Returns ``(model, name_that_runs)`` and prints one line saying which model runs and, for the
+    blog's model, that the figures will differ from the text.
+    """
+    if not use_blog:
+        model = load_model(stored, **(stored_kwargs or {}))
+        print(f"Running on {stored}, the model this chapter's text describes "
+              f"(set USE_BLOG_MODEL = True for the blog's {blog}).")
+        return model, stored
+    try:
+        model = load_model(blog, **blog_kwargs)
+    except ModelUnavailableError:
+        model = load_model(stored, **(stored_kwargs or {}))
+        print(f"Running on {stored}: {blog} is not downloadable here, so the figures are the stored ones.")
+        return model, stored
+    print(f"Running on {blog}, the blog's model: the figures and numbers below will differ from the text, "
+          f"which describes {stored}.")
+    return model, blog
+
+
 def preprocess_batch(images, model: nn.Module) -> torch.Tensor:
     """A batch of images (``N x H x W x 3`` uint8 array, or a sequence of images) ->
     ``N x 3 x H' x W'``, each through :func:`preprocess`."""
