@@ -12,19 +12,15 @@ Recipe (see ``vitlab/models/shapes-detr.md`` for the measured numbers):
   (fp32, no gradient), and DETR (input projection, encoder, decoder, heads) learns on top
   with its own loss: Hungarian matching, cross-entropy with a down-weighted "no object"
   class, L1 and generalised IoU box losses, on every decoder layer (auxiliary losses);
-- AdamW, linear warmup then cosine decay, gradient clipping.
+- AdamW, linear warmup then cosine decay, gradient clipping (the loop shared by the training
+  commands, :mod:`vitlab.shapes.train_loop`).
 
 Training seeds are ``TRAIN_SEED_BASE + ...`` (>= 1,000,000); validation (:data:`VAL_SEED`)
 and evaluation (:data:`EVAL_SEED`) seeds are far below.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import platform
-import shlex
-import sys
-import time
 
 import numpy as np
 import torch
@@ -34,10 +30,10 @@ from vitlab.shapes.data import make_scenes, scenes_to_tensor
 from vitlab.shapes.model import MEAN, STD
 from vitlab.shapes.qa import object_boxes
 from vitlab.shapes.train import TRAIN_SEED_BASE
-from vitlab.shapes.train_lxmert import finish_run, lr_schedule
+from vitlab.shapes.train_loop import fit, optimizer_step, parse, parser, start
 
 __all__ = [
-    "EVAL_SEED", "VAL_SEED", "box_iou", "detect", "detr_targets", "evaluate_detr", "main", "parse_args",
+    "EVAL_SEED", "VAL_SEED", "batch_loss", "box_iou", "detect", "detr_targets", "evaluate_detr", "main", "parse_args",
     "scene_features", "train", "train_step",
 ]
 
@@ -96,17 +92,18 @@ def batches(model, *, batch: int, chunk: int, seed: int):
         c += 1
 
 
-def train_step(model, opt, feature_map, labels, clip: float = 1.0) -> float:
-    """One optimiser step on a batch of precomputed feature maps; returns the loss before it."""
+def batch_loss(model, batch) -> torch.Tensor:
+    """DETR's own loss (Hungarian matching, classes, L1 and GIoU boxes, auxiliary layers) for one
+    batch ``(feature_maps, labels)``."""
+    feature_map, labels = batch
     dev = feature_map.device
     labels = [{k: v.to(dev) for k, v in t.items()} for t in labels]
-    loss = forward_features(model, feature_map, labels).loss
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    if clip:
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
-    opt.step()
-    return loss.item()
+    return forward_features(model, feature_map, labels).loss
+
+
+def train_step(model, opt, feature_map, labels, clip: float = 1.0) -> float:
+    """One optimiser step on a batch of precomputed feature maps; returns the loss before it."""
+    return optimizer_step(model, opt, batch_loss(model, (feature_map, labels)), clip)
 
 
 def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -201,90 +198,29 @@ def _figures(g: dict, scenes: int) -> dict:
 
 
 def train(args) -> dict:
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device)
+    """Train ``shapes-detr`` as ``args`` (:func:`parse_args`) say; returns the report (:func:`fit`)."""
+    device = start(args)
     arch = {**DETR_ARCH, **json.loads(args.arch)}
     model = build_shapes_detr(arch).to(device).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim > 1]
-    no_decay = [p for p in params if p.ndim <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_schedule(args.steps, args.warmup, args.min_lr_ratio))
     stream = batches(model, batch=args.batch, chunk=args.chunk, seed=args.seed)
-    from tqdm.auto import tqdm
 
-    bar = tqdm(total=args.steps, desc="train shapes-detr", mininterval=5.0, disable=args.no_progress)
-    log = bar.write
-    history, ema = [], None
-    t0, c0 = time.time(), time.process_time()
-    for step in range(args.steps):
-        fm, labels = next(stream)
-        loss = train_step(model, opt, fm, labels, clip=args.clip)
-        sched.step()
-        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
-        bar.update(1)
-        bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
-        last = step + 1 == args.steps
-        if args.val_every and ((step + 1) % args.val_every == 0 or last):
-            rec = {"step": step + 1, "scenes": (step + 1) * args.batch,
-                   "minutes": round((time.time() - t0) / 60, 2),
-                   "cpu_minutes": round((time.process_time() - c0) / 60, 2), "loss": round(ema, 4), "lr": sched.get_last_lr()[0]}
-            val = evaluate_detr(model, n=args.val_n, seed=VAL_SEED)
-            rec.update({f"{k}_{g}": round(val[g][k], 4) for g in ("one", "two", "all")
-                        for k in ("mean_iou", "class_accuracy")})
-            history.append(rec)
-            log(json.dumps(rec))
-            sys.stdout.flush()
-    bar.close()
-    minutes = (time.time() - t0) / 60
-    model.eval().cpu()
-    info = {
-        "command": "python -m vitlab.shapes.train_detr " + " ".join(shlex.quote(a) for a in args.argv),
-        "seed": args.seed, "steps": args.steps, "batch": args.batch, "scenes_seen": args.steps * args.batch,
-        "arch": arch, "train_minutes": round(minutes, 2), "threads": args.threads, "device": str(device),
-        "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-    }
-    return finish_run(model, "shapes-detr", info, history, args, evaluate_detr, arch, minutes, log)
+    def validate(m) -> dict:
+        val = evaluate_detr(m, n=args.val_n, seed=VAL_SEED)
+        return {f"{k}_{g}": round(val[g][k], 4) for g in ("one", "two", "all") for k in ("mean_iou", "class_accuracy")}
+
+    return fit(model, args, name="shapes-detr", batches=stream, loss_fn=batch_loss, validate=validate,
+               evaluate=evaluate_detr, arch=arch, info={"scenes_seen": args.steps * args.batch},
+               counts=lambda step: {"scenes": step * args.batch})
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vitlab.shapes.train_detr", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(DETR_PATH), help="where to write the safetensors weights ('' to skip)")
-    p.add_argument("--report", default=str(DETR_PATH.with_suffix(".json")),
-                   help="where to write training history and held-out evaluation as JSON ('' to skip)")
-    p.add_argument("--steps", type=int, default=3600, help="optimiser steps")
-    p.add_argument("--batch", type=int, default=32, help="scenes per step")
-    p.add_argument("--chunk", type=int, default=512, help="scenes generated (and encoded by the backbone) at a time")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate")
-    p.add_argument("--min-lr-ratio", type=float, default=0.01)
-    p.add_argument("--warmup", type=float, default=0.05, help="warmup, as a fraction of the steps")
-    p.add_argument("--weight-decay", type=float, default=1e-4)
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (DETR used 0.1; 0: none)")
-    p.add_argument("--arch", default="{}", help='JSON overrides of the DETR size, e.g. \'{"num_queries": 10}\'')
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2, help="CPU threads (one is faster on a busy machine)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--val-every", type=int, default=250, help="validate every this many steps (0: never)")
-    p.add_argument("--val-n", type=int, default=100, help="validation scenes per group (one / two objects)")
-    p.add_argument("--eval-n", type=int, default=500, help="held-out scenes per group evaluated at the end (0: skip)")
-    p.add_argument("--quick", action="store_true", help="smoke test: 20 steps of 8 scenes, nothing written (explicit options win)")
-    p.add_argument("--no-progress", action="store_true")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = p.parse_args(argv)
-    args.argv = argv
-    if args.quick:
-        for name, value in dict(steps=20, batch=8, chunk=32, val_every=10, val_n=8, eval_n=16).items():
-            if "--" + name.replace("_", "-") not in argv:  # what is given explicitly stays
-                setattr(args, name, value)
-        if "--out" not in argv:
-            args.out = ""
-        if "--report" not in argv:
-            args.report = ""
-    if args.steps < 1 or args.batch < 1:
-        p.error("--steps and --batch must be positive")
-    return args
+    p = parser("python -m vitlab.shapes.train_detr", __doc__, out=DETR_PATH, steps=3600, batch=32, lr=5e-4,
+               weight_decay=1e-4, val_n=100, eval_n=500, batch_help="scenes per step",
+               clip_help="gradient norm clip (DETR used 0.1; 0: none)", arch_example='{"num_queries": 10}',
+               val_help="validation scenes per group (one / two objects)",
+               eval_help="held-out scenes per group evaluated at the end (0: skip)",
+               quick_help="smoke test: 20 steps of 8 scenes, nothing written (explicit options win)")
+    return parse(p, argv, quick=dict(steps=20, batch=8, chunk=32, val_every=10, val_n=8, eval_n=16))
 
 
 def main(argv=None):
