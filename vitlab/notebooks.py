@@ -5,14 +5,28 @@ directory: ``notebooks/``); every image it displays is written to
 ``figures/<notebook>/<NN>_cell<K>.png`` in display order. One line per notebook with its
 time; a failing notebook is reported with the failing cell (its number and first line) and
 the error, and the run exits non-zero. Cells have no time limit unless ``--timeout`` sets
-one, so a slow or busy machine only takes longer. The times are also written to
-``figures/run_times.json`` (``{"full": {notebook: seconds}, "quick": {...}}``) and, as a
-table, into ``notebooks/README.md`` between the markers :data:`RUN_TIMES_MARKERS`, so the
-teacher's guide quotes measured times, never typed ones.
+one, so a slow or busy machine only takes longer.
+
+The run-time table. The measured times are kept in the tracked table of
+``notebooks/README.md``, between the markers :data:`RUN_TIMES_MARKERS` (columns "full run"
+and "quick run"): a run reads that table, replaces the cells of the notebooks it measured in
+its own column (``quick`` with ``--quick``, else ``full``) and writes it back, so every other
+row and the other column stay as they were -- also on a fresh clone, and also when a notebook
+fails (a failed notebook keeps its old time). A table that cannot be read is refused before
+any notebook runs. ``figures/run_times.json`` is a copy of the same numbers for scripts
+(``{"full": {notebook: seconds}, "quick": {...}}``); it is written, never read.
 
 Options: ``--quick`` sets ``VITLAB_QUICK=1`` for the kernels (the documented switch that
 notebooks read to run fewer steps, as CI does); ``--only PATTERN`` runs the notebooks
-whose file name contains PATTERN (none matching is an error).
+whose file name contains PATTERN (none matching is an error); ``--store`` writes each
+executed notebook back over its file in ``notebooks/`` (a notebook that fails is left as it
+was), with the widgets' state saved in the notebook's metadata, so a static page (the site,
+a code host's preview) draws the explorers' controls, and with progress bars left out (a
+``tqdm`` bar is a widget or ``0%|`` text that tells a reader nothing once the run is over).
+``--store`` is a full run: it refuses ``--quick``, whose shorter loops print numbers the
+prose does not quote. One full run gives both the stored outputs and the run-time table::
+
+    HF_HUB_OFFLINE=1 .venv/bin/python -m vitlab.notebooks --store
 """
 from __future__ import annotations
 
@@ -20,6 +34,7 @@ import argparse
 import base64
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -57,28 +72,128 @@ def write_figures(nb, out_dir: Path) -> list[Path]:
     return written
 
 
+COLUMNS = ("full", "quick")
+
+
+def _fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    # round first, so that a printed time reads back as itself (89.6 s is "1.5 min", not "90 s")
+    return f"{seconds:.0f} s" if round(seconds) < 90 else f"{seconds / 60:.1f} min"
+
+
+def _parse_time(text: str, where: str) -> float | None:
+    text = text.strip()
+    if not text:
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?) (s|min)", text)
+    if m is None:
+        raise ValueError(f"{where}: a run time must read like '12 s' or '6.7 min', got {text!r}; "
+                         "mend the cell by hand or empty it")
+    return float(m.group(1)) * (60 if m.group(2) == "min" else 1)
+
+
 def run_times_table(times: dict) -> str:
     """``{"full": {notebook: seconds}, "quick": {...}}`` -> a Markdown table, one row per notebook
     (a run not measured yet is left empty)."""
-    def fmt(s):
-        return "" if s is None else f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min"
     full, quick = times.get("full", {}), times.get("quick", {})
-    rows = [f"| `{n}` | {fmt(full.get(n))} | {fmt(quick.get(n))} |" for n in sorted({*full, *quick})]
+    rows = [f"| `{n}` | {_fmt_time(full.get(n))} | {_fmt_time(quick.get(n))} |"
+            for n in sorted({*full, *quick})]
     return "\n".join(["| notebook | full run | quick run (`--quick`) |", "|---|---:|---:|", *rows])
+
+
+def _table_span(text: str) -> tuple[int, int] | None:
+    start, end = RUN_TIMES_MARKERS
+    i, j = text.find(start), text.find(end)
+    return None if i < 0 or j < i else (i + len(start), j)
+
+
+def read_run_times_table(readme: Path) -> dict:
+    """The times in the table between the :data:`RUN_TIMES_MARKERS` of ``readme``, as
+    ``{"full": {notebook: seconds}, "quick": {...}}`` (the inverse of :func:`run_times_table`,
+    to its printed precision). A missing file or markers give empty columns; a row that is not
+    ``| `name` | time | time |`` raises ``ValueError`` naming the file and line."""
+    times = {key: {} for key in COLUMNS}
+    text = readme.read_text() if readme.is_file() else ""
+    span = _table_span(text)
+    if span is None:
+        return times
+    first_line = text[:span[0]].count("\n") + 1
+    for k, line in enumerate(text[span[0]:span[1]].splitlines()):
+        where = f"{readme}, line {first_line + k}"
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.strip() or line.startswith("| notebook |") or set(line.strip()) <= set("|-: "):
+            continue
+        m = re.fullmatch(r"`([^`]+)`", cells[0])
+        if len(cells) != 3 or m is None:
+            raise ValueError(f"{where}: a run-time row must read '| `notebook` | full | quick |', "
+                             f"got {line.strip()!r}; mend the row or delete it (the next run "
+                             "measures it again)")
+        for key, cell in zip(COLUMNS, cells[1:]):
+            seconds = _parse_time(cell, where)
+            if seconds is not None:
+                times[key][m.group(1)] = seconds
+    return times
 
 
 def write_run_times_table(readme: Path, times: dict) -> bool:
     """Replace the text between the :data:`RUN_TIMES_MARKERS` of ``readme`` with
     :func:`run_times_table`; returns False (and leaves the file alone) where it has no markers."""
-    start, end = RUN_TIMES_MARKERS
     text = readme.read_text() if readme.is_file() else ""
-    i, j = text.find(start), text.find(end)
-    if i < 0 or j < i:
+    span = _table_span(text)
+    if span is None:
         return False
-    new = text[:i + len(start)] + "\n" + run_times_table(times) + "\n" + text[j:]
+    new = text[:span[0]] + "\n" + run_times_table(times) + "\n" + text[span[1]:]
     if new != text:
         readme.write_text(new)
     return True
+
+
+def update_run_times(readme: Path, key: str, measured: dict) -> dict:
+    """Merge ``measured`` (``{notebook: seconds}``) into column ``key`` of ``readme``'s table:
+    the rows and the column not measured keep their times. Returns every time now in the table."""
+    if key not in COLUMNS:
+        raise ValueError(f"run-time column must be one of {COLUMNS}, got {key!r}")
+    times = read_run_times_table(readme)
+    times[key].update(measured)
+    write_run_times_table(readme, times)
+    return times
+
+
+_PROGRESS = re.compile(r"\d+%\|.*\|")   # tqdm's bar: "name:  40%|████      | 48/120 [...]"
+
+
+def _is_progress_bar(output: dict) -> bool:
+    data = output.get("data", {})
+    return ("application/vnd.jupyter.widget-view+json" in data
+            and bool(_PROGRESS.search(str(data.get("text/plain", "")))))
+
+
+def clean_outputs(nb) -> int:
+    """Leave progress bars out of an executed notebook (in place): tqdm's widget outputs, and
+    its ``0%|``... lines in text streams (the rest of a stream is kept). Returns how many
+    outputs were dropped or trimmed."""
+    changed = 0
+    for cell in nb.cells:
+        if cell.get("cell_type") != "code":
+            continue
+        kept = []
+        for output in cell.get("outputs", []):
+            if _is_progress_bar(output):
+                changed += 1
+                continue
+            if output.get("output_type") == "stream":
+                text = "".join(output.get("text", ""))
+                lines = [ln.split("\r")[-1] for ln in text.splitlines(keepends=True)]
+                lines = [ln for ln in lines if not _PROGRESS.search(ln)]
+                if "".join(lines) != text:
+                    changed += 1
+                    if not "".join(lines).strip():
+                        continue
+                    output["text"] = "".join(lines)
+            kept.append(output)
+        cell["outputs"] = kept
+    return changed
 
 
 class NotebookFailed(RuntimeError):
@@ -97,9 +212,11 @@ def _failing_cell(nb) -> tuple[int, str] | None:
     return None
 
 
-def run_notebook(path: Path, figures_root: Path, timeout: int | None = None):
+def run_notebook(path: Path, figures_root: Path, timeout: int | None = None, store: bool = False):
     """Execute ``path`` in a fresh kernel (no time limit unless ``timeout`` seconds per cell)
-    and write its figures; raises :class:`NotebookFailed` naming the failing cell."""
+    and write its figures; raises :class:`NotebookFailed` naming the failing cell. With
+    ``store``, the executed notebook (widget state in its metadata, progress bars left out by
+    :func:`clean_outputs`) is written over ``path``; a failing one never is."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
@@ -107,7 +224,7 @@ def run_notebook(path: Path, figures_root: Path, timeout: int | None = None):
     nb = nbformat.read(path, as_version=4)
     # the kernel's own log: errors only (it otherwise warns, for every notebook, that its
     # local TCP sockets are unencrypted; they listen on 127.0.0.1 only)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True,
                             extra_arguments=["--IPKernelApp.log_level=ERROR"],
                             resources={"metadata": {"path": str(path.parent)}})
     try:
@@ -125,7 +242,11 @@ def run_notebook(path: Path, figures_root: Path, timeout: int | None = None):
             what = what or (lines[-1] if lines else type(e).__name__)
         cell = f"code cell {where[0]} ({where[1][:60]!r})" if where else "a cell"
         raise NotebookFailed(f"{cell}: {what}") from None
-    return write_figures(nb, figures_root / path.stem)
+    figures = write_figures(nb, figures_root / path.stem)
+    if store:
+        clean_outputs(nb)
+        nbformat.write(nb, path)
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,8 +257,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="run notebooks whose name contains this")
     ap.add_argument("--timeout", type=int, default=None,
                     help="seconds a cell may run before the notebook fails (default: no limit)")
+    ap.add_argument("--store", action="store_true",
+                    help="write the executed notebooks (outputs, widget state) back into --notebooks")
     args = ap.parse_args(argv)
 
+    if args.store and (args.quick or os.environ.get("VITLAB_QUICK") == "1"):
+        print("--store keeps the outputs the prose describes, those of a full run: drop --quick "
+              "(and unset VITLAB_QUICK)", file=sys.stderr)
+        return 2
+    readme = args.notebooks / "README.md"
+    try:
+        read_run_times_table(readme)      # a damaged table is refused before hours of running
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     if args.quick:
         os.environ["VITLAB_QUICK"] = "1"
     paths = find_notebooks(args.notebooks, args.only)
@@ -151,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix_str(path.name)
         t0 = time.perf_counter()
         try:
-            figs = run_notebook(path, args.figures, args.timeout)
+            figs = run_notebook(path, args.figures, args.timeout, store=args.store)
             status = f"ok    {len(figs)} figures -> {args.figures.name}/{path.stem}/"
             times[path.stem] = round(time.perf_counter() - t0, 1)
         except Exception as e:  # noqa: BLE001 - report and go on with the next notebook
@@ -160,13 +293,13 @@ def main(argv: list[str] | None = None) -> int:
             status = "FAIL  " + (first[-1] if first else type(e).__name__)
         tqdm.write(f"{path.name:<44} {time.perf_counter() - t0:7.1f} s  {status}")
     if times:
-        record = args.figures / "run_times.json"
-        old = json.loads(record.read_text()) if record.exists() else {}
         key = "quick" if os.environ.get("VITLAB_QUICK") == "1" else "full"
-        old.setdefault(key, {}).update(times)
+        merged = update_run_times(readme, key, times)
+        if not _table_span(readme.read_text() if readme.is_file() else ""):
+            print(f"{readme} has no run-time markers {RUN_TIMES_MARKERS}: times only in "
+                  f"{args.figures / 'run_times.json'}", file=sys.stderr)
         args.figures.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
-        write_run_times_table(args.notebooks / "README.md", old)
+        (args.figures / "run_times.json").write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     if failed:
         print(f"{len(failed)} of {len(paths)} notebooks failed: {', '.join(failed)}", file=sys.stderr)
         return 1
