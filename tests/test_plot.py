@@ -267,6 +267,17 @@ def test_class_grid_draws_each_label_in_its_own_colour_as_patch_blocks():
     plt.close("all")
 
 
+def test_class_grid_draws_no_class_in_grey():
+    # with eight or nine classes tab10 would give one class its grey, which reads as "no class"
+    for k in (8, 9):
+        labels = np.arange(k).reshape(1, 1, 1, k)
+        drawn = plot.class_grid(labels, [str(i) for i in range(k)]).axes[0].get_images()[0]
+        colours = [drawn.get_cmap()(drawn.norm(v))[:3] for v in range(k)]
+        assert len(set(colours)) == k
+        assert not any(max(c) - min(c) < 0.05 for c in colours), colours
+    plt.close("all")
+
+
 def test_image_grid_marks_patch_borders_and_crops_pixel_for_pixel():
     img = np.arange(28 * 28 * 3, dtype=np.float32).reshape(28, 28, 3) / (28 * 28 * 3)
     fig = plot.image_grid([img, img], ["a", "b"], patch=7)

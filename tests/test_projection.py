@@ -616,3 +616,179 @@ def test_functions_pass_blocks_through(vit, x):
     torch.testing.assert_close(two.train_accuracy, probes.train_accuracy[[2, 0]])
     states = P.project(vit, x, blocks=[2, 0]).block_outputs
     torch.testing.assert_close(P.probe_logits(two, states), P.probe_logits(probes, full.block_outputs)[:, [2, 0]])
+
+
+# ------------------------------------------ identifiability: NaN scores, targets of the wrong shape
+def test_identifiability_refuses_nan_scores_instead_of_calling_them_top1():
+    scores = torch.tensor([[float("nan"), 1.0, 2.0], [0.0, 1.0, 2.0]])
+    for fn in (P.identifiability, P.class_rank, P.identifiable_share):
+        with pytest.raises(ValueError, match="non-finite"):
+            fn(scores, 0)
+    with pytest.raises(ValueError, match="non-finite"):
+        P.identifiability(torch.tensor([[float("inf"), 0.0]]), 1)
+
+
+def test_identifiability_refuses_a_target_of_the_wrong_shape():
+    scores = torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(0))  # B x L x N x C
+    ok = P.identifiability(scores, torch.tensor([1, 2]))  # one per sample, broadcast
+    torch.testing.assert_close(ok, P.identifiability(scores, torch.tensor([1, 2])[:, None, None].expand(2, 3, 4)))
+    torch.testing.assert_close(P.identifiability(scores, 3), P.identifiability(scores, torch.full((2, 3, 4), 3)))
+    for bad in (torch.tensor([1, 2, 3]), torch.zeros(2, 3, dtype=torch.long), torch.zeros(3, 4, dtype=torch.long),
+                torch.zeros(2, 1, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"target has shape .* take one int"):
+            P.identifiability(scores, bad)
+    with pytest.raises(ValueError, match="target has shape"):
+        P.class_rank(torch.randn(3, 5), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="integer class"):
+        P.identifiability(scores, 1.0)
+    with pytest.raises(ValueError, match="class in 0 .. 4"):
+        P.identifiability(scores, 5)
+
+
+# ------------------------------------------------ attention as key-value memories (Fig. 1b)
+def test_attention_coefficients_rebuild_the_attention_sublayer(vit, x):
+    before = model_state(vit)
+    coeff = P.attention_coefficients(vit, x, block=1)
+    assert coeff.shape == (3, 17, TINY["embed_dim"])
+    with torch.no_grad():
+        _, states = hand_states(vit, x)
+        b = vit.blocks[1]
+        a_in = b.norm1(states[1][0])
+        B, N, D = a_in.shape
+        q, k, v = b.attn.qkv(a_in).reshape(B, N, 3, b.attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+        A = ((q * b.attn.scale) @ k.transpose(-2, -1)).softmax(-1)
+        ref = torch.einsum("bfnm,bfmi->bnfi", A, v).reshape(B, N, D)  # sum_m A_f[n, m] V_f[m, i]
+    torch.testing.assert_close(coeff, ref, atol=1e-5, rtol=1e-5)
+    # coefficients times the values (columns of W_O), plus b_O: what the sublayer adds
+    added = states[1][1] - states[1][0]
+    torch.testing.assert_close(coeff @ b.attn.proj.weight.T + b.attn.proj.bias, added, atol=1e-5, rtol=1e-5)
+    for i in range(3):  # batch = items
+        torch.testing.assert_close(P.attention_coefficients(vit, x[i:i + 1], 1)[0], coeff[i], atol=1e-5, rtol=1e-5)
+    assert model_state(vit) == before
+
+
+def test_attention_value_projection_by_hand(vit):
+    W_O, E, gamma = vit.blocks[2].attn.proj.weight, vit.head.weight, vit.norm.weight
+    v = W_O.T  # memory j's value = column j of W_O
+    D = v.shape[1]
+    centre = torch.eye(D) - torch.full((D, D), 1 / D)  # the LayerNorm's centering as a matrix
+    ref = E @ torch.diag(gamma) @ centre @ W_O  # C x memories
+    torch.testing.assert_close(P.attention_value_projection(vit, 2), ref.T, atol=1e-5, rtol=1e-5)
+    cos = F.normalize(v, dim=-1) @ F.normalize(E, dim=-1).T
+    torch.testing.assert_close(P.attention_value_projection(vit, 2, mode="cosine"), cos, atol=1e-5, rtol=1e-5)
+    assert torch.equal(P.unit_top_classes(vit, 2, 1, sublayer="attention")[:, 0], ref.T.argmax(-1))
+    with pytest.raises(ValueError, match="sublayer"):
+        P.unit_top_classes(vit, 2, sublayer="mha")
+    with pytest.raises(ValueError, match="mode"):
+        P.attention_value_projection(vit, 2, mode="dot")
+
+
+def test_attention_memory_agreement_by_hand(vit, x):
+    before = model_state(vit)
+    res = P.memory_agreement(vit, x, block=1, target=[0, 1, 4], k=5, sublayer="attention")
+    assert res.agreement.shape == (3, 17) and res.units.shape == (3, 17, 5)
+    coeff = P.attention_coefficients(vit, x, 1)
+    units = coeff.topk(5, dim=-1).indices
+    assert torch.equal(res.units, units)
+    top = P.attention_value_projection(vit, 1).argmax(-1)
+    ref = (top[units] == torch.tensor([0, 1, 4])[:, None, None]).float().mean(-1)
+    torch.testing.assert_close(res.agreement, ref)
+    for i in range(3):  # batch = items
+        one = P.memory_agreement(vit, x[i:i + 1], 1, target=[0, 1, 4][i], k=5, sublayer="attention")
+        assert torch.equal(one.units[0], res.units[i])
+    assert model_state(vit) == before
+
+
+# ------------------------------------------------- the token-removal test against random removal
+def test_removal_curve_is_token_removal_at_each_fraction(vit, x):
+    before = model_state(vit)
+    ranking = torch.randn(3, 16, generator=torch.Generator().manual_seed(3))
+    target = torch.tensor([0, 3, 1])
+    fractions = (0.0, 0.25, 0.5, 1.0)
+    curve = P.removal_curve(vit, x, ranking, target, "lowest", fractions)
+    assert curve.correct.shape == (3, 4) and curve.remove == "lowest"
+    for i, f in enumerate(fractions):
+        assert torch.equal(curve.correct[:, i], P.token_removal(vit, x, ranking, f, target, remove="lowest").correct)
+    acc = curve.correct.double().mean(0).numpy()
+    span = fractions[-1] - fractions[0]
+    trapezoid = sum((acc[i] + acc[i + 1]) / 2 * (fractions[i + 1] - fractions[i]) for i in range(3))
+    assert curve.auc == pytest.approx(trapezoid / span)
+    assert float(curve.sample_auc.mean()) == pytest.approx(curve.auc)  # the mean of the samples' AUCs
+    for b in range(3):  # batch = items
+        one = P.removal_curve(vit, x[b:b + 1], ranking[b:b + 1], int(target[b]), "lowest", fractions)
+        assert torch.equal(one.correct[0], curve.correct[b])
+    predicted = P.removal_curve(vit, x, ranking, None, "highest", fractions)
+    assert predicted.correct[:, 0].all()  # nothing removed: the model's own prediction
+    for bad in ((0.5,), (0.0, float("nan")), (0.5, 0.2), (0.0, 1.5)):
+        with pytest.raises(ValueError, match="fractions"):
+            P.removal_curve(vit, x, ranking, target, fractions=bad)
+    assert model_state(vit) == before
+
+
+def test_bootstrap_interval():
+    v = torch.tensor([0.3] * 10)
+    assert P.bootstrap_interval(v) == pytest.approx((0.3, 0.3))
+    values = torch.rand(400, generator=torch.Generator().manual_seed(1))
+    low, high = P.bootstrap_interval(values, n_boot=4000, level=0.95, seed=2)
+    half = 1.96 * float(values.std()) / 400 ** 0.5  # the normal approximation of the same interval
+    assert low < float(values.mean()) < high
+    assert (high - low) / 2 == pytest.approx(half, rel=0.1)
+    assert P.bootstrap_interval(values, seed=5) == P.bootstrap_interval(values, seed=5)
+    with pytest.raises(ValueError, match="finite"):
+        P.bootstrap_interval(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="level"):
+        P.bootstrap_interval(values, level=95)
+
+
+def test_removal_test_directions_and_paired_differences(vit, x):
+    ranking = torch.randn(3, 16, generator=torch.Generator().manual_seed(4))
+    fractions = (0.0, 0.5, 1.0)
+    res = P.removal_test(vit, x, {"r": ranking}, target=[0, 3, 1], fractions=fractions, n_random=2, seed=1)
+    # removing the lowest of r first is removing the highest of -r first
+    flipped = P.removal_curve(vit, x, -ranking, [0, 3, 1], "highest", fractions)
+    assert torch.equal(res.negative["r"].correct, flipped.correct)
+    assert len(res.random) == 2
+    rows = {(row["ranking"], row["removed first"]): row for row in res.table(n_boot=200)}
+    rand = float(res.random_sample_auc.mean())
+    assert rows[("random", "random")]["AUC"] == pytest.approx(rand)
+    for direction, curve in (("highest", res.positive["r"]), ("lowest", res.negative["r"])):
+        row = rows[("r", direction)]
+        assert row["AUC"] == pytest.approx(curve.auc)
+        assert row["AUC - random"] == pytest.approx(curve.auc - rand)
+        low, high = row["difference 95% interval"]
+        assert low <= row["AUC - random"] + 1e-12 and row["AUC - random"] <= high + 1e-12
+    again = P.removal_test(vit, x, {"r": ranking}, target=[0, 3, 1], fractions=fractions, n_random=2, seed=1)
+    assert all(torch.equal(a.correct, b.correct) for a, b in zip(res.random, again.random))  # seeded
+    with pytest.raises(ValueError, match="rankings"):
+        P.removal_test(vit, x, {}, fractions=fractions)
+
+
+def test_ridge_probes_solve_the_ridge_problem_per_block_and_token():
+    g = torch.Generator().manual_seed(0)
+    M, L, N, D, C = 12, 2, 3, 5, 4
+    states = torch.randn(M, L, N, D, generator=g)
+    labels = torch.arange(M) % C
+    probes = P.ridge_probes(states, labels, C, alpha=0.7)
+    assert probes.weight.shape == (L, N, C, D) and probes.bias.shape == (L, N, C)
+    Y = -torch.ones(M, C, dtype=torch.float64)
+    Y[torch.arange(M), labels] = 1
+    for l in range(L):
+        for n in range(N):
+            # independently: least squares on [X 1; sqrt(alpha) I 0] (intercept not penalised)
+            X = states[:, l, n].double()
+            A = torch.cat([torch.cat([X, torch.ones(M, 1, dtype=torch.float64)], 1),
+                           torch.cat([0.7 ** 0.5 * torch.eye(D, dtype=torch.float64),
+                                      torch.zeros(D, 1, dtype=torch.float64)], 1)])
+            sol = torch.linalg.lstsq(A, torch.cat([Y, torch.zeros(D, C, dtype=torch.float64)])).solution
+            torch.testing.assert_close(probes.weight[l, n].double(), sol[:D].T, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(probes.bias[l, n].double(), sol[D], atol=1e-5, rtol=1e-5)
+    scores = probes.scores(states)
+    torch.testing.assert_close(scores[:, 1, 2], states[:, 1, 2] @ probes.weight[1, 2].T + probes.bias[1, 2])
+    for i in range(3):  # a batch scores as its items
+        torch.testing.assert_close(probes.scores(states[i:i + 1])[0], scores[i])
+    with pytest.raises(ValueError, match="labels"):
+        P.ridge_probes(states, labels[:-1], C)
+    with pytest.raises(ValueError, match="finite"):
+        P.ridge_probes(states.clone().fill_(float("nan")), labels, C)
+    with pytest.raises(ValueError, match="states must be B x 2 x 3 x 5"):
+        probes.scores(states[:, :1])

@@ -550,8 +550,10 @@ def class_grid(labels, names: Sequence[str], image=None, titles: Sequence[str] |
         outline.detach().cpu() if isinstance(outline, torch.Tensor) else outline, dtype=float)
     if masks is not None and (masks.ndim != 3 or len(masks) != rows):
         raise ValueError(f"outline must be {rows} masks H x W (one per row), got shape {masks.shape}")
-    base = plt.get_cmap("tab10" if k <= 10 else "tab20")
-    cmap = ListedColormap([base(i) for i in range(k)])
+    # tab10 without its grey (index 7), which reads as "no class"; tab20 beyond nine classes
+    palette = [plt.get_cmap("tab10")(i) for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)] if k <= 9 else \
+        [plt.get_cmap("tab20")(i) for i in range(20)]
+    cmap = ListedColormap(palette[:k] if k <= len(palette) else [plt.get_cmap("hsv")(i / k) for i in range(k)])
     fig, axes = plt.subplots(rows, cols, figsize=(size * cols, size * rows + 0.5), squeeze=False)
     for r in range(rows):
         img = None if images[r] is None else _to_numpy_image(images[r])

@@ -16,13 +16,20 @@ tokens show what each token "already thinks it is".
 - :func:`sublayer_contributions` -- how much each attention and MLP sublayer raises or
   lowers the target's projected logit, per token.
 - :func:`value_projection`, :func:`unit_top_classes`, :func:`memory_agreement` -- the MLP as
-  key-value memories (paper Sec. 5): each hidden unit's value vector in class space.
+  key-value memories (paper Sec. 5): each hidden unit's value vector in class space;
+  :func:`attention_value_projection`, :func:`attention_coefficients` and
+  ``memory_agreement(..., sublayer="attention")`` -- the same for self-attention (the paper's
+  Fig. 1b): keys matched with the attended tokens' states, weighted by attention.
 - :func:`projection_map` -- the paper's explanation map, ``B x gh x gw``.
 - :func:`context_intervention` -- the paper's RQ5: image tokens attend only to themselves, or
   not to CLS, from a chosen block on (an attention edit through :func:`vitlab.record`).
 - :func:`linear_probes`, :func:`probe_logits`, :func:`token_removal` -- the paper's RQ4:
   per-block linear probes to compare with the projection, and accuracy with the tokens a
-  ranking puts highest (or lowest) removed from attention.
+  ranking puts highest (or lowest) removed from attention; :func:`ridge_probes` -- the
+  paper's own probe design (a ridge regression per block and token position).
+- :func:`removal_curve`, :func:`removal_test`, :func:`bootstrap_interval` -- the paper's
+  token-removal test: accuracy as a ranking's top (positive) or bottom (negative) tokens are
+  removed, its AUC against random removal, with bootstrap intervals over the images.
 
 Models: timm and Hugging Face ViT / DeiT classifiers whose head reads the CLS token. Refused
 with a ``ValueError`` that says why: models without a class head (timm ``num_classes=0``,
@@ -416,25 +423,50 @@ def project(model, x: torch.Tensor, blocks=None, tokens=None) -> Projection:
 # --------------------------------------------------------------------------------------
 # Identifiability
 # --------------------------------------------------------------------------------------
-def _broadcast_target(scores: torch.Tensor, target) -> torch.Tensor:
+def _broadcast_target(scores: torch.Tensor, target, method: str = "identifiability") -> torch.Tensor:
     """``target`` (int, ``(B,)`` along dim 0, or ``scores.shape[:-1]``) as a long tensor of
-    ``scores.shape[:-1]``."""
+    ``scores.shape[:-1]``. Raises ``ValueError`` for scores that are not a finite ``... x C``
+    tensor (a NaN would rank no class above the target and read as top-1) and for a target
+    of any other shape (which would be broadcast into the wrong entries, or fail later)."""
+    if not isinstance(scores, torch.Tensor) or scores.ndim < 1 or scores.shape[-1] < 1:
+        raise ValueError(f"{method}: scores must be a ... x C tensor of class scores (C >= 1), got "
+                         f"{getattr(scores, 'shape', type(scores).__name__)}")
+    if scores.is_complex() or scores.dtype == torch.bool:
+        raise ValueError(f"{method}: scores must be real numbers, got dtype {scores.dtype}")
+    if not bool(torch.isfinite(scores).all()):
+        bad = int((~torch.isfinite(scores)).sum())
+        raise ValueError(f"{method}: scores hold {bad} non-finite value(s) (NaN or inf), where no class rank "
+                         "is defined (a NaN target score would read as top-1); check the model's input and "
+                         "pass finite scores")
+    if isinstance(target, (bool, np.bool_)):
+        raise ValueError(f"{method}: target must hold integer class indices, got a bool ({target})")
     t = torch.as_tensor(target, device=scores.device)
-    if t.dtype == torch.bool or t.is_floating_point():
-        raise ValueError(f"target must hold integer class indices, got dtype {t.dtype}")
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise ValueError(f"{method}: target must hold integer class indices, got dtype {t.dtype}")
     t = t.long()
-    if t.ndim == 1 and scores.ndim > 2:
+    lead = tuple(scores.shape[:-1])
+    if t.ndim == 1 and scores.ndim > 2 and t.shape[0] == scores.shape[0]:
         t = t.reshape(-1, *([1] * (scores.ndim - 2)))
+    elif t.ndim != 0 and tuple(t.shape) != lead:
+        per_sample = f", ({scores.shape[0]},) (one per entry of dim 0)" if scores.ndim > 2 else ""
+        raise ValueError(f"{method}: target has shape {tuple(t.shape)}, but scores of shape {tuple(scores.shape)} "
+                         f"take one int{per_sample} or {lead} (one class per score vector)")
     C = scores.shape[-1]
-    if bool(((t < 0) | (t >= C)).any()):
-        raise ValueError(f"target must be a class in 0 .. {C - 1}, got {t.min().item()} .. {t.max().item()}")
-    return t.expand(scores.shape[:-1])
+    if t.numel() and bool(((t < 0) | (t >= C)).any()):
+        raise ValueError(f"{method}: target must be a class in 0 .. {C - 1}, got {t.min().item()} .. "
+                         f"{t.max().item()}")
+    return t.expand(lead)
 
 
 def class_rank(scores: torch.Tensor, target) -> torch.Tensor:
     """Rank of the target class among the last dim of ``scores`` (0 = top): how many classes
-    score strictly higher (ties count in the target's favour). Shape ``scores.shape[:-1]``."""
-    t = _broadcast_target(scores, target)
+    score strictly higher (ties count in the target's favour). Shape ``scores.shape[:-1]``.
+    ``target`` as in :func:`identifiability`; non-finite scores are refused (``ValueError``)."""
+    return _class_rank(scores, target, "class_rank")
+
+
+def _class_rank(scores: torch.Tensor, target, method: str) -> torch.Tensor:
+    t = _broadcast_target(scores, target, method)
     own = scores.gather(-1, t.unsqueeze(-1))
     # counted in int32 (exact, and a few times faster than summing the booleans as int64)
     return (scores > own).sum(dim=-1, dtype=torch.int32).long()
@@ -454,9 +486,11 @@ def identifiability(scores: torch.Tensor, target) -> torch.Tensor:
     ``scores``: ``... x C`` class scores (e.g. ``Projection.residual``). ``target``: an int,
     a ``(B,)`` tensor (one class per entry of dim 0, broadcast over the rest) or one class
     per entry of ``scores.shape[:-1]``. Returns ``scores.shape[:-1]`` in ``(0, 1]``; 1 when the
-    target is top-1, chance level about 0.5.
+    target is top-1, chance level about 0.5. Raises ``ValueError`` for non-finite scores (a
+    NaN would rank no class above the target, so it would read as top-1) and for a target of
+    any other shape.
     """
-    return 1 - class_rank(scores, target).to(scores.dtype) / scores.shape[-1]
+    return 1 - _class_rank(scores, target, "identifiability").to(scores.dtype) / scores.shape[-1]
 
 
 def identifiable_share(scores: torch.Tensor, target, tokens=None) -> torch.Tensor:
@@ -464,7 +498,7 @@ def identifiable_share(scores: torch.Tensor, target, tokens=None) -> torch.Tenso
     ``...`` (e.g. ``B x L`` from ``B x L x N x C``). ``tokens``: which of the N tokens count
     (indices or a boolean mask over N; e.g. ``slice(layout.num_prefix, None)`` for the image
     tokens); all when None."""
-    top1 = (class_rank(scores, target) == 0).to(scores.dtype)  # ... x N
+    top1 = (_class_rank(scores, target, "identifiable_share") == 0).to(scores.dtype)  # ... x N
     if tokens is not None:
         top1 = top1[..., tokens]
     return top1.mean(dim=-1)
@@ -524,6 +558,7 @@ def sublayer_contributions(model, x: torch.Tensor, target=None, blocks=None, tok
 # Key-value memories (paper Sec. 5)
 # --------------------------------------------------------------------------------------
 VALUE_MODES = ("norm", "cosine")
+SUBLAYERS = ("mlp", "attention")
 
 
 def _block(model, block: int) -> nn.Module:
@@ -546,16 +581,43 @@ def value_projection(model, block: int, mode: str = "norm") -> torch.Tensor:
     - ``mode="cosine"``: the paper's code: cosine similarity of ``v_i`` with each class
       embedding (row of the head's weight), no norm.
     """
-    if mode not in VALUE_MODES:
-        raise ValueError(f"mode must be one of {VALUE_MODES}, got {mode!r}")
-    norms, head = _head_parts(model, token_layout(model), "value_projection")
     b = _block(model, block)
     fc2 = getattr(getattr(b, "mlp", None), "fc2", None)
     if not isinstance(fc2, nn.Linear):
         raise TypeError(f"value_projection: block {block} has no mlp.fc2 linear layer")
+    return _values_in_class_space(model, fc2, getattr(b, "ls2", None), mode, "value_projection")
+
+
+def attention_value_projection(model, block: int, mode: str = "norm") -> torch.Tensor:
+    """The attention sublayer of ``block`` as key-value memories (Vilas et al. 2023, Fig. 1b,
+    after Geva et al. 2021): each memory's value vector in class space, ``D x C``.
+
+    The sublayer adds ``W_O c + b_O`` to the residual stream, ``c`` = the heads' outputs
+    concatenated (``D`` entries; entry ``j = f * d_head + i`` is ``sum_m A_f[n, m] V_f[m, i]``
+    for head f). Column j of ``W_O`` (``attn.proj``'s weight, times the layer scale where
+    there is one) is memory j's **value**; its **key** is column i of head f's value
+    projection, matched with the hidden state of every attended token m and weighted by the
+    attention ``A_f[n, m]``: the memory coefficient ``c_j`` (:func:`attention_coefficients`).
+    Class scores of each value as in :func:`value_projection` (``mode="norm"``: through the
+    final LayerNorms' centering and gain and the head's weight; ``"cosine"``: the paper's
+    code, cosine with each class embedding).
+    """
+    b = _block(model, block)
+    proj = getattr(getattr(b, "attn", None), "proj", None)
+    if not isinstance(proj, nn.Linear):
+        raise TypeError(f"attention_value_projection: block {block} has no attn.proj linear layer")
+    return _values_in_class_space(model, proj, getattr(b, "ls1", None), mode, "attention_value_projection")
+
+
+def _values_in_class_space(model, out_layer: nn.Linear, layer_scale, mode: str, method: str) -> torch.Tensor:
+    """``memories x C``: the columns of ``out_layer``'s weight (times ``layer_scale.gamma``)
+    in class space, as :func:`value_projection` describes."""
+    if mode not in VALUE_MODES:
+        raise ValueError(f"mode must be one of {VALUE_MODES}, got {mode!r}")
+    norms, head = _head_parts(model, token_layout(model), method)
     with torch.no_grad():
-        values = fc2.weight.T.clone()  # hidden x D
-        scale = getattr(getattr(b, "ls2", None), "gamma", None)
+        values = out_layer.weight.T.clone()  # memories x D
+        scale = getattr(layer_scale, "gamma", None)
         if isinstance(scale, torch.Tensor):
             values = values * scale
         E = head.weight  # C x D
@@ -563,19 +625,22 @@ def value_projection(model, block: int, mode: str = "norm") -> torch.Tensor:
             return nn.functional.normalize(values, dim=-1) @ nn.functional.normalize(E, dim=-1).T
         for norm in norms:
             if not isinstance(norm, nn.LayerNorm):
-                raise TypeError(f"value_projection: mode='norm' reads LayerNorms, got {type(norm).__name__}")
+                raise TypeError(f"{method}: mode='norm' reads LayerNorms, got {type(norm).__name__}")
             values = values - values.mean(dim=-1, keepdim=True)
             if norm.weight is not None:
                 values = values * norm.weight
-        return values @ E.T  # hidden x C
+        return values @ E.T  # memories x C
 
 
-def unit_top_classes(model, block: int, k: int = 5, mode: str = "norm") -> torch.Tensor:
-    """``hidden x k``: the k classes each MLP unit's value promotes most (best first), from
-    :func:`value_projection`."""
+def unit_top_classes(model, block: int, k: int = 5, mode: str = "norm", sublayer: str = "mlp") -> torch.Tensor:
+    """``memories x k``: the k classes each memory's value promotes most (best first): the MLP
+    units (``sublayer="mlp"``, :func:`value_projection`, ``hidden x k``) or the attention
+    memories (``sublayer="attention"``, :func:`attention_value_projection`, ``D x k``)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
-    scores = value_projection(model, block, mode)
+    if sublayer not in SUBLAYERS:
+        raise ValueError(f"sublayer must be one of {SUBLAYERS}, got {sublayer!r}")
+    scores = (value_projection if sublayer == "mlp" else attention_value_projection)(model, block, mode)
     return scores.topk(min(k, scores.shape[-1]), dim=-1).indices
 
 
@@ -594,25 +659,57 @@ class MemoryAgreement(NamedTuple):
     target: torch.Tensor
 
 
-def memory_agreement(model, x: torch.Tensor, block: int, target=None, k: int = 10,
-                     mode: str = "norm") -> MemoryAgreement:
-    """Do the units that fire most on a token promote its class? (key-value memories, Sec. 5)
+def attention_coefficients(model, x: torch.Tensor, block: int) -> torch.Tensor:
+    """``B x N x D``: the memory coefficients of ``block``'s attention sublayer per token
+    (Vilas et al. 2023, Fig. 1b): entry ``j = f * d_head + i`` is ``sum_m A_f[n, m] V_f[m, i]``,
+    the match of key i of head f with the hidden state of every token m, weighted by how much
+    token n attends to m -- the input of ``attn.proj``, so the sublayer's output is
+    ``coefficients @ W_O.T + b_O`` (times the layer scale). One forward, eval mode; the
+    attention and values are recorded by :func:`vitlab.record`, the model is unchanged."""
+    check_images(x, "attention_coefficients")
+    index = record_blocks(model).index(_block(model, block))
+    with torch.no_grad(), record(model, eval_mode=True, capture=("attention", "value")) as rec:
+        model(x)
+    return _coefficients(rec.attentions[index], rec.values[index])
 
-    Per token: the ``k`` MLP units of ``block`` with the largest activation (after the
-    non-linearity, recorded by :func:`vitlab.record` with ``mlp=True``), and the share of them
-    whose value vector's top class (:func:`unit_top_classes`, ``k=1``) is the sample's
-    target (None: the predicted class). One forward pass, eval mode.
+
+def _coefficients(attention: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``B x H x N x N`` attention, ``B x H x N x d`` values -> ``B x N x H*d``."""
+    B, H, N, d = values.shape
+    return (attention @ values).transpose(1, 2).reshape(B, N, H * d)
+
+
+def memory_agreement(model, x: torch.Tensor, block: int, target=None, k: int = 10,
+                     mode: str = "norm", sublayer: str = "mlp") -> MemoryAgreement:
+    """Do the memories that are most active on a token promote its class? (Vilas et al. 2023,
+    key-value memories, Sec. 5 and Fig. 1b)
+
+    Per token: the ``k`` memories of ``block`` with the largest coefficient, and the share of
+    them whose value vector's top class (:func:`unit_top_classes`, ``k=1``) is the sample's
+    target (None: the predicted class). ``sublayer="mlp"``: the MLP's hidden units, the
+    coefficient being the activation after the non-linearity (recorded by
+    :func:`vitlab.record` with ``mlp=True``); ``sublayer="attention"``: the attention
+    sublayer's D memories, the coefficient being :func:`attention_coefficients`. One forward
+    pass, eval mode. (The paper's code scores a token as agreeing when any of its 5 most
+    active memories is among the 5 memories whose values promote the class most.)
     """
     check_images(x, "memory_agreement")
     check_target(target, x.shape[0])
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
-    top = unit_top_classes(model, block, 1, mode)[:, 0]  # hidden
+    if sublayer not in SUBLAYERS:
+        raise ValueError(f"sublayer must be one of {SUBLAYERS}, got {sublayer!r}")
+    top = unit_top_classes(model, block, 1, mode, sublayer)[:, 0]  # memories
     index = record_blocks(model).index(_block(model, block))
-    with torch.no_grad(), record(model, eval_mode=True, mlp=True, capture=()) as rec:
-        logits = _logits(model(x))
+    if sublayer == "mlp":
+        with torch.no_grad(), record(model, eval_mode=True, mlp=True, capture=()) as rec:
+            logits = _logits(model(x))
+        acts = rec.mlp_activations[index]  # B x N x hidden
+    else:
+        with torch.no_grad(), record(model, eval_mode=True, capture=("attention", "value")) as rec:
+            logits = _logits(model(x))
+        acts = _coefficients(rec.attentions[index], rec.values[index])  # B x N x D
     t = _target_for(target, logits)
-    acts = rec.mlp_activations[index]  # B x N x hidden
     units = acts.topk(min(k, acts.shape[-1]), dim=-1).indices  # B x N x k
     hits = top.to(units.device)[units] == t[:, None, None]
     return MemoryAgreement(agreement=hits.to(acts.dtype).mean(-1), units=units, target=t)
@@ -930,3 +1027,231 @@ def token_removal(model, x: torch.Tensor, ranking: torch.Tensor, fraction: float
     predicted = logits.argmax(-1)
     return TokenRemoval(logits=logits, predicted=predicted, target=t, correct=predicted == t,
                         removed=removed.to(x.device))
+
+
+# --------------------------------------------------------------------------------------
+# The token-removal test of a ranking against random removal (paper RQ3 / RQ4)
+# --------------------------------------------------------------------------------------
+#: Fractions of the image tokens removed along a curve: 0 (nothing) to 0.9 in steps of 0.1.
+REMOVAL_FRACTIONS = tuple(round(0.1 * i, 1) for i in range(10))
+
+
+def _check_fractions(fractions) -> torch.Tensor:
+    try:
+        f = torch.as_tensor(fractions, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"fractions must be a 1-D sequence of numbers in [0, 1], got {fractions!r}") from None
+    if f.ndim != 1 or f.numel() < 2:
+        raise ValueError(f"fractions must be a 1-D sequence of at least two numbers in [0, 1], got {fractions!r}")
+    if not bool(torch.isfinite(f).all()) or bool(((f < 0) | (f > 1)).any()) or bool((f[1:] <= f[:-1]).any()):
+        raise ValueError(f"fractions must be increasing numbers in [0, 1] (finite, no repeats), got {f.tolist()}")
+    return f
+
+
+def _auc(y: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """Trapezoid area under ``y`` (``... x F``) over the fractions ``f``, divided by their
+    span: the mean accuracy along the curve, in [0, 1]."""
+    y = y.double()
+    return ((y[..., 1:] + y[..., :-1]) / 2 * (f[1:] - f[:-1])).sum(-1) / (f[-1] - f[0])
+
+
+class RemovalCurve(NamedTuple):
+    """From :func:`removal_curve`.
+
+    Attributes:
+        fractions: ``(F,)`` the shares of image tokens removed.
+        correct: ``B x F`` bool, whether sample b is still predicted as its target with
+            ``fractions[i]`` of its tokens removed (:func:`token_removal`).
+        target: ``(B,)`` the class checked.
+        remove: ``"highest"`` (the ranking's top tokens first: the paper's *positive*
+            perturbation) or ``"lowest"`` (its bottom tokens first: *negative*).
+    """
+
+    fractions: torch.Tensor
+    correct: torch.Tensor
+    target: torch.Tensor
+    remove: str
+
+    @property
+    def accuracy(self) -> torch.Tensor:
+        """``(F,)`` the share of samples still correct at each fraction."""
+        return self.correct.double().mean(0)
+
+    @property
+    def sample_auc(self) -> torch.Tensor:
+        """``(B,)`` each sample's area under its correct / not correct curve (over the
+        fractions' span); their mean is :attr:`auc`."""
+        return _auc(self.correct, self.fractions)
+
+    @property
+    def auc(self) -> float:
+        """The area under the accuracy curve, divided by the fractions' span (1: the model
+        stays right whatever is removed; a faithful ranking gives a low AUC removing its top
+        tokens first and a high one removing its bottom tokens first)."""
+        return float(_auc(self.accuracy, self.fractions))
+
+
+def removal_curve(model, x: torch.Tensor, ranking: torch.Tensor, target=None, remove: str = "highest",
+                  fractions=REMOVAL_FRACTIONS) -> RemovalCurve:
+    """The model's accuracy as a growing share of each image's tokens is removed in the order
+    of ``ranking`` (Vilas et al. 2023, RQ3 and RQ4: their positive / negative perturbation).
+
+    One :func:`token_removal` per fraction (one forward each): the ``round(f * num_patches)``
+    image tokens ranked highest (``remove="highest"``, positive perturbation) or lowest
+    (``"lowest"``, negative) are masked out as keys in every block. ``ranking``: ``B x
+    num_patches`` or ``B x gh x gw`` scores; ``target``: int, one per sample, or None (the
+    model's prediction with nothing removed). ``fractions``: increasing, in [0, 1]. The
+    model is unchanged."""
+    check_images(x, "removal_curve")
+    t = check_target(target, x.shape[0])
+    f = _check_fractions(fractions)
+    if remove not in REMOVE:
+        raise ValueError(f"remove must be one of {REMOVE}, got {remove!r}")
+    if t is None:
+        with torch.no_grad(), record(model, eval_mode=True, capture=()):
+            t = _logits(model(x)).argmax(-1).cpu()
+    runs = [token_removal(model, x, ranking, float(v), t, remove=remove) for v in f.tolist()]
+    correct = torch.stack([r.correct.cpu() for r in runs], dim=1)
+    return RemovalCurve(fractions=f, correct=correct, target=runs[0].target.cpu(), remove=remove)
+
+
+def bootstrap_interval(values, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (``(n,)``, one per sample):
+    ``n_boot`` resamples of the n samples with replacement (a generator seeded with ``seed``),
+    the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of their means."""
+    v = torch.as_tensor(values, dtype=torch.float64).flatten()
+    if v.numel() == 0 or not bool(torch.isfinite(v).all()):
+        raise ValueError(f"bootstrap_interval needs at least one finite value, got {v.numel()} values"
+                         f"{'' if v.numel() == 0 else ' with NaN or inf'}")
+    _positive_int(n_boot, "n_boot")
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
+        raise ValueError(f"level must be a number in (0, 1), got {level!r}")
+    g = torch.Generator().manual_seed(seed)
+    means = v[torch.randint(0, v.numel(), (n_boot, v.numel()), generator=g)].mean(1)
+    low, high = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+    return float(low), float(high)
+
+
+class RemovalTest(NamedTuple):
+    """From :func:`removal_test`.
+
+    Attributes:
+        positive: ``{name: RemovalCurve}``, each ranking's top tokens removed first.
+        negative: ``{name: RemovalCurve}``, its bottom tokens removed first.
+        random: the curves of ``n_random`` random orders (a fresh order per sample and repeat).
+    """
+
+    positive: dict
+    negative: dict
+    random: list
+
+    @property
+    def random_sample_auc(self) -> torch.Tensor:
+        """``(B,)`` each sample's AUC under random removal, averaged over the repeats."""
+        return torch.stack([c.sample_auc for c in self.random]).mean(0)
+
+    def table(self, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> list[dict]:
+        """One row per ranking and direction, plus one for random removal: the AUC with its
+        bootstrap interval over the samples (:func:`bootstrap_interval`), and the paired
+        difference from random removal (the same samples) with its interval."""
+        rand = self.random_sample_auc
+        pct = f"{level:.0%}"
+        low, high = bootstrap_interval(rand, n_boot, level, seed)
+        rows = [{"ranking": "random", "removed first": "random", "AUC": float(rand.mean()),
+                 f"AUC {pct} interval": (low, high), "AUC - random": 0.0, f"difference {pct} interval": (0.0, 0.0)}]
+        for direction, curves in (("highest", self.positive), ("lowest", self.negative)):
+            for name, curve in curves.items():
+                auc, diff = curve.sample_auc, curve.sample_auc - rand
+                rows.append({"ranking": name, "removed first": direction, "AUC": float(auc.mean()),
+                             f"AUC {pct} interval": bootstrap_interval(auc, n_boot, level, seed),
+                             "AUC - random": float(diff.mean()),
+                             f"difference {pct} interval": bootstrap_interval(diff, n_boot, level, seed)})
+        return rows
+
+
+def removal_test(model, x: torch.Tensor, rankings: dict, target=None, fractions=REMOVAL_FRACTIONS,
+                 n_random: int = 2, seed: int = 0) -> RemovalTest:
+    """The token-removal test of Vilas et al. 2023 (RQ3, RQ4): for each ranking in
+    ``rankings`` (``{name: B x num_patches or B x gh x gw scores}``), :func:`removal_curve`
+    removing its top tokens first (positive perturbation) and its bottom tokens first
+    (negative), and ``n_random`` curves removing tokens in random order (a fresh permutation
+    per sample and repeat, from a generator seeded with ``seed``; the paper's code draws 10
+    permutations shared by all images). ``target``: int, one per sample, or None
+    (predicted). ``(2 * len(rankings) + n_random) * len(fractions)`` forwards. Read the
+    result with :meth:`RemovalTest.table`."""
+    check_images(x, "removal_test")
+    if not isinstance(rankings, dict) or not rankings:
+        raise ValueError("rankings must be a non-empty dict {name: B x num_patches scores}")
+    _positive_int(n_random, "n_random")
+    t = check_target(target, x.shape[0])
+    if t is None:
+        with torch.no_grad(), record(model, eval_mode=True, capture=()):
+            t = _logits(model(x)).argmax(-1).cpu()
+    num_patches = token_layout(model, x).num_patches
+    g = torch.Generator().manual_seed(seed)
+    positive = {n: removal_curve(model, x, r, t, "highest", fractions) for n, r in rankings.items()}
+    negative = {n: removal_curve(model, x, r, t, "lowest", fractions) for n, r in rankings.items()}
+    random = [removal_curve(model, x, torch.rand(x.shape[0], num_patches, generator=g), t, "highest", fractions)
+              for _ in range(n_random)]
+    return RemovalTest(positive=positive, negative=negative, random=random)
+
+
+# --------------------------------------------------------------------------------------
+# The paper's probes: one ridge regression per block and token position (RQ4)
+# --------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class TokenProbes:
+    """What :func:`ridge_probes` returns: one linear readout per block and token position,
+    ``scores = h @ weight[l, n].T + bias[l, n]``.
+
+    Attributes:
+        weight: ``L x N x C x D``; bias: ``L x N x C``; alpha: the ridge penalty.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    alpha: float
+
+    def scores(self, states: torch.Tensor) -> torch.Tensor:
+        """``B x L x N x D`` states (as ``Projection.block_outputs``) -> ``B x L x N x C``."""
+        L, N, C, D = self.weight.shape
+        if not isinstance(states, torch.Tensor) or states.ndim != 4 or tuple(states.shape[1:]) != (L, N, D):
+            raise ValueError(f"states must be B x {L} x {N} x {D} (blocks x tokens x features, as the probes "
+                             f"were fitted), got {tuple(getattr(states, 'shape', ()))}")
+        W, b = self.weight.to(states.device, states.dtype), self.bias.to(states.device, states.dtype)
+        return torch.einsum("blnd,lncd->blnc", states, W) + b
+
+
+def ridge_probes(states: torch.Tensor, labels, num_classes: int, alpha: float = 1.0) -> TokenProbes:
+    """The linear probes of Vilas et al. 2023 (RQ4, their ``linear_probing/prober.py``): for
+    every block l and token position n its own ridge regression from the ``D`` features of
+    that token to ``C`` targets, +1 for the image's class and -1 for every other, with an
+    intercept (features and targets centred, the intercept not penalised), penalty ``alpha``
+    (the paper's: 1.0, fitted on 10 images per class). ``states``: ``M x L x N x D`` (the
+    training images' ``Projection.block_outputs``), ``labels``: ``(M,)`` classes. Solved in
+    closed form, ``w = (Xc^T Xc + alpha I)^-1 Xc^T Yc``, in float64."""
+    if not isinstance(states, torch.Tensor) or states.ndim != 4 or states.shape[0] < 2:
+        raise ValueError(f"states must be an M x L x N x D tensor with M >= 2 images, got "
+                         f"{tuple(getattr(states, 'shape', ()))}")
+    if not bool(torch.isfinite(states).all()):
+        raise ValueError("states must be finite (no NaN or inf)")
+    C = _positive_int(num_classes, "num_classes")
+    y = torch.as_tensor(labels)
+    if y.dtype == torch.bool or y.is_floating_point() or tuple(y.shape) != (states.shape[0],):
+        raise ValueError(f"labels must be {states.shape[0]} integer classes (one per image), got dtype {y.dtype}, "
+                         f"shape {tuple(y.shape)}")
+    if bool(((y < 0) | (y >= C)).any()):
+        raise ValueError(f"labels must be classes in 0 .. {C - 1}, got {int(y.min())} .. {int(y.max())}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < float("inf"):
+        raise ValueError(f"alpha must be a positive finite number, got {alpha!r}")
+    X = states.detach().double().permute(1, 2, 0, 3)  # L x N x M x D
+    Y = -torch.ones(states.shape[0], C, dtype=torch.float64)
+    Y[torch.arange(states.shape[0]), y.long().cpu()] = 1.0
+    Y = Y.to(X.device)
+    x_mean, y_mean = X.mean(2, keepdim=True), Y.mean(0)
+    Xc, Yc = X - x_mean, Y - y_mean
+    D = X.shape[-1]
+    gram = Xc.transpose(-1, -2) @ Xc + alpha * torch.eye(D, dtype=torch.float64, device=X.device)
+    W = torch.linalg.solve(gram, Xc.transpose(-1, -2) @ Yc)  # L x N x D x C
+    bias = y_mean - (x_mean @ W).squeeze(-2)  # L x N x C
+    return TokenProbes(weight=W.transpose(-1, -2).to(states.dtype), bias=bias.to(states.dtype), alpha=float(alpha))
