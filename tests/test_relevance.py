@@ -577,7 +577,8 @@ def test_vit_is_the_engine_with_one_modality(vit, x):
     N = ag.attentions[0].shape[-1]
     R = propagate(self_attention_events("image", ag.attentions, ag.gradients), {"image": N})
     assert torch.equal(R["image", "image"], relevance_matrix(ag.attentions, ag.gradients))
-    assert torch.equal(R["image", "image"], legacy_relevance_matrix(ag.attentions, ag.gradients))
+    # the engine accumulates R - I (exact in float32), the legacy loop R: float32 rounding apart
+    assert torch.allclose(R["image", "image"], legacy_relevance_matrix(ag.attentions, ag.gradients), rtol=1e-5, atol=0)
     cls_row = R.rows("image", "image", 0)[:, 1:].reshape(3, 4, 4)
     # chefer_relevance multiplies row vectors from the last block down: same maths, float32 rounding apart
     assert torch.allclose(chefer_relevance(vit, x, target), cls_row, rtol=1e-6, atol=0)
@@ -585,6 +586,7 @@ def test_vit_is_the_engine_with_one_modality(vit, x):
     A64, G64 = [a.double() for a in ag.attentions], [g.double() for g in ag.gradients]
     R64 = propagate(self_attention_events("image", A64, G64), {"image": N})
     assert torch.allclose(relevance_row(A64, G64, index=0), R64.rows("image", "image", 0), rtol=1e-13, atol=0)
+    assert torch.allclose(R64["image", "image"], legacy_relevance_matrix(A64, G64), rtol=1e-13, atol=0)
 
 
 def test_vit_engine_equivalence_on_deit_tiny():
@@ -592,6 +594,129 @@ def test_vit_engine_equivalence_on_deit_tiny():
     x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(12))
     ag = attention_gradients(model, x, [7])
     R = propagate(self_attention_events("image", ag.attentions, ag.gradients), {"image": 197})
-    assert torch.equal(R["image", "image"], legacy_relevance_matrix(ag.attentions, ag.gradients))
+    assert torch.allclose(R["image", "image"], legacy_relevance_matrix(ag.attentions, ag.gradients), rtol=1e-5, atol=0)
     cls_row = R.rows("image", "image", 0)[:, 1:].reshape(1, 14, 14)
     assert torch.allclose(chefer_relevance(model, x, [7]), cls_row, rtol=1e-5, atol=0)
+
+
+# --- precision: eq. 8's R - I kept exact (float32 against float64) -------------------------------
+def test_eq8_9_kept_exact_when_r_stays_close_to_the_identity():
+    """Additions of ~1e-7 to I: R - I formed from R in float32 keeps about one digit; propagate
+    keeps R - I itself, so its eq. 10 result matches float64 to float32 rounding."""
+    g = torch.Generator().manual_seed(5)
+    sizes = {"text": 5, "image": 7}
+    steps = [random_event(g, "text", "text", sizes, dtype=torch.float64),
+             random_event(g, "image", "image", sizes, dtype=torch.float64)]
+    steps = [AttentionEvent(e.query, e.key, e.attention, e.grad.abs() * 1e-6) for e in steps]
+    steps.append(random_event(g, "text", "image", sizes, dtype=torch.float64))
+    R64 = propagate(steps, sizes)
+    as32 = [AttentionEvent(e.query, e.key, e.attention.float(), e.grad.float()) for e in steps]
+    R32 = propagate(as32, sizes)
+    exact = R64["text", "image"]
+    assert (R32["text", "image"].double() - exact).abs().max() / exact.abs().max() < 1e-5
+    # R^{ss} - I is kept: its float32 value is the float64 one to rounding, diagonal included
+    for s in sizes:
+        torch.testing.assert_close(R32.added[s].double(), R64.added[s], rtol=1e-5, atol=0)
+        torch.testing.assert_close(R32[s, s].double(), R64[s, s], rtol=1e-6, atol=0)
+    # the formula from R in float32 loses the additions' digits (what the engine avoids)
+    naive = normalized_self_relevance(R32["text", "text"]).double()
+    assert (naive - normalized_self_relevance(R64["text", "text"])).abs().max() > 1e-3
+
+
+def chefer_reference_lxmert(model, inputs: dict, target: int):
+    """Chefer et al.'s LXMERT algorithm for one unpadded sample, written from the description
+    of the reference (hila-chefer/Transformer-MM-Explainability, lxmert/lxmert/src/
+    ExplanationGenerator.py, ``GeneratorOurs.generate_ours`` with ``use_lrp=False``), with
+    its own recording and backward: R^{tt} = I, R^{ii} = I, R^{ti} = R^{it} = 0; each
+    language layer, then each vision layer (eq. 6-7); per cross-modality layer but the last
+    both co-attention directions computed from the same state (eq. 10-11 with eq. 8-9's
+    handle_residual) and added together, then the layer's text and image self-attention; the
+    last layer only its text co-attention and text self-attention. Returns (R^{ti}[0],
+    R^{tt}[0] with entry 0 set to 0)."""
+    import vitlab
+
+    with vitlab.record(model, gradients=True) as rec:
+        score = model(**inputs).question_answering_score
+        score[0, target].backward()
+    model.zero_grad(set_to_none=True)
+
+    def cam(c):  # eq. 5 for one sample
+        return (c.grad[0] * c.attention.detach()[0]).clamp(min=0).mean(dim=0)
+
+    def residual(M):  # eq. 8-9
+        eye = torch.eye(M.shape[0], dtype=M.dtype)
+        hat = M - eye
+        return hat / hat.sum(dim=-1, keepdim=True) + eye
+
+    lv = rec.stream("lang->vision")
+    Nt, Ni = lv[0].attention.shape[-2:]
+    Rtt, Rii = torch.eye(Nt, dtype=torch.float64), torch.eye(Ni, dtype=torch.float64)
+    Rti, Rit = torch.zeros(Nt, Ni, dtype=torch.float64), torch.zeros(Ni, Nt, dtype=torch.float64)
+    for c in rec.stream("lang"):
+        A = cam(c)
+        Rtt, Rti = Rtt + A @ Rtt, Rti + A @ Rti
+    for c in rec.stream("vision"):
+        A = cam(c)
+        Rii, Rit = Rii + A @ Rii, Rit + A @ Rit
+    layers = list(zip(lv, rec.stream("vision->lang"), rec.stream("cross.lang"), rec.stream("cross.vision")))
+    for k, (t_i, i_t, t_t, i_i) in enumerate(layers):
+        A_ti = cam(t_i)
+        add_ti, add_tt = residual(Rtt).T @ A_ti @ residual(Rii), A_ti @ Rit
+        if k == len(layers) - 1:
+            Rti, Rtt = Rti + add_ti, Rtt + add_tt
+            A = cam(t_t)
+            Rtt, Rti = Rtt + A @ Rtt, Rti + A @ Rti
+            break
+        A_it = cam(i_t)
+        add_it, add_ii = residual(Rii).T @ A_it @ residual(Rtt), A_it @ Rti
+        Rti, Rtt, Rit, Rii = Rti + add_ti, Rtt + add_tt, Rit + add_it, Rii + add_ii
+        A = cam(t_t)
+        Rtt, Rti = Rtt + A @ Rtt, Rti + A @ Rti
+        A = cam(i_i)
+        Rii, Rit = Rii + A @ Rii, Rit + A @ Rit
+    text = Rtt[0].clone()
+    text[0] = 0
+    return Rti[0], text
+
+
+def test_lxmert_relevance_float32_is_float64_and_the_reference_algorithm_on_a_2_2_3_layer_model():
+    """Random-initialised LxmertForQuestionAnswering, 2 language / 2 vision / 3 cross-modality
+    layers, Hugging Face's initialisation (std 0.02: attention gradients ~1e-5, R close to I).
+    float64: equal to the reference algorithm per unpadded item (to 1e-8). float32: within
+    1e-5 (max relative, per entry) of float64; forming R - I from R instead gave 4.3e-2."""
+    import copy
+
+    from transformers import LxmertConfig, LxmertForQuestionAnswering
+
+    from vitlab.relevance import lxmert_relevance
+
+    torch.manual_seed(0)
+    cfg = LxmertConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64, l_layers=2,
+                       r_layers=2, x_layers=3, visual_feat_dim=16, visual_pos_dim=4, num_qa_labels=7,
+                       num_object_labels=5, num_attr_labels=5)
+    m32 = LxmertForQuestionAnswering(cfg).eval()
+    m64 = copy.deepcopy(m32).double()
+    g = torch.Generator().manual_seed(1)
+    B, T, V = 3, 7, 10
+    ids = torch.randint(0, 50, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[-1, -2:] = 0  # the last question is two tokens shorter
+    feats, pos = torch.randn(B, V, 16, generator=g), torch.rand(B, V, 4, generator=g)
+    target = [1, 2, 3]
+    inputs = dict(input_ids=ids, attention_mask=mask, visual_feats=feats, visual_pos=pos)
+    out32 = lxmert_relevance(m32, inputs, target=target)
+    out64 = lxmert_relevance(m64, {**inputs, "visual_feats": feats.double(), "visual_pos": pos.double()}, target=target)
+    for b in range(B):
+        n = int(mask[b].sum())
+        one = dict(input_ids=ids[b : b + 1, :n], attention_mask=mask[b : b + 1, :n],
+                   visual_feats=feats[b : b + 1].double(), visual_pos=pos[b : b + 1].double())
+        image, text = chefer_reference_lxmert(m64, one, target[b])
+        # (the reference forms R - I from R: even in float64 it rounds at ~1e-10 relative here)
+        torch.testing.assert_close(out64.image[b], image, rtol=1e-8, atol=0)
+        torch.testing.assert_close(out64.text[b, :n], text, rtol=1e-8, atol=1e-30)
+    assert out64.text[-1, -2:].abs().max() == 0                      # padding gets no relevance
+    for name in ("image", "text"):
+        x, y = getattr(out32, name).double(), getattr(out64, name)
+        rel = (x - y).abs() / y.abs().clamp(min=1e-30)
+        assert rel.max() < 1e-5, (name, rel.max().item())
+        assert y.abs().max() < 1e-2        # the regime where eq. 8 cancels: R stays close to I

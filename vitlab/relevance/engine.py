@@ -15,7 +15,9 @@ of q is to token i of s.
   over heads (:func:`head_averaged_relevance`).
 - eq. 6-7, self-attention among the tokens of s: ``R^{ss} += Abar · R^{ss}`` and, for every
   other modality q, ``R^{sq} += Abar · R^{sq}`` (:func:`self_attention_rule`).
-- eq. 8-9: ``Rbar^{xx} = rownorm(R^{xx} - I) + I`` (:func:`normalized_self_relevance`).
+- eq. 8-9: ``Rbar^{xx} = rownorm(R^{xx} - I) + I`` (:func:`normalized_self_relevance`);
+  :func:`propagate` keeps ``R^{xx} - I`` itself (:func:`normalized_added_relevance`), so the
+  subtraction never cancels in float32 (tested against float64 on a 2/2/3-layer LXMERT).
 - eq. 10-11, tokens of s attending to tokens of q (``Abar``: ``Ns x Nq``):
   ``R^{sq} += (Rbar^{ss})^T · Abar · Rbar^{qq}`` and ``R^{ss} += Abar · R^{qs}``
   (:func:`bimodal_rule`).
@@ -110,9 +112,23 @@ def normalized_self_relevance(R: torch.Tensor) -> torch.Tensor:
     of it is divided by its sum (eq. 9), so that a token's accumulated context weighs as much
     as the token itself. A row that sums to 0 (nothing added yet) stays 0: that token's row of
     ``Rbar`` is its identity row, where the literal formula would give 0 / 0 = NaN.
+
+    Precision: when ``R`` stays close to I (small gradients times small attention) the
+    subtraction cancels: in float32 an addition of 1e-6 keeps about one digit. :func:`propagate`
+    therefore never forms ``R - I`` from ``R``: it keeps ``R - I`` itself and calls
+    :func:`normalized_added_relevance`.
     """
     eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
-    added = R - eye  # eq. 8
+    return normalized_added_relevance(R - eye)  # eq. 8
+
+
+def normalized_added_relevance(added: torch.Tensor) -> torch.Tensor:
+    """Eq. 9 from eq. 8's ``Rhat = R - I`` itself: ``rownorm(Rhat) + I`` (``... x N x N``).
+
+    A row of ``Rhat`` that sums to 0 stays 0 (the identity row of ``Rbar``), see
+    :func:`normalized_self_relevance`.
+    """
+    eye = torch.eye(added.shape[-1], dtype=added.dtype, device=added.device)
     total = added.sum(dim=-1, keepdim=True)
     return added / torch.where(total > 0, total, torch.ones_like(total)) + eye  # eq. 9
 
@@ -134,6 +150,16 @@ def _eq10_addition(R_ss: torch.Tensor, R_qq: torch.Tensor, Abar: torch.Tensor, n
     if normalize:
         R_ss, R_qq = normalized_self_relevance(R_ss), normalized_self_relevance(R_qq)
     return R_ss.mT @ (Abar @ R_qq)
+
+
+def _eq10_from_added(added_ss: torch.Tensor, added_qq: torch.Tensor, Abar: torch.Tensor,
+                     normalize: bool) -> torch.Tensor:
+    """Eq. 10's addition from ``R^{ss} - I`` and ``R^{qq} - I`` (kept exact by :func:`propagate`)."""
+    if not normalize:  # the ablation, R itself: (I + Rhat_ss)^T · Abar · (I + Rhat_qq), expanded
+        left = Abar + added_ss.mT @ Abar
+        return left + left @ added_qq
+    Rb_ss, Rb_qq = normalized_added_relevance(added_ss), normalized_added_relevance(added_qq)
+    return Rb_ss.mT @ (Abar @ Rb_qq)
 
 
 # --- events and the engine ------------------------------------------------------------------------
@@ -237,10 +263,14 @@ class Relevances:
         sizes: tokens per modality.
         matrices: ``(s, q) -> R^{sq}``, ``*batch x Ns x Nq`` for every ordered pair of
             modalities (``(s, s)`` included).
+        added: ``s -> R^{ss} - I`` (eq. 8's ``Rhat``), as :func:`propagate` accumulated it:
+            exact where ``matrices[s, s]``'s diagonal ``1 + Rhat_ii`` rounds ``Rhat_ii`` off
+            (its off-diagonal entries are ``Rhat``'s exactly). None when not given.
     """
 
     sizes: dict[str, int]
     matrices: dict[tuple[str, str], torch.Tensor]
+    added: dict[str, torch.Tensor] | None = None
 
     def __getitem__(self, pair: tuple[str, str]) -> torch.Tensor:
         """``R^{sq}`` for ``pair = (s, q)``: ``*batch x Ns x Nq``."""
@@ -269,7 +299,8 @@ def initial_relevances(sizes: Mapping[str, int], batch_shape=(), dtype=None, dev
     for s, ns in sizes.items():
         for q, nq in sizes.items():
             if s == q:
-                matrices[s, q] = torch.eye(ns, dtype=dtype, device=device).expand(*batch_shape, ns, ns)
+                # a copy per item (not an expanded view): editing one item's R^{ss} leaves the others
+                matrices[s, q] = torch.eye(ns, dtype=dtype, device=device).expand(*batch_shape, ns, ns).clone()
             else:
                 matrices[s, q] = torch.zeros(*batch_shape, ns, nq, dtype=dtype, device=device)
     return matrices
@@ -291,7 +322,9 @@ def propagate(events: Sequence[Step], sizes: Mapping[str, int], normalize: bool 
         normalize: eq. 8-9 before eq. 10 (the paper); False is its ablation.
 
     Returns:
-        :class:`Relevances` in the promoted dtype of the attentions and gradients.
+        :class:`Relevances` in the promoted dtype of the attentions and gradients. Each
+        ``R^{ss}`` is accumulated as ``R^{ss} - I`` (its ``added``) and eq. 8-9 read that
+        directly: no cancellation in float32 however close to I ``R^{ss}`` stays.
     """
     steps = _checked_steps(events, _checked_sizes(sizes))
     first = steps[0][0].attention
@@ -299,27 +332,33 @@ def propagate(events: Sequence[Step], sizes: Mapping[str, int], normalize: bool 
     dtype = tensors[0].dtype
     for t in tensors[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
+    # The state: R^{sq} for s != q, and Rhat^{ss} = R^{ss} - I (eq. 8) itself for s == q, so that
+    # eq. 8-9 never subtract I from an R close to I (float32 would lose the additions' digits).
     R = initial_relevances(sizes, first.shape[:-3], dtype, first.device)
+    state = {pair: (torch.zeros_like(M) if pair[0] == pair[1] else M) for pair, M in R.items()}
     for step in steps:
         additions: dict[tuple[str, str], torch.Tensor] = {}
         for event in step:
-            for pair, add in _additions(R, event, normalize).items():
+            for pair, add in _additions(state, event, normalize).items():
                 additions[pair] = additions[pair] + add if pair in additions else add
-        R = {pair: (M + additions[pair] if pair in additions else M) for pair, M in R.items()}
-    return Relevances(dict(sizes), R)
+        state = {pair: (M + additions[pair] if pair in additions else M) for pair, M in state.items()}
+    added = {s: state[s, s] for s in sizes}
+    matrices = {pair: (R[pair] + M if pair[0] == pair[1] else M) for pair, M in state.items()}
+    return Relevances(dict(sizes), matrices, added)
 
 
-def _additions(R, event: AttentionEvent, normalize: bool) -> dict[tuple[str, str], torch.Tensor]:
-    """What ``event`` adds to each ``R^{sq}`` it changes, read from ``R`` (eq. 5-7, 10-11)."""
+def _additions(state, event: AttentionEvent, normalize: bool) -> dict[tuple[str, str], torch.Tensor]:
+    """What ``event`` adds to each matrix of the state it changes (eq. 5-7, 10-11); the state
+    holds ``R^{sq}`` for s != q and ``R^{ss} - I`` for s == q (additions are the same for both)."""
     Abar = event.head_averaged()
     if Abar is None:
         return {}
-    Abar = Abar.to(R[event.query, event.query].dtype)
+    Abar = Abar.to(state[event.query, event.query].dtype)
     s, q = event.query, event.key
-    if event.is_self:  # eq. 6 (x = s) and eq. 7 (every other x)
-        return {(s, x): Abar @ R[s, x] for (row, x) in R if row == s}
-    return {(s, q): _eq10_addition(R[s, s], R[q, q], Abar, normalize),  # eq. 10
-            (s, s): Abar @ R[q, s]}  # eq. 11
+    if event.is_self:  # eq. 6 (x = s: Abar · R^{ss} = Abar · Rhat^{ss} + Abar) and eq. 7 (every other x)
+        return {(s, x): (Abar @ M + Abar if x == s else Abar @ M) for (row, x), M in state.items() if row == s}
+    return {(s, q): _eq10_from_added(state[s, s], state[q, q], Abar, normalize),  # eq. 10
+            (s, s): Abar @ state[q, s]}  # eq. 11
 
 
 def _checked_sizes(sizes: Mapping[str, int]) -> dict[str, int]:
