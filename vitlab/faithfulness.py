@@ -334,3 +334,83 @@ def perturbation_curve(model, x: torch.Tensor, saliency, target=None, positive: 
     correct = logits.argmax(-1) == t[:, None]
     fr = fr.float()
     return PerturbationCurve(fr, prob, correct, t, _trapezoid(prob, fr), _trapezoid(correct.float(), fr))
+
+
+# ---------------------------------------------------------------------------------------------
+# The saturation check: SaCo read on the target's logit, in the model's own precision
+# ---------------------------------------------------------------------------------------------
+
+
+class GroupLogits(NamedTuple):
+    """What :func:`group_logits` returns.
+
+    Attributes:
+        logits: ``B x (k + 1) x C`` in the dtype the model returns: index 0 the clean input,
+            ``g + 1`` the input with group g (most salient first) alone replaced by the image's
+            per-channel mean.
+        sums: ``B x k`` salience summed over each group (float64).
+    """
+
+    logits: torch.Tensor
+    sums: torch.Tensor
+
+
+def group_logits(model, x: torch.Tensor, saliency, k: int = 10, batch_size: int = 64) -> GroupLogits:
+    """The logits behind SaCo (Wu et al., CVPR 2024): the clean input and each of the ``k``
+    pixel groups of :func:`pixel_groups` replaced on its own, the inputs of :func:`saco_details`.
+
+    Unlike :func:`saco_details`, which reads float32 logits, they keep the model's dtype: run a
+    float64 copy of the model on ``x.double()`` to see how far float32 rounding moves them.
+    ``saliency`` as in :func:`saco` (wrong shape, NaN or a constant map: ``ValueError``); an
+    empty or non-finite ``x``, or a model without a class head, is refused before any forward.
+    Forward only, eval mode, no_grad; every module's mode restored.
+    """
+    from vitlab.attention import check_images
+    from vitlab.record import eval_mode
+    from vitlab.targets import _logits, require_class_head
+
+    check_images(x, "group_logits")
+    require_class_head(model, "group_logits")
+    sal = _pixel_saliency(saliency, x)
+    B = x.shape[0]
+    flat = sal.reshape(B, -1)
+    if bool((flat.amax(1) == flat.amin(1)).any()):
+        raise ValueError("a saliency map is constant: it ranks no pixel above another, so SaCo is undefined")
+    groups = pixel_groups(sal, k)
+    sums = torch.zeros(B, k, dtype=torch.float64, device=sal.device)
+    sums.scatter_add_(1, groups.reshape(B, -1), flat.double())
+    x = x.detach()
+    means = _channel_means(x)
+    out = []
+    with eval_mode(model), torch.no_grad():
+        for s in _batches(B * (k + 1), batch_size):
+            idx = torch.arange(s.start, s.stop, device=x.device)
+            b, g = idx // (k + 1), idx % (k + 1) - 1
+            replace = (groups[b] == g[:, None, None])[:, None]
+            out.append(_logits(model(torch.where(replace, means[b], x[b]))).detach().cpu())
+    return GroupLogits(torch.cat(out).reshape(B, k + 1, -1), sums.cpu())
+
+
+def saco_logit(model, x: torch.Tensor, saliency, target=None, k: int = 10,
+               batch_size: int = 64) -> SaCoResult:
+    """SaCo with each group's response read on the target's logit, ``d_i = z_t(x) - z_t(x
+    without G_i)``, instead of its probability (Wu et al. 2024 read the probability).
+
+    SaCo only compares drops (``d_i >= d_j``). A sigmoid is strictly increasing, so for a
+    sigmoid head the logit orders the groups exactly as the probability does and this equals
+    ``saco(..., probability="sigmoid")``, however close to 1 the probability is (in float64, until
+    the sigmoid rounds to 1, beyond a logit of about 36). For a softmax head the two differ: the
+    other classes' logits enter the softmax. Returns :class:`SaCoResult` with ``drops`` in
+    logits and ``probability`` holding the clean logit ``z_t(x)``; ``target`` as in :func:`saco`
+    (None = the predicted class of the clean input).
+    """
+    from vitlab.attention import check_images
+    from vitlab.targets import check_target, resolve_target
+
+    check_images(x, "saco_logit")
+    check_target(target, x.shape[0])
+    logits, sums = group_logits(model, x, saliency, k, batch_size)
+    t = resolve_target(target, logits[:, 0]).cpu()
+    z = logits.double().gather(2, t[:, None, None].expand(-1, k + 1, 1))[..., 0]   # B x (k+1)
+    drops = z[:, :1] - z[:, 1:]
+    return SaCoResult(saco_from_drops(drops, sums).float(), drops, sums, z[:, 0], t)
