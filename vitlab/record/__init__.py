@@ -68,6 +68,9 @@ from vitlab.record._session import (  # noqa: F401  (the public names, and the e
 )
 from vitlab.record.detr import DETR_STREAMS, _attach_detr, _detr_core
 from vitlab.record.lxmert import LXMERT_STREAMS, _attach_lxmert, _lxmert_encoder
+from vitlab.record.visualbert import (
+    VILT_STREAMS, VISUALBERT_STREAMS, _attach_vilt, _attach_visualbert, _vilt_encoder, _visualbert_encoder,
+)
 from vitlab.record.vit import (
     _attach_hf, _attach_timm, _hf_attention_modules, _hf_heads, _timm_attention_modules,
 )
@@ -87,7 +90,8 @@ def _adapter_for(model: nn.Module):
             return _attach_timm, found
     if is_hf_model(model):
         model_type = getattr(model.config, "model_type", None)
-        finders = {"lxmert": (_lxmert_encoder, _attach_lxmert), "detr": (_detr_core, _attach_detr)}
+        finders = {"lxmert": (_lxmert_encoder, _attach_lxmert), "detr": (_detr_core, _attach_detr),
+                   "visual_bert": (_visualbert_encoder, _attach_visualbert), "vilt": (_vilt_encoder, _attach_vilt)}
         if model_type in finders:
             find, attach = finders[model_type]
             found = find(model)
@@ -138,7 +142,8 @@ def attention_size(model: nn.Module, num_tokens: int) -> int:
     return heads * int(num_tokens) ** 2
 
 
-_MULTI.update({_attach_lxmert: ("lxmert", LXMERT_STREAMS), _attach_detr: ("detr", DETR_STREAMS)})
+_MULTI.update({_attach_lxmert: ("lxmert", LXMERT_STREAMS), _attach_detr: ("detr", DETR_STREAMS),
+               _attach_visualbert: ("visual_bert", VISUALBERT_STREAMS), _attach_vilt: ("vilt", VILT_STREAMS)})
 
 
 @contextlib.contextmanager
