@@ -25,6 +25,10 @@ from vitlab.relevance.lxmert import (
     LXMERT_INPUTS, lxmert_gradcam, lxmert_raw_attention, lxmert_relevance, lxmert_rollout,
 )
 from vitlab.relevance.vit import chefer_relevance, relevance_matrix, relevance_row
+from vitlab.relevance.visualbert import (
+    VILT_INPUTS, VISUALBERT_INPUTS, answer_rows, vilt_gradcam, vilt_raw_attention, vilt_relevance, vilt_rollout,
+    visualbert_gradcam, visualbert_raw_attention, visualbert_relevance, visualbert_rollout,
+)
 
 __all__ = [
     "AttentionEvent", "BimodalMaps", "DetectionMaps", "LXMERT_INPUTS", "Relevances", "Step",
@@ -32,4 +36,6 @@ __all__ = [
     "detr_relevance", "detr_rollout", "head_averaged_relevance", "initial_relevances", "lxmert_gradcam",
     "lxmert_raw_attention", "lxmert_relevance", "lxmert_rollout", "normalized_self_relevance", "propagate",
     "read_rows", "relevance_matrix", "relevance_row", "self_attention_events", "self_attention_rule",
+    "VILT_INPUTS", "VISUALBERT_INPUTS", "answer_rows", "vilt_gradcam", "vilt_raw_attention", "vilt_relevance",
+    "vilt_rollout", "visualbert_gradcam", "visualbert_raw_attention", "visualbert_relevance", "visualbert_rollout",
 ]

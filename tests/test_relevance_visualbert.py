@@ -1,0 +1,250 @@
+"""vitlab.relevance on the single-stream models (VisualBERT, ViLT), tiny random models, offline.
+
+Every method is checked against a from-scratch computation written here, sample by sample, on the
+model's own ``output_attentions=True`` and ``torch.autograd.grad`` (no vitlab.record), following the
+reference's ``SelfAttentionGenerator`` (hila-chefer/Transformer-MM-Explainability,
+``VisualBERT/mmf/models/transformers/backends/ExplanationGenerator.py``): ``R = I``,
+``R += mean_h (grad ⊙ A)^+ · R`` per layer, row ``mask.sum - 2`` (ViLT: 0), own entry 0. A padded
+batch gives each item's maps; the model comes back as it was; one forward and one backward per batch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vitlab.relevance import (
+    BimodalMaps, vilt_gradcam, vilt_raw_attention, vilt_relevance, vilt_rollout, visualbert_gradcam,
+    visualbert_raw_attention, visualbert_relevance, visualbert_rollout,
+)
+
+from test_record_visualbert import tiny_vilt, tiny_visualbert
+from test_relevance_multimodal import state
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VB = {"relevance": visualbert_relevance, "raw": visualbert_raw_attention, "rollout": visualbert_rollout,
+      "gradcam": visualbert_gradcam}
+VILT = {"relevance": vilt_relevance, "raw": vilt_raw_attention, "rollout": vilt_rollout, "gradcam": vilt_gradcam}
+
+
+def reference_row(method, attentions, grads, row):
+    """One sample, from scratch: attentions / grads ``layers x heads x N x N``; the row ``row`` (own entry 0)."""
+    N = attentions[0].shape[-1]
+    if method == "relevance":
+        R = torch.eye(N, dtype=torch.float64)
+        for A, G in zip(attentions, grads):
+            R = R + (G.double() * A.double()).clamp(min=0).mean(0) @ R
+    elif method == "raw":
+        R = attentions[-1].mean(0).double()
+    elif method == "rollout":  # the reference: prod (A + I), rows not renormalised, which scales by 2^L
+        R = torch.eye(N, dtype=torch.float64)
+        for A in attentions:
+            R = (A.mean(0).double() + torch.eye(N, dtype=torch.float64)) @ R
+        R = R / 2 ** len(attentions)
+    else:  # gradcam: head weights = gradient averaged over the whole map, then mean over heads, clamp
+        A, G = attentions[-1].double(), grads[-1].double()
+        R = (A * G.mean(dim=(1, 2), keepdim=True)).mean(0).clamp(min=0)
+    out = R[row].clone()
+    out[row] = 0
+    return out
+
+
+def one_visualbert(model, ids, mask, feats, target):
+    out = model(input_ids=ids, attention_mask=mask, visual_embeds=feats, output_attentions=True)
+    grads = torch.autograd.grad(out.logits[0, target], out.attentions)
+    row = int(mask.sum()) - 2
+    return [a[0].detach() for a in out.attentions], [g[0] for g in grads], row, out.logits.detach()
+
+
+def vb_items(words=(6, 4, 5), regions=(5, 3, 4), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(1, 40, (1, w), generator=g), torch.randn(1, r, 10, generator=g)) for w, r in zip(words, regions)]
+
+
+def vb_batch(items):
+    W, R = max(i.shape[1] for i, _ in items), max(f.shape[1] for _, f in items)
+    ids = torch.zeros(len(items), W, dtype=torch.long)
+    mask = torch.zeros(len(items), W, dtype=torch.long)
+    feats = torch.zeros(len(items), R, 10)
+    vmask = torch.zeros(len(items), R, dtype=torch.long)
+    for b, (i, f) in enumerate(items):
+        ids[b, : i.shape[1]], mask[b, : i.shape[1]] = i[0], 1
+        feats[b, : f.shape[1]], vmask[b, : f.shape[1]] = f[0], 1
+    return dict(input_ids=ids, attention_mask=mask, visual_embeds=feats, visual_attention_mask=vmask)
+
+
+@pytest.fixture(scope="module")
+def vb():
+    return tiny_visualbert()
+
+
+@pytest.mark.parametrize("method", sorted(VB))
+def test_visualbert_equals_the_reference_per_item_and_batch_equals_items(vb, method):
+    items = vb_items()
+    inputs = vb_batch(items)
+    before = state(vb)
+    maps = VB[method](vb, inputs)
+    assert state(vb) == before
+    assert isinstance(maps, BimodalMaps) and maps.image.shape == (3, 5) and maps.text.shape == (3, 6)
+    for b, (ids, feats) in enumerate(items):
+        mask = torch.ones_like(ids)
+        A, G, row, logits = one_visualbert(vb, ids, mask, feats, int(maps.target[b]))
+        torch.testing.assert_close(maps.logits[b], logits[0], rtol=1e-5, atol=1e-6)
+        if method in ("raw", "rollout"):
+            assert int(maps.target[b]) == int(logits.argmax())
+        ref = reference_row(method, A, G, row).float()
+        nt = ids.shape[1]
+        torch.testing.assert_close(maps.text[b, :nt], ref[:nt], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(maps.image[b, : feats.shape[1]], ref[nt:], rtol=1e-4, atol=1e-6)
+        assert (maps.text[b, nt:] == 0).all() and (maps.image[b, feats.shape[1]:] == 0).all()  # padding
+        single = VB[method](vb, dict(input_ids=ids, attention_mask=mask, visual_embeds=feats))
+        torch.testing.assert_close(single.image[0], maps.image[b, : feats.shape[1]], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(single.text[0], maps.text[b, :nt], rtol=1e-4, atol=1e-7)
+        if method == "relevance":
+            assert ref[nt:].abs().sum() > 0 and ref[:nt].abs().sum() > 0
+
+
+def test_visualbert_target_and_one_forward_one_backward(vb):
+    inputs = vb_batch(vb_items())
+    calls = {"forward": 0, "backward": 0}
+    h1 = vb.register_forward_pre_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
+    h2 = vb.cls.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))
+    try:
+        maps = visualbert_relevance(vb, inputs, target=[1, 2, 3])
+        assert calls == {"forward": 1, "backward": 1}
+        visualbert_gradcam(vb, inputs, target=4)
+        assert calls == {"forward": 2, "backward": 2}
+    finally:
+        h1.remove()
+        h2.remove()
+    assert maps.target.tolist() == [1, 2, 3]
+    other = visualbert_relevance(vb, inputs, target=[0, 2, 3])
+    assert not torch.allclose(other.image[0], maps.image[0]) and torch.allclose(other.image[1:], maps.image[1:])
+
+
+def test_visualbert_refuses_bad_inputs_before_the_forward(vb):
+    good = vb_batch(vb_items())
+    calls = []
+    h = vb.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        bad_feats = good["visual_embeds"].clone()
+        bad_feats[0, 0, 0] = float("nan")
+        with pytest.raises(ValueError, match=r"inputs\['visual_embeds'\] contains NaN"):
+            visualbert_relevance(vb, {**good, "visual_embeds": bad_feats})
+        with pytest.raises(ValueError, match="non-empty"):
+            visualbert_relevance(vb, {**good, "input_ids": good["input_ids"][:, :0], "attention_mask": good["attention_mask"][:, :0]})
+        with pytest.raises(TypeError, match="uint8"):
+            visualbert_rollout(vb, {**good, "visual_embeds": good["visual_embeds"].to(torch.uint8)})
+        with pytest.raises(ValueError, match="padding before a token"):
+            visualbert_raw_attention(vb, {**good, "attention_mask": good["attention_mask"].flip(1)})
+        with pytest.raises(ValueError, match="attention_mask"):
+            visualbert_gradcam(vb, {k: v for k, v in good.items() if k != "attention_mask"})
+        with pytest.raises(ValueError, match="unexpected input key 'pixel_values'"):
+            visualbert_relevance(vb, {**good, "pixel_values": torch.zeros(3, 3, 8, 8)})
+        with pytest.raises(TypeError, match="ViLT"):
+            vilt_relevance(vb, good)
+    finally:
+        h.remove()
+    assert not calls
+
+
+# ----------------------------------------------------------------------------- ViLT
+@pytest.fixture(scope="module")
+def vilt():
+    return tiny_vilt()
+
+
+def vilt_items(seed=2):
+    """(ids, pixels) of three samples of different question lengths and image sizes (patch 16)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(6, 64, 64), (4, 48, 64), (5, 64, 32)]
+    return [(torch.randint(1, 40, (1, w), generator=g), torch.randn(1, 3, h, wd, generator=g)) for w, h, wd in shapes]
+
+
+def vilt_batch(items):
+    W = max(i.shape[1] for i, _ in items)
+    H, Wd = max(p.shape[2] for _, p in items), max(p.shape[3] for _, p in items)
+    ids = torch.zeros(len(items), W, dtype=torch.long)
+    mask = torch.zeros(len(items), W, dtype=torch.long)
+    px = torch.zeros(len(items), 3, H, Wd)
+    pmask = torch.zeros(len(items), H, Wd, dtype=torch.long)
+    for b, (i, p) in enumerate(items):
+        ids[b, : i.shape[1]], mask[b, : i.shape[1]] = i[0], 1
+        px[b, :, : p.shape[2], : p.shape[3]], pmask[b, : p.shape[2], : p.shape[3]] = p[0], 1
+    return dict(input_ids=ids, attention_mask=mask, pixel_values=px, pixel_mask=pmask)
+
+
+def one_vilt(model, ids, px, target, seed=11):
+    """The model's own pixel path; its patch order recovered by replaying its random draw."""
+    mask = torch.ones(1, *px.shape[-2:], dtype=torch.long)
+    torch.manual_seed(seed)
+    _, _, (patch_index, _) = model.vilt.embeddings.visual_embed(px, mask, max_image_length=model.config.max_image_length)
+    torch.manual_seed(seed)
+    out = model(input_ids=ids, pixel_values=px, output_attentions=True)
+    grads = torch.autograd.grad(out.logits[0, target], out.attentions)
+    return [a[0].detach() for a in out.attentions], [g[0] for g in grads], patch_index[0], out.logits.detach()
+
+
+@pytest.mark.parametrize("method", sorted(VILT))
+def test_vilt_equals_the_reference_per_item_on_the_patch_grid_and_batch_equals_items(vilt, method):
+    items = vilt_items()
+    inputs = vilt_batch(items)
+    before = state(vilt)
+    rng = torch.get_rng_state()
+    maps = VILT[method](vilt, inputs)
+    assert torch.equal(torch.get_rng_state(), rng)  # the patch draw leaves the caller's random stream alone
+    assert state(vilt) == before
+    assert maps.image.shape == (3, 4, 4) and maps.text.shape == (3, 6)
+    for b, (ids, px) in enumerate(items):
+        A, G, patch_index, logits = one_vilt(vilt, ids, px, int(maps.target[b]))
+        torch.testing.assert_close(maps.logits[b], logits[0], rtol=1e-5, atol=1e-6)
+        ref = reference_row(method, A, G, 0).float()
+        nt = ids.shape[1]
+        grid = torch.zeros(4, 4)
+        grid[patch_index[:, 0], patch_index[:, 1]] = ref[nt + 1:]  # after the image [CLS] token
+        torch.testing.assert_close(maps.text[b, :nt], ref[:nt], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(maps.image[b], grid, rtol=1e-4, atol=1e-6)
+        gh, gw = px.shape[2] // 16, px.shape[3] // 16
+        assert (maps.image[b, gh:] == 0).all() and (maps.image[b, :, gw:] == 0).all()
+        single = VILT[method](vilt, dict(input_ids=ids, pixel_values=px))
+        assert single.image.shape == (1, gh, gw)
+        torch.testing.assert_close(single.image[0], maps.image[b, :gh, :gw], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(single.text[0], maps.text[b, :nt], rtol=1e-4, atol=1e-7)
+
+
+def test_vilt_one_forward_one_backward_and_refusals(vilt):
+    inputs = vilt_batch(vilt_items())
+    calls = {"forward": 0, "backward": 0}
+    h1 = vilt.register_forward_pre_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
+    h2 = vilt.classifier.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))
+    try:
+        vilt_relevance(vilt, inputs)
+        assert calls == {"forward": 1, "backward": 1}
+        bad = inputs["pixel_values"].clone()
+        bad[1, 0, 0, 0] = float("inf")
+        with pytest.raises(ValueError, match=r"inputs\['pixel_values'\] contains NaN or infinite"):
+            vilt_relevance(vilt, {**inputs, "pixel_values": bad})
+        with pytest.raises(TypeError, match="uint8"):
+            vilt_gradcam(vilt, {**inputs, "pixel_values": inputs["pixel_values"].to(torch.uint8)})
+        with pytest.raises(ValueError, match="pixel_mask.*0 \\(padding\\) and 1"):
+            vilt_rollout(vilt, {**inputs, "pixel_mask": inputs["pixel_mask"] * 2})
+        assert calls == {"forward": 1, "backward": 1}
+    finally:
+        h1.remove()
+        h2.remove()
+
+
+def test_shapes_visualbert_pixels_equal_its_tokens():
+    from vitlab.shapes.visualbert import build_shapes_visualbert
+
+    model = build_shapes_visualbert(dict(num_hidden_layers=2)).eval()
+    ids, mask = model.encode(["where is the star ?", "is there a ring ?"])
+    x = torch.randn(2, 3, 112, 112)
+    with torch.no_grad():
+        feats = model.visual_inputs(x)[0]
+    a = visualbert_relevance(model, dict(input_ids=ids, attention_mask=mask, pixel_values=x))
+    b = visualbert_relevance(model, dict(input_ids=ids, attention_mask=mask, visual_feats=feats))
+    assert a.image.shape == (2, 49) and a.text.shape == ids.shape
+    torch.testing.assert_close(a.image, b.image, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(a.text, b.text, rtol=1e-4, atol=1e-7)
+    assert (a.text[0, 5] == 0) and (a.text[1, 5] == 0)  # the answer token ('?', before [SEP]) itself
