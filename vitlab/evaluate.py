@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import math
+import numbers
 import os
 import sys
 import time
@@ -112,6 +114,18 @@ def _input_x_gradient(model, x, target, indices):
     return input_x_gradient(model, x, target)
 
 
+def _lrp_method(name):
+    def method(model, x, target, indices):
+        import vitlab.lrp
+        return getattr(vitlab.lrp, name)(model, x, target)
+    return method
+
+
+def _integrated_gradients(model, x, target, indices):
+    from vitlab.gradients import integrated_gradients
+    return integrated_gradients(model, x, target)
+
+
 #: Method name -> ``fn(model, x, target, indices) -> B x gh x gw``, in the table's order.
 METHODS: dict[str, Callable] = {
     "random": _random,
@@ -124,6 +138,11 @@ METHODS: dict[str, Callable] = {
     "Chefer relevance": _chefer,
     "class-embedding map": _projection,
     "input x gradient": _input_x_gradient,
+    "integrated gradients": _integrated_gradients,
+    "LRP": _lrp_method("lrp"),
+    "partial LRP": _lrp_method("partial_lrp"),
+    "Transformer attribution": _lrp_method("transformer_attribution"),
+    "AttnLRP": _lrp_method("attn_lrp"),
 }
 
 #: Whether a higher value of a measure is better (SaCo, negative AUC, plausibility) or lower
@@ -450,12 +469,112 @@ def _dist_info() -> tuple[int, int]:
 def _check_config(out: Path, config: dict) -> None:
     path = out / "config.json"
     if path.exists():
-        old = json.loads(path.read_text())
+        try:
+            old = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{str(path)!r} is damaged ({type(e).__name__}: {e}); remove it (the chunks check "
+                             "their own configuration) or use another --out folder") from None
         if old != json.loads(json.dumps(config)):
             raise ValueError(
                 f"{str(out)!r} holds results of another configuration ({path}); use another --out folder, "
                 "or remove it to start over"
             )
+
+
+def batch_fingerprint(batch: Batch) -> str:
+    """A short hash of a chunk's samples (inputs, labels, object masks and their classes): a
+    resumed run compares it with the saved chunk's, so results of other samples -- another
+    data source of the same length, changed files -- are never taken for these."""
+    h = hashlib.sha256()
+
+    def add(a) -> None:
+        a = np.ascontiguousarray(a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a))
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(a.tobytes())
+
+    add(batch.x)
+    if batch.labels is not None:
+        add(batch.labels)
+    for masks, labels in batch.object_masks or []:
+        add(masks)
+        add(labels)
+    return h.hexdigest()[:16]
+
+
+#: What a chunk file holds: the chunk's ``values`` and ``target`` and what they were computed
+#: for -- the run's configuration (``config``, JSON), the columns (``measures``), the chunk's
+#: first and last-plus-one sample (``start``, ``stop``) and its samples' fingerprint (``data``,
+#: :func:`batch_fingerprint`). A resumed run checks every one of them.
+CHUNK_KEYS = ("values", "target", "config", "measures", "start", "stop", "data")
+
+
+def _save_chunk(path: Path, values, target, config: dict, measures, start: int, stop: int, data: str) -> None:
+    tmp = path.with_name(path.stem + ".tmp.npz")
+    np.savez(tmp, values=values, target=target, config=np.array(json.dumps(config, sort_keys=True)),
+             measures=np.array(list(measures)), start=np.array(start), stop=np.array(stop), data=np.array(data))
+    os.replace(tmp, path)  # a chunk file is either whole or absent
+
+
+def _load_chunk(path: Path, config: dict, measures, start: int, stop: int, n_methods: int, data: Batch):
+    """``(values, target)`` of a saved chunk, after checking it was computed for exactly this:
+    the configuration (methods, measures, K's, data, model, ...), the chunk's samples (their
+    fingerprint) and its shape. Anything else raises ``ValueError`` naming the file."""
+    remedy = (f"delete it (it will be recomputed), or delete {str(path.parent)!r} to start over, "
+              "or use another --out folder")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            missing = [k for k in CHUNK_KEYS if k not in f.files]
+            if missing:
+                raise ValueError(f"the chunk file {str(path)!r} lacks {', '.join(missing)} (it was not written by "
+                                 f"this version of vitlab.evaluate, or not for this run); {remedy}")
+            saved = {k: f[k] for k in CHUNK_KEYS}
+        saved_config = json.loads(str(saved["config"]))
+    except ValueError as e:
+        if str(e).startswith("the chunk file"):
+            raise
+        raise ValueError(f"the chunk file {str(path)!r} is damaged ({type(e).__name__}: {e}); {remedy}") from None
+    except Exception as e:  # a truncated or overwritten file: BadZipFile, EOFError, OSError, ...
+        raise ValueError(f"the chunk file {str(path)!r} is damaged ({type(e).__name__}: {e}); {remedy}") from None
+    want = json.loads(json.dumps(config))
+    if saved_config != want:
+        keys = sorted(k for k in set(want) | set(saved_config) if want.get(k) != saved_config.get(k))
+        raise ValueError(f"the chunk file {str(path)!r} was computed for another configuration (it differs in: "
+                         f"{', '.join(keys)}); {remedy}")
+    values, target = saved["values"], saved["target"]
+    rows = stop - start
+    if (int(saved["start"]), int(saved["stop"])) != (start, stop) or [str(m) for m in saved["measures"]] != list(measures):
+        raise ValueError(f"the chunk file {str(path)!r} holds samples {int(saved['start'])} .. {int(saved['stop']) - 1} "
+                         f"and measures {[str(m) for m in saved['measures']]}, not samples {start} .. {stop - 1} and "
+                         f"{list(measures)}; {remedy}")
+    if (values.shape != (rows, n_methods, len(measures)) or values.dtype != np.float64 or target.shape != (rows,)
+            or not np.issubdtype(target.dtype, np.integer)):
+        raise ValueError(f"the chunk file {str(path)!r} holds values {values.shape} ({values.dtype}) and targets "
+                         f"{target.shape} ({target.dtype}); a chunk of {rows} samples needs values {rows} x "
+                         f"{n_methods} x {len(measures)} (float64) and {rows} integer targets; {remedy}")
+    if str(saved["data"]) != batch_fingerprint(data):
+        raise ValueError(f"the chunk file {str(path)!r} was computed on other samples than the data gives for "
+                         f"{start} .. {stop - 1} now (their fingerprints differ: another data source, or changed "
+                         f"files); {remedy}")
+    return values, target
+
+
+def _unusable_files(folder: Path, names: set[str]) -> list[str]:
+    """Files in a chunk folder that are no chunk of this run (leftovers of an interrupted
+    write, ``*.tmp.npz``, are overwritten when their chunk is computed and do not count)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name not in names and not p.name.endswith(".tmp.npz"))
+
+
+def _checked_ks(ks) -> list[int]:
+    ks = list(ks) if isinstance(ks, (list, tuple, np.ndarray, range)) else ks
+    if not isinstance(ks, list) or not ks or any(isinstance(k, bool) or not isinstance(k, numbers.Integral)
+                                                  for k in ks):
+        raise ValueError(f"ks must be a list of ints (SaCo group counts, e.g. (5, 10, 20)), got {ks!r}")
+    ks = [int(k) for k in ks]
+    if any(k < 2 for k in ks) or len(set(ks)) != len(ks):
+        raise ValueError(f"ks must be distinct SaCo group counts >= 2, got {ks}")
+    return ks
 
 
 def model_fingerprint(model) -> str:
@@ -502,15 +621,14 @@ def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[
     """
     from tqdm.auto import tqdm
 
-    from vitlab.faithfulness import PROBABILITIES
+    from vitlab.faithfulness import PROBABILITIES, require_image_classifier
 
+    require_image_classifier(model, "the leaderboard")
     methods = list(METHODS) if methods is None else list(methods)
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods or len(set(methods)) != len(methods):
         raise ValueError(f"methods must be distinct names from {list(METHODS)}, got {methods}")
-    ks = [int(k) for k in ks]
-    if not ks or any(k < 2 for k in ks) or len(set(ks)) != len(ks):
-        raise ValueError(f"ks must be distinct SaCo group counts >= 2, got {ks}")
+    ks = _checked_ks(ks)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     if probability not in PROBABILITIES:
@@ -533,24 +651,30 @@ def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[
         if rank == 0:
             (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 
+    def chunk_name(start, stop):
+        return f"{start:07d}-{stop:07d}.npz"
+
+    if out is not None:
+        stray = _unusable_files(out / "chunks", {chunk_name(a, b) for a, b in _chunks(n, chunk)})
+        if stray:
+            raise ValueError(f"{str(out / 'chunks')!r} holds files that are no chunk of this run ({n} samples in "
+                             f"chunks of {chunk}): {', '.join(stray[:5])}{', ...' if len(stray) > 5 else ''}; "
+                             "remove them, or use another --out folder")
     mine = [c for i, c in enumerate(_chunks(n, chunk)) if i % world == rank]
     results, computed, loaded = {}, 0, 0
     t0 = time.perf_counter()
     for start, stop in tqdm(mine, desc="leaderboard", unit="chunk", disable=not progress or rank != 0):
-        path = None if out is None else out / "chunks" / f"{start:07d}-{stop:07d}.npz"
+        path = None if out is None else out / "chunks" / chunk_name(start, stop)
+        idx = list(range(start, stop))
+        batch = data.batch(idx)
         if path is not None and path.exists():
-            saved = np.load(path)
-            results[start] = (saved["values"], saved["target"])
+            results[start] = _load_chunk(path, config, measures, start, stop, len(methods), batch)
             loaded += 1
             continue
-        idx = list(range(start, stop))
-        results[start] = score_chunk(model, data.batch(idx), idx, methods, ks, probability, batch_size, target)
-        values, explained = results[start]
+        results[start] = score_chunk(model, batch, idx, methods, ks, probability, batch_size, target)
         computed += 1
         if path is not None:
-            tmp = path.with_name(path.stem + ".tmp.npz")
-            np.savez(tmp, values=values, target=explained)
-            os.replace(tmp, path)
+            _save_chunk(path, *results[start], config, measures, start, stop, batch_fingerprint(batch))
     seconds = time.perf_counter() - t0
 
     if world > 1:
@@ -628,7 +752,10 @@ def main(argv=None) -> int:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
-        ks = [int(k) for k in args.k.split(",") if k.strip()]
+        try:
+            ks = [int(k) for k in args.k.split(",") if k.strip()]
+        except ValueError:
+            raise ValueError(f"--k takes comma-separated ints (SaCo group counts, e.g. 5,10,20), got {args.k!r}") from None
         model = load_model(args.model).to(device)
         objects = "mixed" if args.objects == "mixed" else int(args.objects)
         data = (ShapesData(model, args.samples, objects) if args.images is None

@@ -1,10 +1,13 @@
-"""A baseline that does not read attention: input x gradient, pooled to the patch grid.
+"""Baselines that do not read attention: input x gradient and Integrated Gradients, from Captum,
+pooled to the patch grid.
 
-Chapter 7 grades the attention-based maps beside one that only uses the model's input
-gradient, so a reader can see what attention adds. ``x * d y_t / d x`` (summed over the
-colour channels) says, to first order, how much each pixel's value contributes to the
-target score compared with an all-zero input; averaged over each patch it is a
-``B x gh x gw`` map like every other method's.
+Chapter 7 grades the attention-based maps beside ones that only use the model's input
+gradient, so a reader can see what attention adds. Both come from Captum
+(``captum.attr.InputXGradient``, ``captum.attr.IntegratedGradients``), the attribution
+library of the PyTorch ecosystem; vitlab adds the batch checks, the target handling, eval
+mode and the pooling: the attribution is summed over the colour channels and averaged over
+each patch's pixels, a ``B x gh x gw`` map like every other method's (``pixels=True``: the
+``B x H x W`` per-pixel map).
 """
 from __future__ import annotations
 
@@ -15,19 +18,53 @@ from vitlab.attention import check_images
 from vitlab.layout import token_layout
 from vitlab.record import eval_mode
 from vitlab.targets import (
-    _logits, check_score, check_target, is_multi_label, require_class_head, resolve_target, target_score,
+    _logits, check_score, check_target, is_multi_label, require_class_head, resolve_target,
 )
+
+
+def _scores_fn(model, score: str, multi_label: bool):
+    """The forward Captum differentiates: ``B x classes`` logits or log-probabilities."""
+    def forward(x):
+        logits = _logits(model(x))
+        if score == "log_probability":
+            return F.logsigmoid(logits) if multi_label else torch.log_softmax(logits, dim=-1)
+        return logits
+    return forward
+
+
+def _attribute(model, x, target, score, pixels, method, attribute):
+    """Checks, eval mode, target, Captum's ``attribute(forward, inputs, target)``, pooling."""
+    check_images(x, method)
+    require_class_head(model, method)
+    target = check_target(target, x.shape[0])
+    check_score(score)
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{method} needs gradients: call it outside torch.inference_mode()")
+    grid = None if pixels else token_layout(model, x).grid
+    x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
+    with eval_mode(model), torch.enable_grad():
+        forward = _scores_fn(model, score, is_multi_label(model))
+        with torch.no_grad():  # the predicted class, or the given one checked against the classes
+            target = resolve_target(target, _logits(model(x_in)))
+        attribution = attribute(forward, x_in, target.to(x.device))
+    per_pixel = attribution.detach().sum(dim=1)  # B x H x W
+    if pixels:
+        return per_pixel
+    # mean over each patch's pixels (adaptive cells when a padded grid does not divide the image)
+    return F.adaptive_avg_pool2d(per_pixel[:, None], grid)[:, 0]
 
 
 def input_x_gradient(model, x: torch.Tensor, target=None, score: str = "logit",
                      pixels: bool = False) -> torch.Tensor:
-    """Input x gradient (Shrikumar et al. 2016) of the target score: ``B x gh x gw``.
+    """Input x gradient (Shrikumar et al. 2016, "Not Just a Black Box") of the target score,
+    Captum's ``InputXGradient``: ``B x gh x gw``.
 
     The map is ``sum_c x[c] * d y_t / d x[c]`` per pixel, averaged over the pixels of each patch
-    (signed: negative where the pixels speak against the class). ``pixels=True`` returns the
-    ``B x H x W`` per-pixel map instead. One forward and one backward for the batch; the
-    gradient is taken with respect to the input only (no parameter's ``.grad`` changes), in
-    eval mode, and every module's mode is put back.
+    (signed: negative where the pixels speak against the class): to first order, how much each
+    pixel's value contributes to the target score compared with an all-zero input. One
+    forward and one backward for the batch (and a forward without gradients that picks or
+    checks the target); the gradient is taken with respect to the input
+    only (no parameter's ``.grad`` changes), in eval mode, and every module's mode is put back.
 
     Args:
         model: a classifier with a class head (timm or Hugging Face ViT; the patch grid is
@@ -36,21 +73,47 @@ def input_x_gradient(model, x: torch.Tensor, target=None, score: str = "logit",
         x: ``B x 3 x H x W`` input batch.
         target: int, one class per sample, or None (the predicted class).
         score: ``"logit"`` or ``"log_probability"`` (:data:`vitlab.targets.SCORES`).
+        pixels: return the ``B x H x W`` per-pixel map.
     """
-    check_images(x, "input_x_gradient")
-    require_class_head(model, "input_x_gradient")
-    target = check_target(target, x.shape[0])
-    check_score(score)
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError("input_x_gradient needs gradients: call it outside torch.inference_mode()")
-    grid = None if pixels else token_layout(model, x).grid
-    with eval_mode(model), torch.enable_grad():
-        x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
-        logits = _logits(model(x_in))
-        t = resolve_target(target, logits)
-        (g,) = torch.autograd.grad(target_score(logits, t, score, is_multi_label(model)).sum(), [x_in])
-    per_pixel = (x_in.detach() * g).sum(dim=1)  # B x H x W
-    if pixels:
-        return per_pixel
-    # mean over each patch's pixels (adaptive cells when a padded grid does not divide the image)
-    return F.adaptive_avg_pool2d(per_pixel[:, None], grid)[:, 0]
+    from captum.attr import InputXGradient
+
+    def attribute(forward, inputs, t):
+        return InputXGradient(forward).attribute(inputs, target=t)
+    return _attribute(model, x, target, score, pixels, "input_x_gradient", attribute)
+
+
+def integrated_gradients(model, x: torch.Tensor, target=None, score: str = "logit", steps: int = 32,
+                         baseline: float = 0.0, pixels: bool = False,
+                         internal_batch_size: int | None = None) -> torch.Tensor:
+    """Integrated Gradients (Sundararajan, Taly & Yan, ICML 2017, "Axiomatic Attribution for
+    Deep Networks", eq. 1, Riemann sum of Sec. 5), Captum's ``IntegratedGradients``:
+    ``(x - x') ⊙ mean_k dy_t/dx at x' + a_k (x - x')``, summed over channels and averaged per
+    patch: ``B x gh x gw``.
+
+    Choices: the baseline ``x'`` is the constant ``baseline`` in the model's input space
+    (default 0: after the usual mean / std normalisation, the dataset's mean colour, a grey
+    image, rather than a black one, which would be a strong colour of its own for the
+    model); ``steps`` points on Captum's default Gauss-Legendre rule (32: the completeness
+    gap of eq. 3, ``sum attribution - (y_t(x) - y_t(x'))``, is what more steps shrink; see
+    the tests). Costs ``steps`` forwards and backwards per image, run by Captum in forwards of
+    ``internal_batch_size`` inputs (default 64).
+
+    Args:
+        model, x, target, score, pixels: as :func:`input_x_gradient`.
+        steps: integration points (>= 1).
+        baseline: the baseline's constant value (finite).
+        internal_batch_size: inputs per forward inside Captum (None: 64).
+    """
+    from captum.attr import IntegratedGradients
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    if not isinstance(baseline, (int, float)) or isinstance(baseline, bool) or not torch.isfinite(
+            torch.tensor(float(baseline))):
+        raise ValueError(f"baseline must be a finite number, got {baseline!r}")
+
+    def attribute(forward, inputs, t):
+        size = internal_batch_size or 64
+        return IntegratedGradients(forward).attribute(inputs, baselines=float(baseline), target=t,
+                                                      n_steps=steps, internal_batch_size=size)
+    return _attribute(model, x, target, score, pixels, "integrated_gradients", attribute)

@@ -67,6 +67,7 @@ from vitlab.record._session import (  # noqa: F401  (the public names, and the e
     check_capture,
 )
 from vitlab.record.detr import DETR_STREAMS, _attach_detr, _detr_core
+from vitlab.record.lrp import LRP_RULES, attach_lrp  # noqa: F401
 from vitlab.record.lxmert import LXMERT_STREAMS, _attach_lxmert, _lxmert_encoder
 from vitlab.record.visualbert import (
     VILT_STREAMS, VISUALBERT_STREAMS, _attach_vilt, _attach_visualbert, _vilt_encoder, _visualbert_encoder,
@@ -150,7 +151,7 @@ _MULTI.update({_attach_lxmert: ("lxmert", LXMERT_STREAMS), _attach_detr: ("detr"
 def record(
     model: nn.Module, gradients: bool = False, mlp: bool = False, detach: bool | None = None,
     eval_mode: bool = False, residual: bool = False, attention_edit: Callable | None = None,
-    capture=None,
+    capture=None, lrp: str | None = None,
 ) -> Iterator[Recording]:
     """Record every attention block of ``model`` during the forward passes in the block.
 
@@ -187,7 +188,15 @@ def record(
             Disallowed pairs get -inf added to their attention logits before the softmax, so
             each query's attention is renormalised over the keys it may see. The edit lasts
             only while the recording is open; the model itself is not changed.
-        (``mlp``, ``residual`` and ``attention_edit`` are for ViTs: LXMERT and DETR refuse them.)
+        lrp: ``"attnlrp"`` or ``"chefer"`` (:data:`vitlab.record.lrp.LRP_RULES`): the
+            backward of every forward in the block runs the LRP rules of that set (see
+            :mod:`vitlab.record.lrp`), so ``x ⊙ grad`` of any tensor is its LRP relevance;
+            ``rec.patch_tokens`` holds the patch embedding's output of each forward, and
+            ``with rec.plain_gradients():`` gives the model's own gradients for the
+            backwards inside it. The forward's values are the model's; the rules go with the
+            recording (a thread-local torch function mode, active only inside the model's
+            forward in the recording's thread).
+        (``mlp``, ``residual``, ``attention_edit`` and ``lrp`` are for ViTs: LXMERT and DETR refuse them.)
 
     Recordings of one model may overlap (nested, or closed in any order): each removes its
     own hooks, and a flag gets its original value back when the last of them closes.
@@ -222,8 +231,8 @@ def record(
                 f"record(capture=...) of {name} records attention, query, key and value; its hidden states "
                 "come from the model itself: call it with output_hidden_states=True"
             )
-        unsupported = [arg for arg, on in (("mlp", mlp), ("residual", residual), ("attention_edit", attention_edit))
-                       if on]
+        unsupported = [arg for arg, on in (("mlp", mlp), ("residual", residual), ("attention_edit", attention_edit),
+                                           ("lrp", lrp is not None)) if on]
         if unsupported:
             raise ValueError(f"record({', '.join(unsupported)}=...) is defined for ViTs, not for {name}")
     rec = Recording(layout=None, captured=captured)
@@ -250,6 +259,8 @@ def record(
     try:
         session.hook(model, on_input, pre=True, with_kwargs=True)
         attach(model, session, mlp, found)
+        if lrp is not None:
+            attach_lrp(model, session, lrp, found)
         if eval_mode:
             for module in model.modules():
                 session.set_attr(module, "training", False)

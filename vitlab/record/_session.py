@@ -103,6 +103,19 @@ class Recording:
     feature_grid: tuple[int, int] | None = None
     # why attention gradients cannot arrive, when a forward already showed it (see attention_grads)
     _no_grad_reason: str | None = field(default=None, repr=False)
+    # with lrp=...: the patch embedding's output of each forward (B x P x D, graph-attached)
+    patch_tokens: list[torch.Tensor] = field(default_factory=list)
+    # with lrp=...: the tokens entering the first block (B x N x D: patches + position, prefix)
+    first_block_inputs: list[torch.Tensor] = field(default_factory=list)
+    _lrp_state: object | None = field(default=None, repr=False)
+
+    def plain_gradients(self):
+        """Inside a ``record(model, lrp=...)`` block: a context in which every backward uses
+        the model's own derivatives instead of the LRP rules (for methods that need both,
+        e.g. Transformer attribution's ``grad A ⊙ R^A``)."""
+        if self._lrp_state is None:
+            raise RuntimeError("rec.plain_gradients() is for recordings opened with record(model, lrp=...)")
+        return self._lrp_state.plain_gradients()
 
     def stream(self, name: str | None = None) -> list[AttentionCapture]:
         """The captures of stream ``name`` (default: the ViT's ``"self"``), in the order they ran."""
@@ -200,6 +213,8 @@ class Recording:
         self.mlp_activations.clear()
         self.block_inputs.clear()
         self.mid_states.clear()
+        self.patch_tokens.clear()
+        self.first_block_inputs.clear()
         self._no_grad_reason = None
         self.events.clear()
         for stream in self.streams.values():

@@ -1,0 +1,315 @@
+"""LRP as a modified backward pass, attached by :func:`vitlab.record` (``record(model, lrp=...)``).
+
+Layer-wise relevance propagation (Bach et al. 2015) sends the explained logit back through
+the network layer by layer, each layer dividing the relevance of its outputs among its
+inputs by a *rule*. For the rules used here the relevance of any tensor ``h`` is
+``h ⊙ gbar_h``, where ``gbar`` is a gradient whose backward has been changed at a few
+operations (Ali et al. 2022, "XAI for Transformers: Better Explanations through Conservative
+Propagation"; Achtibat et al. 2024, Sec. 3, and their lxt library's "efficient" mode). So one
+forward and one backward give every relevance: the rules only change the backward functions
+of the operations below; every value of the forward stays exactly the model's.
+
+While a recording with ``lrp=`` is open, a :class:`torch.overrides.TorchFunctionMode` of the
+recording's thread gives the operations run *inside the model's forward* these backwards
+(nothing outside the model's forward is touched; the model's modules, parameters and flags
+are not changed, and the mode is gone when the recording closes, also on exceptions):
+
+``"attnlrp"`` (Achtibat et al., ICML 2024, "AttnLRP: Attention-Aware Layer-Wise Relevance
+Propagation for Transformers"; equation numbers as lxt's code names them):
+
+- linear layers (``F.linear``): the epsilon rule with epsilon -> 0, which in this form *is*
+  the plain gradient (the bias keeps its share ``b ⊙ gbar``);
+- GELU: the identity rule (eq. 9), ``gbar_x = gbar_y ⊙ gelu(x) / x``;
+- LayerNorm: the identity rule on the division by the standard deviation, i.e. the
+  standard deviation is held constant in the backward (the mean-centring is linear and
+  keeps its gradient), ``gbar_x = (g' - mean(g')) / sigma`` with ``g' = w ⊙ gbar_y``;
+- softmax: its AttnLRP rule (a Taylor expansion at the input, with the bias term absorbing
+  what is not passed on), which in this form is the plain gradient of the softmax;
+- the two attention matmuls (``Q K^T`` and ``A V``, any matmul of two activations): the
+  uniform rule (eq. 7), each operand gets half the gradient, so the two halves of the
+  relevance add up to the product's.
+
+``"chefer"``, the relprop rules of Chefer, Gur & Wolf's reference code
+(hila-chefer/Transformer-Explainability, ``modules/layers_ours.py``, used by its
+``baselines/ViT/ViT_LRP.py``):
+
+- linear layers: alpha-beta with alpha = 1, beta = 0 (Bach et al. 2015): output unit j's
+  relevance goes to the inputs in proportion to their positive contributions
+  ``(x_i w_ji)^+`` over ``sum_i (x_i w_ji)^+`` (the bias gets nothing);
+- GELU, LayerNorm and softmax: the identity (each input gets its output's relevance);
+- the attention matmuls: each operand gets the gradient x input share of the product's
+  relevance, halved (the reference's ``cam /= 2``), as above;
+- each residual addition ``a + b`` of a block (the reference's ``Add.relprop``): the z-rule
+  split ``a ⊙ R / (a + b)``, ``b ⊙ R / (a + b)``, then each part rescaled so that the two
+  parts' sums are ``|sum_a| / (|sum_a| + |sum_b|)`` and ``|sum_b| / (...)`` of the block's
+  relevance (sums per sample: the reference, written for one image, sums over the tensor).
+
+Both sets also compute ``F.scaled_dot_product_attention`` (timm's fused path, Hugging Face
+SDPA) as its eager matmul - softmax - matmul with these rules, so a fused model needs no flag
+switched. ``rec.patch_tokens`` keeps the patch embedding's output of each forward (graph-
+attached): its relevance, ``e ⊙ gbar_e``, is "LRP to the patch tokens";
+``rec.first_block_inputs`` the tokens entering the first block (all of them, position
+embedding added).
+
+For Transformer attribution (eq. 13 of Chefer et al., CVPR 2021), which weighs each
+attention's relevance by the attention's *ordinary* gradient, ``with rec.plain_gradients():``
+makes every backward inside the block use the model's own derivatives: one forward, one LRP
+backward and one plain backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+from torch.overrides import TorchFunctionMode
+
+#: The rule sets ``record(model, lrp=...)`` knows (see the module docstring).
+LRP_RULES = ("attnlrp", "chefer")
+
+
+def safe_divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a / b`` where ``b != 0``, 0 where ``b == 0`` (a relevance with no contribution to share)."""
+    nonzero = b != 0
+    return torch.where(nonzero, a / torch.where(nonzero, b, torch.ones_like(b)), torch.zeros_like(a))
+
+
+class LRPState:
+    """What the rules of one recording read: the rule set, whether a backward is plain, and
+    whether the recording's thread is inside the model's forward (``depth``)."""
+
+    def __init__(self, rules: str):
+        if rules not in LRP_RULES:
+            raise ValueError(f"lrp must be one of {LRP_RULES} (or None), got {rules!r}")
+        self.rules = rules
+        self.plain = False
+        self.depth = 0
+        self.thread = threading.get_ident()
+        self.stream: torch.Tensor | None = None  # the residual stream of the block being run ("chefer")
+
+    @contextlib.contextmanager
+    def plain_gradients(self):
+        """Backwards inside the block use the model's own derivatives (no rule)."""
+        self.plain = True
+        try:
+            yield
+        finally:
+            self.plain = False
+
+
+# --- rules as autograd functions: the forward is the model's op, the backward the rule ------------
+class _Ruled(Function):
+    """``op(*inputs)`` in the forward; in the backward ``rule(grad, output, *inputs)`` (or the
+    op's own vector-Jacobian product when ``state.plain``). Non-tensor arguments and parameters
+    are bound into ``op`` and ``rule``: they get no gradient."""
+
+    @staticmethod
+    def forward(ctx, state, op, rule, *inputs):
+        with torch.no_grad():
+            out = op(*inputs)
+        ctx.state, ctx.op, ctx.rule = state, op, rule
+        ctx.save_for_backward(*inputs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        *inputs, out = ctx.saved_tensors
+        if ctx.state.plain:
+            with torch.enable_grad():
+                leaves = [t.detach().requires_grad_(True) for t in inputs]
+                grads = torch.autograd.grad(ctx.op(*leaves), leaves, grad, allow_unused=True)
+        else:
+            grads = ctx.rule(grad, out, *inputs)
+        return (None, None, None, *grads)
+
+
+class _ScaleGrad(Function):
+    """The identity in the forward; the gradient times ``factor`` in an LRP backward."""
+
+    @staticmethod
+    def forward(ctx, state, x, factor):
+        ctx.state, ctx.factor = state, factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, (grad if ctx.state.plain else grad * ctx.factor), None
+
+
+def identity_rule(grad: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor]:
+    """Identity rule for an element-wise op ``out = f(x)``: ``R_x = R_out``, i.e.
+    ``gbar_x = gbar_out ⊙ out / x`` (0 where ``x == 0``)."""
+    return (grad * safe_divide(out, x),)
+
+
+def layer_norm_rule(normalized_shape, weight, eps):
+    """AttnLRP's LayerNorm rule: the standard deviation held constant in the backward."""
+    dims = tuple(range(-len(normalized_shape), 0))
+
+    def rule(grad, out, x):
+        sigma = (x.var(dim=dims, unbiased=False, keepdim=True) + eps).sqrt()
+        g = grad * weight if weight is not None else grad
+        return ((g - g.mean(dim=dims, keepdim=True)) / sigma,)
+    return rule
+
+
+def alpha1_beta0_rule(weight: torch.Tensor):
+    """Alpha-beta (alpha = 1, beta = 0) for ``y = x W^T + b``: ``R_x = x^+ ⊙ (S W^+) + x^- ⊙ (S W^-)``
+    with ``S = R_y / (x^+ W^{+T} + x^- W^{-T})``, so ``gbar_x = S W^+`` where x > 0, ``S W^-`` where x < 0."""
+    w_pos, w_neg = weight.clamp(min=0), weight.clamp(max=0)
+
+    def rule(grad, out, x):
+        z_pos = F.linear(x.clamp(min=0), w_pos) + F.linear(x.clamp(max=0), w_neg)  # >= 0
+        s = safe_divide(out * grad, z_pos)
+        return (torch.where(x > 0, s @ w_pos, torch.where(x < 0, s @ w_neg, torch.zeros_like(x))),)
+    return rule
+
+
+def residual_add_rule(grad, out, a, b):
+    """The reference's ``Add.relprop`` for a residual ``a + b``, per sample (see the module docstring)."""
+    dims = tuple(range(1, out.ndim))
+    total = (out * grad).sum(dim=dims, keepdim=True)
+    sa, sb = (a * grad).sum(dim=dims, keepdim=True), (b * grad).sum(dim=dims, keepdim=True)
+    share = safe_divide(sa.abs(), sa.abs() + sb.abs())
+    return grad * safe_divide(share * total, sa), grad * safe_divide((1 - share) * total, sb)
+
+
+# --- the mode: which operations get which rule -----------------------------------------------------
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+_SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax}
+_ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+
+
+def _tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+
+
+class _LRPMode(TorchFunctionMode):
+    def __init__(self, state: LRPState):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        st = self.state
+        if st.depth <= 0 or threading.get_ident() != st.thread:
+            return func(*args, **kwargs)
+        if func in _MATMULS and len(args) == 2 and _tensor(args[0]) and _tensor(args[1]):
+            return self.matmul(func, *args)
+        if func in _SOFTMAXES:
+            return self.softmax(func, args, kwargs)
+        if func is F.gelu:
+            x = args[0]
+            return _Ruled.apply(st, lambda t: F.gelu(t, *args[1:], **kwargs), identity_rule, x)
+        if func is F.layer_norm:
+            return self.layer_norm(*args, **kwargs)
+        if func is F.linear and st.rules == "chefer":
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            w, b = weight.detach(), None if bias is None else bias.detach()
+            return _Ruled.apply(st, lambda t: F.linear(t, w, b), alpha1_beta0_rule(w), x)
+        if func is F.scaled_dot_product_attention:
+            return self.sdpa(*args, **kwargs)
+        if (func in _ADDS and st.rules == "chefer" and st.stream is not None and len(args) == 2
+                and not kwargs and _tensor(args[0]) and _tensor(args[1])
+                and any(a is st.stream for a in args) and args[0].shape == args[1].shape):
+            stream, branch = (args[0], args[1]) if args[0] is st.stream else (args[1], args[0])
+            out = _Ruled.apply(st, torch.add, residual_add_rule, stream, branch)
+            st.stream = out
+            return out
+        return func(*args, **kwargs)
+
+    # each handler runs the op as the model asked, with the rule's backward
+    def matmul(self, func, a, b):
+        half_a = _ScaleGrad.apply(self.state, a, 0.5)
+        half_b = _ScaleGrad.apply(self.state, b, 0.5)
+        return func(half_a, half_b)
+
+    def softmax(self, func, args, kwargs):
+        if self.state.rules == "attnlrp":  # AttnLRP's softmax rule is the softmax's own gradient
+            return func(*args, **kwargs)
+        x = args[0]
+        return _Ruled.apply(self.state, lambda t: func(t, *args[1:], **kwargs), identity_rule, x)
+
+    def layer_norm(self, x, normalized_shape, weight=None, bias=None, eps=1e-5):
+        w = None if weight is None else weight.detach()
+        b = None if bias is None else bias.detach()
+
+        def op(t):
+            return F.layer_norm(t, normalized_shape, w, b, eps)
+        rule = layer_norm_rule(normalized_shape, w, eps) if self.state.rules == "attnlrp" else identity_rule
+        return _Ruled.apply(self.state, op, rule, x)
+
+    def sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if is_causal or enable_gqa:
+            raise NotImplementedError("vitlab's LRP rules cover non-causal ViT attention only")
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        scores = self.matmul(torch.matmul, q * scale, k.transpose(-2, -1))
+        if attn_mask is not None:
+            scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                      else scores + attn_mask)
+        attn = self.softmax(torch.softmax, (scores,), {"dim": -1})
+        if dropout_p > 0:
+            attn = F.dropout(attn, p=dropout_p)
+        return self.matmul(torch.matmul, attn, v)
+
+
+def _patch_embedding(model: nn.Module) -> nn.Module | None:
+    """The module making the patch tokens: timm's ``patch_embed``, Hugging Face's ``patch_embeddings``."""
+    for name, m in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("patch_embed", "patch_embeddings"):
+            return m
+    return None
+
+
+def attach_lrp(model: nn.Module, session, rules: str, blocks) -> LRPState:
+    """Put the rules of ``rules`` on the backward of ``model``'s forwards in the recording's
+    thread until ``session.close()``; ``blocks``: the ``(name, block, attention)`` list of the
+    ViT adapter. Fills ``session.rec.patch_tokens``."""
+    state = LRPState(rules)
+    rec = session.rec
+    embed = _patch_embedding(model)
+    if embed is None:
+        raise TypeError(f"{type(model).__name__} has no patch embedding (patch_embed / patch_embeddings) "
+                        "whose tokens LRP could explain")
+
+    def enter(mod, args, kwargs):
+        state.depth += 1
+
+    def leave(mod, args, out):
+        state.depth -= 1
+
+    session.hook(model, enter, pre=True, with_kwargs=True)
+    session.hook(model, leave)
+
+    def keep_tokens(mod, args, out):
+        tokens = out[0] if isinstance(out, tuple) else out
+        if tokens.ndim == 4:  # B x D x gh x gw (a patch embedding that does not flatten)
+            tokens = tokens.flatten(2).transpose(1, 2)
+        rec.patch_tokens.append(tokens)
+
+    session.hook(embed, keep_tokens)
+    for index, (_, block, _) in enumerate(blocks):
+        def block_in(mod, args, kwargs, first=index == 0):
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            state.stream = x if isinstance(x, torch.Tensor) else None
+            if first and state.stream is not None:
+                rec.first_block_inputs.append(x)
+
+        def block_out(mod, args, out):
+            state.stream = None
+
+        session.hook(block, block_in, pre=True, with_kwargs=True)
+        session.hook(block, block_out)
+    mode = _LRPMode(state)
+    mode.__enter__()
+
+    def close():
+        state.depth = 0
+        mode.__exit__(None, None, None)
+    session._undo.append(close)
+    rec._lrp_state = state
+    return state
