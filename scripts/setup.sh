@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install vitlab and everything it needs into ./.venv (the one setup script: README and .ci/run use it).
 #   bash scripts/setup.sh          # runtime: package, notebooks, the offline models
-#   bash scripts/setup.sh --dev    # + what the tests need (pytest, nbval, onnxruntime)
+#   bash scripts/setup.sh --dev    # + what the tests need (pytest, nbval, onnxruntime) and the site (sphinx, myst-nb, selenium)
 # Environment knobs (optional):
 #   VITLAB_PYTHON  interpreter to build the venv from (default: python3)
 #   VITLAB_TORCH   pip requirement(s) for torch/torchvision (default: the pinned pair below)

@@ -1,0 +1,413 @@
+"""The series as a book: chapter headers and a static site built from the stored notebooks.
+
+Two commands::
+
+    python -m vitlab.site headers     # write/refresh each chapter's header cell (idempotent)
+    python -m vitlab.site build       # build the site into build/site (open build/site/index.html)
+
+``headers`` writes the same header as the first cell of every chapter in ``notebooks/``: what
+you will learn, the paper(s) it follows (with links), its measured run time (read from the
+run-time table of ``notebooks/README.md``, which ``python -m vitlab.notebooks`` keeps), its
+solutions, and how to run it yourself. The header is a markdown cell tagged
+:data:`HEADER_TAG`; everything in it comes from :data:`CHAPTERS` (edit that table, not the cell)
+and the run-time table, so re-running it changes nothing unless one of them changed.
+
+``build`` renders the notebooks as stored (nothing is re-executed; the figures are the saved
+outputs) with Sphinx, myst-nb and the sphinx-book-theme: the README as the landing page, every
+chapter in order (the primer first, the appendix 03a after 03), the solutions (linked from each
+chapter's header and from its exercises), and the teacher's kit (``notebooks/README.md``), with
+Sphinx's search. A page needs no network: MathJax and the Jupyter widget manager (which draws a
+widget's controls from the state stored in the notebook) are served from the site itself. They
+come from the npm registry as the pinned packages :data:`ASSETS`, fetched once with ``npm pack``
+into ``build/site-assets`` and checked against their published sha512 before use.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from vitlab import notebooks as runner
+
+HEADER_TAG = "chapter-header"
+HEADER_MARK = "<!-- chapter header: written by python -m vitlab.site headers from vitlab/site.py -->"
+
+
+@dataclass(frozen=True)
+class Paper:
+    label: str      # how the header names it: "Authors (year), *Title*"
+    url: str
+    cite: str       # a string the chapter's first cell holds when it cites this paper
+
+
+@dataclass(frozen=True)
+class Chapter:
+    stem: str
+    learn: str
+    papers: tuple[Paper, ...]
+    solutions: str | None       # path from notebooks/, or None
+
+
+_BLOG = Paper("Jacob Gildenblat (2020), *Exploring Explainability for Vision Transformers* "
+              "(blog post; code `jacobgil/vit-explain`)",
+              "https://jacobgil.github.io/deeplearning/vision-transformer-explainability", "Gildenblat")
+_CHEFER_GENERIC = Paper("Hila Chefer, Shir Gur & Lior Wolf (ICCV 2021), *Generic Attention-model "
+                        "Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers*",
+                        "https://arxiv.org/abs/2103.15679", "Generic Attention-model Explainability")
+_DARCET = Paper("Timothée Darcet et al. (ICLR 2024), *Vision Transformers Need Registers*",
+                "https://arxiv.org/abs/2309.16588", "Darcet")
+
+CHAPTERS: tuple[Chapter, ...] = (
+    Chapter("00_vit_primer",
+            "how a ViT turns an image into tokens (patches and prefix tokens), what position "
+            "embeddings, blocks, the residual stream and heads do, and how to read the attention "
+            "matrix and its class-token row; the series' conventions and its map",
+            (Paper("Alexey Dosovitskiy et al. (ICLR 2021), *An Image is Worth 16x16 Words*",
+                   "https://arxiv.org/abs/2010.11929", "Dosovitskiy"),
+             Paper("Hugo Touvron et al. (ICML 2021), *Training data-efficient image transformers & "
+                   "distillation through attention*", "https://arxiv.org/abs/2012.12877", "Touvron"),
+             _DARCET,
+             Paper("Nelson Elhage et al. (2021), *A Mathematical Framework for Transformer Circuits*",
+                   "https://transformer-circuits.pub/2021/framework/index.html", "Elhage")),
+            "solutions/00_vit_primer_solutions.ipynb"),
+    Chapter("01_qk_sign_patterns",
+            "where a head's attention comes from (queries times keys, channel by channel), how to "
+            "look at one channel as an image, and how to find the blog's one-way and two-way "
+            "channels with a score instead of by eye",
+            (_BLOG,), "solutions/01_qk_sign_patterns_solutions.ipynb"),
+    Chapter("02_cls_attention_by_layer",
+            "the class token's attention in every block and head, its entropy, and the share of it "
+            "that lands on the object, measured on scenes with known masks; high-norm artifact tokens",
+            (_BLOG, _DARCET), "solutions/02_cls_attention_by_layer_solutions.ipynb"),
+    Chapter("03_attention_rollout",
+            "attention rollout through the residual stream, the blog's head fusion and discarding, "
+            "what vitlab does differently from the reference code, and how to grade the settings "
+            "on held-out scenes",
+            (Paper("Samira Abnar & Willem Zuidema (ACL 2020), *Quantifying Attention Flow in "
+                   "Transformers*", "https://arxiv.org/abs/2005.00928", "Abnar"),
+             _BLOG), "solutions/03_attention_rollout_solutions.ipynb"),
+    Chapter("03a_appendix_token_offsets",
+            "which pixels a token stands for when a convolutional stem embeds the patches, and what "
+            "a grid half a patch off does to grading maps against masks",
+            (Paper("Tete Xiao et al. (NeurIPS 2021), *Early Convolutions Help Transformers See Better*",
+                   "https://arxiv.org/abs/2106.14881", "Early Convolutions Help Transformers"),),
+            None),
+    Chapter("04_gradient_rollout",
+            "class-specific maps: the blog's gradient rollout and Chefer et al.'s relevance (eq. 5-6), "
+            "what the reference code gets wrong, and what a class's logit must mean for its map",
+            (_BLOG, _CHEFER_GENERIC), "solutions/04_gradient_rollout_solutions.ipynb"),
+    Chapter("05_bimodal_relevance",
+            "relevance for a model that reads text and image (LXMERT) and for a decoder (DETR): the "
+            "update rules on a toy graph, maps per question and per detected object, graded by "
+            "pointing and by hiding what a map points at",
+            (_CHEFER_GENERIC,
+             Paper("Hao Tan & Mohit Bansal (EMNLP 2019), *LXMERT: Learning Cross-Modality Encoder "
+                   "Representations from Transformers*", "https://arxiv.org/abs/1908.07490", "Tan & Bansal"),
+             Paper("Nicolas Carion et al. (ECCV 2020), *End-to-End Object Detection with Transformers* "
+                   "(DETR)", "https://arxiv.org/abs/2005.12872", "Carion")),
+            "solutions/05_bimodal_relevance_solutions.ipynb"),
+    Chapter("06_class_embedding_projection",
+            "every token's hidden state, block by block, read as class scores through the model's "
+            "own norm and head: identifiability, attention against MLP, key-value memories, context "
+            "interventions, and the projection as an explanation map",
+            (Paper("Martina G. Vilas, Timothy Schaumlöffel & Gemma Roig (NeurIPS 2023), *Analyzing "
+                   "Vision Transformers for Image Classification in Class Embedding Space*",
+                   "https://arxiv.org/abs/2310.18969", "Vilas"),),
+            "solutions/06_class_embedding_projection_solutions.ipynb"),
+    Chapter("07_faithfulness_saco",
+            "plausible against faithful maps: cumulative perturbation curves, SaCo computed by hand "
+            "and with vitlab, and a leaderboard of every method of the series with confidence intervals",
+            (Paper("Junyi Wu, Weitai Kang, Hao Tang, Yuan Hong & Yan Yan (CVPR 2024), *On the "
+                   "Faithfulness of Vision Transformer Explanations*", "https://arxiv.org/abs/2404.01415",
+                   "On the Faithfulness of Vision Transformer Explanations"),
+             Paper("Hila Chefer, Shir Gur & Lior Wolf (CVPR 2021), *Transformer Interpretability "
+                   "Beyond Attention Visualization*", "https://arxiv.org/abs/2012.09838",
+                   "Transformer Interpretability Beyond Attention Visualization")),
+            "solutions/07_faithfulness_saco_solutions.ipynb"),
+    Chapter("08_activation_maximisation",
+            "images optimised to make one unit or class fire, why they come out patchy, how to "
+            "measure the patch seams, and what a continuity constraint between patches costs",
+            (Paper("Amin Ghiasi et al. (2022), *What do Vision Transformers Learn? A Visual Exploration*",
+                   "https://arxiv.org/abs/2212.06727", "Ghiasi"),
+             Paper("Chris Olah, Alexander Mordvintsev & Ludwig Schubert (Distill 2017), *Feature "
+                   "Visualization*", "https://distill.pub/2017/feature-visualization/", "Olah")),
+            "solutions/08_activation_maximisation_solutions.ipynb"),
+)
+
+
+def chapter(stem: str) -> Chapter:
+    for ch in CHAPTERS:
+        if ch.stem == stem:
+            return ch
+    raise KeyError(f"no chapter {stem!r} in vitlab.site.CHAPTERS; known: {[c.stem for c in CHAPTERS]}")
+
+
+# --------------------------------------------------------------------------------------------
+# headers
+
+def _run_time(stem: str, times: dict) -> str:
+    full, quick = times.get("full", {}).get(stem), times.get("quick", {}).get(stem)
+    if full is None and quick is None:
+        return (f"not measured yet: `python -m vitlab.notebooks --only {stem}` measures it and "
+                "writes it into the [run-time table](README.md#run-times)")
+    parts = []
+    if full is not None:
+        parts.append(f"{runner._fmt_time(full)} for the full run")
+    if quick is not None:
+        parts.append(f"{runner._fmt_time(quick)} with `VITLAB_QUICK=1`")
+    return " and ".join(parts) + ", as measured by `python -m vitlab.notebooks` ([run-time table](README.md#run-times))"
+
+
+def header_markdown(ch: Chapter, times: dict) -> str:
+    """The header cell's markdown for chapter ``ch`` with the run times ``times``
+    (``{"full": {stem: seconds}, "quick": {...}}``)."""
+    papers = "; ".join(f"[{p.label}]({p.url})" for p in ch.papers)
+    if ch.solutions:
+        solutions = (f"[`{ch.solutions}`]({ch.solutions}): worked solutions to the exercises at the "
+                     "end (try them first)")
+    else:
+        solutions = "this appendix's exercises are open; no solutions notebook"
+    lines = [
+        HEADER_MARK,
+        f"- **You will learn:** {ch.learn}.",
+        f"- **Follows:** {papers}.",
+        f"- **Run time:** {_run_time(ch.stem, times)}.",
+        f"- **Solutions:** {solutions}.",
+        ("- **Run it yourself:** `bash scripts/setup.sh`, then `.venv/bin/jupyter lab` and open "
+         f"`notebooks/{ch.stem}.ipynb` (or headless: `.venv/bin/python -m vitlab.notebooks --only {ch.stem}`)."),
+    ]
+    return "\n".join(lines)
+
+
+def _is_header(cell) -> bool:
+    return HEADER_TAG in cell.get("metadata", {}).get("tags", [])
+
+
+def set_header(nb, text: str) -> bool:
+    """Make ``text`` the notebook's first cell (a markdown cell tagged :data:`HEADER_TAG`),
+    replacing any header cell it had; returns whether anything changed."""
+    import nbformat
+
+    old = [c for c in nb.cells if _is_header(c)]
+    if len(old) == 1 and nb.cells[0] is old[0] and old[0].source == text:
+        return False
+    cell = nbformat.v4.new_markdown_cell(text, metadata={"tags": [HEADER_TAG]})
+    cell["id"] = HEADER_TAG
+    nb.cells = [cell] + [c for c in nb.cells if not _is_header(c)]
+    return True
+
+
+def write_headers(folder: Path, readme: Path | None = None) -> list[Path]:
+    """Write or refresh the header of every chapter of :data:`CHAPTERS` in ``folder`` (run times
+    from ``readme``'s table, default ``folder/README.md``). Returns the notebooks it changed;
+    refuses a chapter missing from ``folder`` or a notebook missing from :data:`CHAPTERS`."""
+    import nbformat
+
+    times = runner.read_run_times_table(readme or folder / "README.md")
+    stems = {p.stem for p in runner.find_notebooks(folder)}
+    missing = [c.stem for c in CHAPTERS if c.stem not in stems]
+    unknown = sorted(stems - {c.stem for c in CHAPTERS})
+    if missing or unknown:
+        raise ValueError(f"vitlab.site.CHAPTERS and {folder} disagree: "
+                         + (f"no notebook for {missing}" if missing else "")
+                         + ("; " if missing and unknown else "")
+                         + (f"no CHAPTERS entry for {unknown}" if unknown else "")
+                         + ": add or rename the entry in vitlab/site.py")
+    changed = []
+    for ch in CHAPTERS:
+        path = folder / f"{ch.stem}.ipynb"
+        nb = nbformat.read(path, as_version=4)
+        if set_header(nb, header_markdown(ch, times)):
+            nbformat.write(nb, path)
+            changed.append(path)
+    return changed
+
+
+# --------------------------------------------------------------------------------------------
+# the site
+
+@dataclass(frozen=True)
+class Asset:
+    spec: str            # npm package@version
+    integrity: str       # the registry's dist.integrity
+    files: str           # folder inside the package to serve
+    target: str          # where under _static
+
+
+ASSETS = (
+    Asset("mathjax@3.2.2",
+          "sha512-Bt+SSVU8eBG27zChVewOicYs7Xsdt40qm4+UpHyX7k0/O9NliPc+x77k1/FEsPsjKPZGJvtRZM1vO+geW0OhGw==",
+          "package/es5", "mathjax"),
+    Asset("@jupyter-widgets/html-manager@1.0.15",
+          "sha512-5thBIV6ymNgmPVOHvzx+gGy8ZSKmSazhtGw4/c4xJDVzRhG9PTeQsRjF3FUTopvFi//SABeNz1yp47bCrJ3CQA==",
+          "package/dist", "widgets"),
+)
+
+
+def _integrity(path: Path) -> str:
+    return "sha512-" + base64.b64encode(hashlib.sha512(path.read_bytes()).digest()).decode()
+
+
+def fetch_assets(dest: Path) -> Path:
+    """The pinned :data:`ASSETS` unpacked under ``dest/static/<target>`` (fetched with
+    ``npm pack`` only when not there yet; each tarball checked against its sha512)."""
+    static = dest / "static"
+    for asset in ASSETS:
+        done = static / asset.target / ".integrity"
+        if done.is_file() and done.read_text() == asset.integrity:
+            continue
+        if shutil.which("npm") is None:
+            raise RuntimeError(f"building the site needs {asset.spec} from the npm registry, and npm is "
+                               "not installed: apt-get install -y npm (or put an unpacked copy in "
+                               f"{static / asset.target})")
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = subprocess.run(["npm", "pack", asset.spec, "--silent", "--pack-destination", tmp],
+                                  capture_output=True, text=True)
+            tarballs = list(Path(tmp).glob("*.tgz"))
+            if proc.returncode != 0 or len(tarballs) != 1:
+                raise RuntimeError(f"npm pack {asset.spec} failed: {proc.stderr.strip()[-400:]}")
+            got = _integrity(tarballs[0])
+            if got != asset.integrity:
+                raise RuntimeError(f"{asset.spec}: the tarball's integrity is {got}, expected "
+                                   f"{asset.integrity}; not using it")
+            out = static / asset.target
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            prefix = asset.files.rstrip("/") + "/"
+            with tarfile.open(tarballs[0]) as tar:
+                for member in tar.getmembers():
+                    if not member.isfile() or not member.name.startswith(prefix):
+                        continue
+                    rel = Path(member.name[len(prefix):])
+                    if rel.is_absolute() or ".." in rel.parts or rel.suffix == ".map":
+                        continue
+                    (out / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (out / rel).write_bytes(tar.extractfile(member).read())
+            done.write_text(asset.integrity)
+    return static
+
+
+_CODE_PATH = re.compile(r"(?<![\[`])`((?:\.\./|solutions/)?[\w.-]+\.ipynb)`(?!\])")
+
+
+def link_notebook_paths(markdown: str, here: Path, root: Path) -> str:
+    """Turn code spans naming a notebook of the site (``solutions/03_x_solutions.ipynb``,
+    ``../03_x.ipynb``, relative to the page in ``here``) into links; fenced code is left alone."""
+    out, fenced = [], False
+    for line in markdown.splitlines(keepends=True):
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        if not fenced:
+            def link(m):
+                target = (here / m.group(1)).resolve()
+                inside = target.is_file() and root.resolve() in target.parents
+                return f"[`{m.group(1)}`]({m.group(1)})" if inside else m.group(0)
+            line = _CODE_PATH.sub(link, line)
+        out.append(line)
+    return "".join(out)
+
+
+def _index_page(readme: str) -> str:
+    chapters = "\n".join(f"notebooks/{c.stem}" for c in CHAPTERS)
+    solutions = "\n".join(f"notebooks/{c.solutions[:-len('.ipynb')]}" for c in CHAPTERS if c.solutions)
+    toc = (f"\n\n```{{toctree}}\n:caption: Chapters\n:maxdepth: 1\n\n{chapters}\n```\n\n"
+           f"```{{toctree}}\n:caption: Solutions\n:maxdepth: 1\n\n{solutions}\n```\n\n"
+           "```{toctree}\n:caption: Teaching\n:maxdepth: 1\n\nnotebooks/README\n```\n")
+    return readme.rstrip() + toc
+
+
+def _card_under_title(nb) -> None:
+    """In the site's copy of a chapter: the header cell as a boxed card under the chapter's title
+    (the notebook itself opens with the card, then the title cell)."""
+    import nbformat
+
+    if len(nb.cells) < 2 or not _is_header(nb.cells[0]) or nb.cells[1].cell_type != "markdown":
+        return
+    title, _, rest = nb.cells[1].source.partition("\n")
+    if not title.startswith("# "):
+        return
+    body = nb.cells[0].source.replace(HEADER_MARK, "").strip()
+    card = nbformat.v4.new_markdown_cell(f":::{{admonition}} This chapter\n:class: chapter-header\n{body}\n:::")
+    nb.cells = [nbformat.v4.new_markdown_cell(title), card, nbformat.v4.new_markdown_cell(rest.lstrip("\n"))] + nb.cells[2:]
+
+
+def stage(repo: Path, dest: Path) -> Path:
+    """Copy what the site shows into ``dest``: README.md as ``index.md`` (with the tables of
+    contents), ``notebooks/README.md``, every chapter and solution notebook (code spans naming a
+    notebook become links). The tracked files are never changed."""
+    import nbformat
+
+    shutil.rmtree(dest, ignore_errors=True)
+    (dest / "notebooks" / "solutions").mkdir(parents=True)
+    (dest / "index.md").write_text(_index_page((repo / "README.md").read_text()))
+    shutil.copy2(repo / "notebooks" / "README.md", dest / "notebooks" / "README.md")
+    sources = [repo / "notebooks" / f"{c.stem}.ipynb" for c in CHAPTERS]
+    sources += [repo / "notebooks" / c.solutions for c in CHAPTERS if c.solutions]
+    for src in sources:
+        shutil.copy2(src, dest / src.relative_to(repo))
+    for src in sources:
+        target = dest / src.relative_to(repo)
+        nb = nbformat.read(target, as_version=4)
+        _card_under_title(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "markdown":
+                cell.source = link_notebook_paths(cell.source, target.parent, dest)
+        nbformat.write(nb, target)
+    return dest
+
+
+def build(repo: Path, out: Path, work: Path | None = None, quiet: bool = True) -> Path:
+    """Build the site of ``repo`` into ``out`` (``out/index.html``); returns ``out``. Raises
+    ``RuntimeError`` with Sphinx's messages when the build fails or warns."""
+    work = work or repo / "build"
+    static = fetch_assets(work / "site-assets")
+    src = stage(repo, work / "site-src")
+    shutil.rmtree(out, ignore_errors=True)
+    env = dict(os.environ, VITLAB_SITE_ASSETS=str(static))
+    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-c", str(repo / "site"),
+           "-W", "--keep-going", "-j", "1", "-d", str(work / "site-doctrees"), str(src), str(out)]
+    if quiet:
+        cmd.insert(3, "-q")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the site's Sphinx build failed (exit {proc.returncode}):\n"
+                           + (proc.stderr or proc.stdout).strip()[-4000:])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vitlab.site", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    h = sub.add_parser("headers", help="write/refresh each chapter's header cell")
+    h.add_argument("--notebooks", type=Path, default=runner._repo_root() / "notebooks")
+    b = sub.add_parser("build", help="build the static site from the stored notebooks")
+    b.add_argument("--out", type=Path, default=runner._repo_root() / "build" / "site")
+    args = ap.parse_args(argv)
+    try:
+        if args.command == "headers":
+            changed = write_headers(args.notebooks)
+            print(f"headers: {len(changed)} of {len(CHAPTERS)} chapters changed"
+                  + (": " + ", ".join(p.name for p in changed) if changed else ""))
+        else:
+            import time
+            t0 = time.perf_counter()
+            out = build(runner._repo_root(), args.out)
+            pages = len(list(out.rglob("*.html")))
+            print(f"site: {pages} pages in {time.perf_counter() - t0:.0f} s -> {out / 'index.html'}")
+    except (ValueError, RuntimeError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
