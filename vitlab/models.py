@@ -27,6 +27,7 @@ EMBEDDED_MODELS: dict[str, str] = {
     "dinov2_small_imgfocus": "vitlab.imgfocus:load_imgfocus_vit",
     "shapes-lxmert": "vitlab.shapes.bimodal:load_shapes_lxmert",
     "shapes-detr": "vitlab.shapes.bimodal:load_shapes_detr",
+    "shapes-visualbert": "vitlab.shapes.visualbert:load_shapes_visualbert",
 }
 
 # Configurations of common Hugging Face ViT-family checkpoints, so that ``pretrained=False``
@@ -74,6 +75,28 @@ _HF_KNOWN: dict[str, dict[str, Any]] = {
                     x_layers=5, vocab_size=30522, visual_feat_dim=2048, visual_pos_dim=4, num_qa_labels=3129),
         data=None,
     ),
+    # VisualBERT (Li et al. 2019) fine-tuned on VQA, the single-stream model of Chefer et al. 2021: BERT-base
+    # (12 layers of width 768, 12 heads) over the question's tokens and 2048-d region features together, 3129
+    # answers read off the last question token. No image processor: it takes region features.
+    "uclanlp/visualbert-vqa": dict(
+        model_type="visual_bert", head=True,
+        config=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                    vocab_size=30522, type_vocab_size=2, pad_token_id=1, visual_embedding_dim=2048,
+                    special_visual_initialize=True, bypass_transformer=False, num_labels=3129),
+        data=None,
+    ),
+    # ViLT (Kim et al. 2021) fine-tuned on VQA: a single stream that reads pixels (32 x 32 patches, no detector),
+    # 12 layers of width 768 with 12 heads, 40 text positions, 3129 answers. Its processor keeps the aspect
+    # ratio: shortest edge 384, longest at most 640, mean = std = 0.5, bicubic.
+    "dandelin/vilt-b32-finetuned-vqa": dict(
+        model_type="vilt", head=True,
+        config=dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                    image_size=384, patch_size=32, max_image_length=-1, max_position_embeddings=40,
+                    vocab_size=30522, type_vocab_size=2, modality_type_vocab_size=2, qkv_bias=True,
+                    num_labels=3129),
+        data=dict(shortest_edge=384, longest_edge=640, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
+                  interpolation="bicubic"),
+    ),
 }
 
 # The Hugging Face class load_model builds for a config's model_type, for any repo (cached or known):
@@ -82,7 +105,20 @@ _HF_KNOWN: dict[str, dict[str, Any]] = {
 HF_TASK_CLASSES: dict[str, str] = {
     "detr": "DetrForObjectDetection",
     "lxmert": "LxmertForQuestionAnswering",
+    "visual_bert": "VisualBertForQuestionAnswering",
+    "vilt": "ViltForQuestionAnswering",
 }
+
+VISUALBERT_REGION_FEATURES = (
+    "VisualBERT does not look at pixels either: like LXMERT it takes region features, inputs['visual_embeds'] "
+    "(B x regions x 2048 for uclanlp/visualbert-vqa: an object detector's region features; "
+    "inputs['visual_attention_mask'] for padded regions), with the tokenised question (input_ids, attention_mask; "
+    "tokenizer: AutoTokenizer.from_pretrained('google-bert/bert-base-uncased'), as in Hugging Face's VisualBERT "
+    "examples); its answer is read off the last question "
+    "token, attention_mask.sum(1) - 2. vitlab does not compute region features. Offline, vitlab's "
+    "'shapes-visualbert' takes pixel_values; for a photo with no detector use ViLT "
+    "('dandelin/vilt-b32-finetuned-vqa'), which reads pixels (vitlab.preprocess works for it)."
+)
 
 LXMERT_REGION_FEATURES = (
     "LXMERT does not look at pixels: it takes the features of image regions found by an object detector, "
@@ -249,9 +285,9 @@ def _hf_data_config(repo: str, model: nn.Module) -> dict[str, Any]:
     image processor does. LXMERT takes region features, not pixels: a TypeError says where to get them.
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type == "lxmert":
+    if model_type in ("lxmert", "visual_bert"):
         raise TypeError(f"vitlab.preprocess cannot prepare images for {type(model).__name__}. "
-                        + LXMERT_REGION_FEATURES)
+                        + (LXMERT_REGION_FEATURES if model_type == "lxmert" else VISUALBERT_REGION_FEATURES))
     try:
         from transformers import AutoImageProcessor
 
@@ -321,7 +357,7 @@ def _load_hf(repo: str, pretrained: bool, **kwargs) -> nn.Module:
         model = cls.from_pretrained(repo, config=config, **kwargs)
     else:
         model = cls.from_config(config, **kwargs) if hasattr(cls, "from_config") else cls._from_config(config, **kwargs)
-    if config.model_type != "lxmert":  # LXMERT takes region features: data_config explains
+    if config.model_type not in ("lxmert", "visual_bert"):  # region features: data_config explains
         model.vitlab_data_config = _hf_data_config(repo, model)
     return model
 

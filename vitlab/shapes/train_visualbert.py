@@ -1,0 +1,124 @@
+"""Train ``shapes-visualbert`` on generated questions: ``python -m vitlab.shapes.train_visualbert``.
+
+Recipe (see ``vitlab/models/shapes-visualbert.md`` for the measured numbers): the same data as
+``shapes-lxmert`` (:mod:`vitlab.shapes.train_lxmert`: an endless stream of new two-object scenes
+at difficulty 1, ``--per-scene`` questions about each from :func:`vitlab.shapes.qa.make_questions`,
+``where`` first as a curriculum, then where / exists / which drawn 2 : 1 : 1; the frozen
+``shapes-vit-tiny`` encodes each chunk of scenes once), cross-entropy over the answers, and the
+loop every bimodal training command shares (:mod:`vitlab.shapes.train_loop`: AdamW, linear warmup
+then cosine decay, gradient clipping).
+
+The masks are read only to derive the ``where`` / ``which`` answers; they never enter the model
+or model selection (there is none: the weights written are those after the last step). Training
+scenes use seeds >= 1,000,000 (:data:`vitlab.shapes.train.TRAIN_SEED_BASE`); validation
+(:data:`VAL_SEED`) and the held-out evaluation (:data:`EVAL_SEED`) use seeds far below.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vitlab.shapes.data import make_scenes
+from vitlab.shapes.qa import QUESTION_TYPES, make_questions
+from vitlab.shapes.train_loop import fit, parse, parser, start
+from vitlab.shapes.train_lxmert import EVAL_SEED, VAL_SEED, parse_kinds, question_batches, scene_features
+from vitlab.shapes.visualbert import (
+    VISUALBERT_ARCH, VISUALBERT_PATH, build_shapes_visualbert, save_shapes_visualbert,
+)
+
+__all__ = ["EVAL_SEED", "VAL_SEED", "batch_loss", "evaluate_visualbert", "main", "parse_args", "train"]
+
+
+def batch_loss(model, batch) -> torch.Tensor:
+    """Cross-entropy of the answers for one batch ``(visual_feats, input_ids, attention_mask, answer_ids, ...)``."""
+    feats, ids, mask, answers = batch[:4]
+    return F.cross_entropy(model(input_ids=ids, attention_mask=mask, visual_feats=feats).logits, answers)
+
+
+@torch.no_grad()
+def evaluate_visualbert(model, n: int = 1000, seed: int = EVAL_SEED, per_scene: int = 3, batch: int = 256) -> dict:
+    """Answer accuracy on held-out two-object scenes (difficulty 1), overall and per question kind.
+
+    The questions of :func:`vitlab.shapes.train_lxmert.evaluate_lxmert` (``n`` scenes of
+    ``make_scenes(n, seed, 2)``, ``per_scene`` questions each, the same seed), so the two models'
+    figures are comparable. Returns ``{"n_scenes", "n_questions", "seed", "accuracy",
+    "accuracy_<kind>", "n_<kind>"}`` (accuracies in [0, 1]).
+    """
+    was_training = model.training
+    model.eval()
+    scenes = make_scenes(n, seed, 2)
+    q = make_questions(scenes, seed, per_scene=per_scene)
+    feats = scene_features(model, scenes.images)
+    pred = []
+    for i in range(0, len(q), batch):
+        sel = q.select(np.arange(i, min(i + batch, len(q))))
+        ids, mask = model.encode(sel.text)
+        logits = model(input_ids=ids, attention_mask=mask, visual_feats=feats[torch.from_numpy(sel.scene)]).logits
+        pred.append(logits.argmax(-1).cpu())
+    right = torch.cat(pred).numpy() == q.answer_id
+    kinds = np.array(q.kind)
+    res = {"n_scenes": n, "n_questions": len(q), "seed": seed, "accuracy": float(right.mean())}
+    for k in QUESTION_TYPES:
+        sel = kinds == k
+        res[f"accuracy_{k}"] = float(right[sel].mean()) if sel.any() else float("nan")
+        res[f"n_{k}"] = int(sel.sum())
+    model.train(was_training)
+    return res
+
+
+def train(args) -> dict:
+    """Train ``shapes-visualbert`` as ``args`` (:func:`parse_args`) say; returns the report (``train_loop.fit``)."""
+    device = start(args)
+    arch = {**VISUALBERT_ARCH, **json.loads(args.arch)}
+    model = build_shapes_visualbert(arch).to(device).train()
+    kinds, weights = parse_kinds(args.kinds)
+    first = parse_kinds(args.first_kinds)[0] if args.first_kinds else None
+    batches = question_batches(model, batch=args.batch, per_scene=args.per_scene, chunk=args.chunk, seed=args.seed,
+                               kinds=kinds, weights=weights, first_kinds=first,
+                               first_batches=int(round(args.first_frac * args.steps)))
+
+    def validate(m) -> dict:
+        val = evaluate_visualbert(m, n=args.val_n, seed=VAL_SEED)
+        return {k: round(v, 4) for k, v in val.items() if k.startswith("accuracy")}
+
+    info = {"per_scene": args.per_scene, "kinds": dict(zip(kinds, weights)), "first_kinds": args.first_kinds,
+            "first_frac": args.first_frac, "questions_seen": args.steps * args.batch}
+    return fit(model, args, name="shapes-visualbert", batches=batches, loss_fn=batch_loss, validate=validate,
+               evaluate=evaluate_visualbert, arch=arch, info=info, save=save_shapes_visualbert,
+               counts=lambda step: {"questions": step * args.batch, "scenes": step * args.batch // args.per_scene})
+
+
+def parse_args(argv=None):
+    p = parser("python -m vitlab.shapes.train_visualbert", __doc__, out=VISUALBERT_PATH, steps=4000, batch=64,
+               lr=1e-3, weight_decay=0.01, val_n=200, eval_n=1000, batch_help="questions per step",
+               arch_example='{"num_hidden_layers": 6}', val_help="validation scenes (3 questions each)",
+               quick_help="smoke test: 20 steps of 16 questions, nothing written (explicit options win)")
+    p.add_argument("--per-scene", type=int, default=4, help="questions drawn about each scene")
+    p.add_argument("--kinds", default="where:2,exists:1,which:1",
+                   help="question kinds to train on, each with an optional sampling weight (kind:weight, comma-separated)")
+    p.add_argument("--first-kinds", default="where", help="curriculum: the kinds asked alone at first ('' for none)")
+    p.add_argument("--first-frac", type=float, default=0.2,
+                   help="curriculum: the fraction of the steps that ask only --first-kinds")
+    args = parse(p, argv, quick=dict(steps=20, batch=16, chunk=32, val_every=10, val_n=16, eval_n=32))
+    if args.per_scene < 1:
+        p.error("--per-scene must be positive")
+    try:
+        parse_kinds(args.kinds)
+        if args.first_kinds:
+            parse_kinds(args.first_kinds)
+    except ValueError as e:
+        p.error(str(e))
+    if not 0 <= args.first_frac < 1:
+        p.error(f"--first-frac must be in [0, 1), got {args.first_frac}")
+    return args
+
+
+def main(argv=None):
+    train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
