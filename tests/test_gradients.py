@@ -1,4 +1,5 @@
-"""input x gradient: against a manual autograd computation, patch means, batch = items, model unchanged."""
+"""input x gradient and Integrated Gradients (both from Captum): against manual autograd computations,
+patch means, completeness, batch = items, model unchanged, bad input refused."""
 import pytest
 import torch
 
@@ -52,3 +53,64 @@ def test_errors(vit, x):
         input_x_gradient(vit, x, score="prob")
     with pytest.raises(RuntimeError, match="inference_mode"), torch.inference_mode():
         input_x_gradient(vit, x)
+
+
+# ----------------------------------------------------------------------------- Integrated Gradients
+def manual_ig(model, x, t, steps, baseline=0.0):
+    """Sundararajan et al. eq. 1 on Gauss-Legendre points of [0, 1], one image at a time."""
+    import numpy as np
+    nodes, weights = np.polynomial.legendre.leggauss(steps)
+    alphas, weights = (nodes + 1) / 2, weights / 2
+    out = []
+    for i in range(x.shape[0]):
+        x0 = torch.full_like(x[i:i + 1], baseline)
+        total = torch.zeros_like(x[i:i + 1])
+        for a, w in zip(alphas, weights):
+            xi = (x0 + float(a) * (x[i:i + 1] - x0)).requires_grad_(True)
+            (g,) = torch.autograd.grad(model(xi)[0, t[i]], xi)
+            total += float(w) * g
+        out.append(((x[i:i + 1] - x0) * total).sum(1)[0])
+    return torch.stack(out)
+
+
+def test_integrated_gradients_equals_manual_and_completeness(vit, x):
+    from vitlab.gradients import integrated_gradients
+    with torch.no_grad():
+        t = vit(x).argmax(-1)
+    got = integrated_gradients(vit, x, steps=8, pixels=True)
+    torch.testing.assert_close(got, manual_ig(vit, x, t, 8), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(integrated_gradients(vit, x, target=[2, 0, 4], steps=4, baseline=0.5, pixels=True),
+                               manual_ig(vit, x, [2, 0, 4], 4, baseline=0.5), atol=1e-5, rtol=1e-4)
+    # completeness (eq. 3): the attributions sum to y(x) - y(baseline); more steps, smaller gap
+    with torch.no_grad():
+        delta = (vit(x) - vit(torch.zeros_like(x))).gather(1, t[:, None])[:, 0]
+    gaps = [(integrated_gradients(vit, x, steps=s, pixels=True).sum((1, 2)) - delta).abs().max().item()
+            for s in (2, 32)]
+    assert gaps[1] < gaps[0] and gaps[1] < 1e-2 * delta.abs().max().item()
+    grid = integrated_gradients(vit, x, steps=8)
+    torch.testing.assert_close(grid[1, 2, 3], got[1, 16:24, 24:32].mean(), atol=1e-6, rtol=1e-5)
+
+
+def test_integrated_gradients_batch_model_errors(vit, x):
+    from vitlab.gradients import integrated_gradients
+    vit.train()
+    try:
+        whole = integrated_gradients(vit, x, target=1, steps=4, internal_batch_size=5)
+        assert vit.training and all(m.training for m in vit.modules())
+        assert all(p.grad is None for p in vit.parameters())
+    finally:
+        vit.eval()
+    items = torch.cat([integrated_gradients(vit, x[i:i + 1], target=1, steps=4) for i in range(3)])
+    torch.testing.assert_close(whole, items, atol=1e-6, rtol=1e-5)
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        integrated_gradients(vit, bad)
+    with pytest.raises(ValueError, match="empty batch"):
+        integrated_gradients(vit, x[:0])
+    with pytest.raises(ValueError, match="steps"):
+        integrated_gradients(vit, x, steps=0)
+    with pytest.raises(ValueError, match="baseline"):
+        integrated_gradients(vit, x, baseline=float("nan"))
+    with pytest.raises(ValueError, match="outside the model's classes"):
+        integrated_gradients(vit, x, target=7)

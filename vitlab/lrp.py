@@ -53,7 +53,7 @@ class LRPPass(NamedTuple):
         token_relevance: ``B x N`` relevance of every token entering the first block (patch
             embedding + position, CLS and other prefix tokens included).
         attention_relevance: per block ``B x heads x N x N``, ``R^A = A ⊙ gbar_A`` (with
-            ``attention=True``; else empty).
+            ``attention=True`` or ``plain=True``; ``attention="last"``: the last block's only).
         attention_grads: per block the ordinary ``dy_t / dA`` (with ``plain=True``; else empty).
         logit: ``(B,)`` the explained logit ``y_t``.
         target: ``(B,)`` the explained class.
@@ -68,10 +68,13 @@ class LRPPass(NamedTuple):
 
 
 def lrp_pass(model, x: torch.Tensor, target=None, rules: str = "chefer", attention: bool = False,
-             plain: bool = False, method: str = "lrp_pass") -> LRPPass:
+             plain: bool = False, tokens: bool = True, method: str = "lrp_pass") -> LRPPass:
     """One forward with the LRP rules ``rules`` attached and one LRP backward of the target
     logits (their sum over the batch: samples do not interact), plus with ``plain`` one
-    ordinary backward for the attention gradients. Checks the input before the forward."""
+    ordinary backward for the attention gradients. ``attention``: also the relevance of every
+    attention map (``attention="last"``: the last block's only); ``tokens=False`` leaves the
+    token relevances out (empty tensors), so the backward stops at the first attention map it
+    needs. Checks the input before the forward."""
     checked_layout(model, x, method)
     require_class_head(model, method)
     target = check_target(target, x.shape[0])
@@ -86,14 +89,20 @@ def lrp_pass(model, x: torch.Tensor, target=None, rules: str = "chefer", attenti
             y = logits.gather(1, t[:, None])[:, 0]
             e, x0 = rec.patch_tokens[-1], rec.first_block_inputs[-1]
             attn = list(rec.attentions) if capture else []
-            grads = torch.autograd.grad(y.sum(), [e, x0, *attn], retain_graph=plain)
+            if attention == "last":
+                attn = attn[-1:]
+            wanted = ([e, x0] if tokens else []) + attn
+            grads = list(torch.autograd.grad(y.sum(), wanted, retain_graph=plain))
             plain_grads = []
             if plain:
                 with rec.plain_gradients():
                     plain_grads = [g.detach() for g in torch.autograd.grad(y.sum(), attn)]
-    R_e = (e.detach() * grads[0]).sum(-1)  # B x P
-    R_x0 = (x0.detach() * grads[1]).sum(-1)  # B x N
-    R_A = [a.detach() * g for a, g in zip(attn, grads[2:])]
+    if tokens:
+        R_e = (e.detach() * grads.pop(0)).sum(-1)  # B x P
+        R_x0 = (x0.detach() * grads.pop(0)).sum(-1)  # B x N
+    else:
+        R_e = R_x0 = torch.empty(x.shape[0], 0, dtype=y.dtype, device=y.device)
+    R_A = [a.detach() * g for a, g in zip(attn, grads)]
     return LRPPass(R_e, R_x0, R_A, plain_grads, y.detach(), t)
 
 
@@ -147,7 +156,7 @@ def partial_lrp(model, x: torch.Tensor, target=None) -> torch.Tensor:
     Args: as :func:`lrp`.
     """
     def compute():
-        p = lrp_pass(model, x, target, rules="chefer", attention=True, method="partial_lrp")
+        p = lrp_pass(model, x, target, rules="chefer", attention="last", tokens=False, method="partial_lrp")
         return p.attention_relevance[-1].clamp(min=0).mean(dim=1)[:, 0, :]  # B x N
     return _grid_map(partial_lrp, model, x, target, {}, compute)
 
@@ -169,7 +178,8 @@ def transformer_attribution(model, x: torch.Tensor, target=None, start_layer: in
             perturbation script uses 1).
     """
     def compute():
-        p = lrp_pass(model, x, target, rules="chefer", plain=True, method="transformer_attribution")
+        p = lrp_pass(model, x, target, rules="chefer", plain=True, tokens=False,
+                     method="transformer_attribution")
         L = len(p.attention_relevance)
         if isinstance(start_layer, bool) or not isinstance(start_layer, int) or not 0 <= start_layer < L:
             raise ValueError(f"start_layer must be an int in [0, {L}), got {start_layer!r}")

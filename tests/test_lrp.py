@@ -1,0 +1,374 @@
+"""The LRP family: every rule on a hand-worked case, conservation, each method against a from-scratch
+float64 relevance propagation (explicit contributions, no gradients), batch = items, fused = eager,
+Hugging Face models, the model left as it was, bad input refused."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import TINY, randomize  # noqa: F401
+from tests.test_record import model_state
+from vitlab import lrp as L
+from vitlab.record import record
+from vitlab.record.lrp import (
+    alpha1_beta0_rule, identity_rule, layer_norm_rule, residual_add_rule, safe_divide,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# ----------------------------------------------------------------------------- rules by hand
+def test_alpha1_beta0_rule_by_hand():
+    # y = 3 x1 - x2 at x = (1, -2): contributions (3, 2), both positive, y = 5.
+    # R_y = 10 goes 3/5 and 2/5: R_x = (6, 4); gbar = R_x / x = (6, -2). gbar_y = R_y / y = 2.
+    x, W = torch.tensor([[1.0, -2.0]]), torch.tensor([[3.0, -1.0]])
+    (g,) = alpha1_beta0_rule(W)(torch.tensor([[2.0]]), x @ W.T, x)
+    torch.testing.assert_close(x * g, torch.tensor([[6.0, 4.0]]))
+    # y = 3 x1 + x2: contributions (3, -2): only the positive one is kept, R_x = (R_y, 0)
+    W = torch.tensor([[3.0, 1.0]])
+    (g,) = alpha1_beta0_rule(W)(torch.tensor([[6.0]]), x @ W.T, x)  # y = 1, R_y = 6
+    torch.testing.assert_close(x * g, torch.tensor([[6.0, 0.0]]))
+
+
+def test_identity_rule_by_hand():
+    x = torch.tensor([2.0, -1.0, 0.0])
+    out = F.gelu(x)
+    grad = torch.tensor([3.0, 5.0, 7.0])
+    (g,) = identity_rule(grad, out, x)
+    torch.testing.assert_close(x * g, out * grad)  # R_x = R_out, element by element
+    assert g[2] == 0  # no input, nothing to pass
+
+
+def test_layer_norm_rule_by_hand():
+    # x = (1, 2, 3): mean 2, sigma = sqrt(2/3) = 0.8165 (eps 0, weight 1, bias 0), y = (-1.2247, 0, 1.2247).
+    # gbar_y = (1, 0, 0): R_y = (-1.2247, 0, 0). sigma held constant: gbar_x = (g - mean g) / sigma
+    # = (2/3, -1/3, -1/3) / 0.8165 = (0.8165, -0.4082, -0.4082); R_x = x * gbar_x = (0.8165, -0.8165, -1.2247),
+    # whose sum is R_y's: nothing absorbed without a bias.
+    x = torch.tensor([[1.0, 2.0, 3.0]])
+    y = F.layer_norm(x, (3,), eps=0.0)
+    (g,) = layer_norm_rule((3,), None, 0.0)(torch.tensor([[1.0, 0.0, 0.0]]), y, x)
+    s = math.sqrt(2 / 3)
+    torch.testing.assert_close(x * g, torch.tensor([[2 / 3 / s, -2 / 3 / s, -1 / s]]))
+    torch.testing.assert_close((x * g).sum(), y[0, 0])
+
+
+def test_residual_add_rule_by_hand():
+    # a = (1, 3), b = (-2, 1): z = (-1, 4); gbar = (1, 1), R = (-1, 4), sum 3.
+    # z-rule parts a*gbar = (1, 3) (sum 4), b*gbar = (-2, 1) (sum -1); shares 4/5 and 1/5 of 3:
+    # a's part rescaled to sum 2.4 (x 0.6): (0.6, 1.8); b's to 0.6 (x -0.6): (1.2, -0.6).
+    a, b = torch.tensor([[1.0, 3.0]]), torch.tensor([[-2.0, 1.0]])
+    ga, gb = residual_add_rule(torch.ones(1, 2), a + b, a, b)
+    torch.testing.assert_close(a * ga, torch.tensor([[0.6, 1.8]]))
+    torch.testing.assert_close(b * gb, torch.tensor([[1.2, -0.6]]))
+
+
+class _Two(torch.nn.Module):
+    """A "model" of one matmul and one softmax: (a @ b, softmax(s)), to see the mode's rules."""
+
+    def forward(self, a, b, s):
+        return a @ b, torch.softmax(s, dim=-1)
+
+
+def test_matmul_and_softmax_rules_by_hand():
+    # the rules apply inside a recorded ViT's forward: run the tiny module there, from a hook
+    # on the ViT's first block
+    from timm.models.vision_transformer import VisionTransformer
+    vit = randomize(VisionTransformer(**TINY), 0)
+    a = torch.tensor([[1.0, 2.0]], requires_grad=True)
+    b = torch.tensor([[3.0], [4.0]], requires_grad=True)
+    s = torch.tensor([0.0, math.log(3.0)], requires_grad=True)
+    two, out = _Two(), {}
+    handle = vit.blocks[0].register_forward_pre_hook(lambda mod, args: out.update(zip("zp", two(a, b, s))))
+    try:
+        for rules in ("attnlrp", "chefer"):
+            with record(vit, lrp=rules, capture=()):
+                vit(torch.zeros(1, 3, 32, 32))
+                # a @ b = 11 with gbar = 1: R = 11, half to each side: R_a = a * (b^T / 2) = (1.5, 4),
+                # R_b = b * (a^T / 2) = (1.5, 4)
+                ga, gb = torch.autograd.grad(out["z"].sum(), [a, b])
+                torch.testing.assert_close(a * ga, torch.tensor([[1.5, 4.0]]))
+                torch.testing.assert_close((b * gb).flatten(), torch.tensor([1.5, 4.0]))
+                # softmax at s = (0, ln 3): p = (1/4, 3/4); gbar_p = (1, 0), R_p = (1/4, 0)
+                (gs,) = torch.autograd.grad(out["p"][0], [s])
+                if rules == "attnlrp":  # R_s = s * (R_p - p sum R_p) = (0, ln 3 * (0 - 3/4 * 1/4))
+                    want = torch.tensor([0.0, -3 / 16 * math.log(3.0)])
+                else:  # identity: R_s = R_p, where s != 0 (s = 0 holds nothing to pass on)
+                    want = torch.tensor([0.0, 0.0])
+                torch.testing.assert_close(s * gs, want)
+    finally:
+        handle.remove()
+
+
+def test_safe_divide():
+    torch.testing.assert_close(safe_divide(torch.tensor([1.0, 2.0]), torch.tensor([0.0, 4.0])),
+                               torch.tensor([0.0, 0.5]))
+
+
+# ----------------------------------------------------------------------------- from scratch, float64
+def _ln(h, mod):
+    return F.layer_norm(h, mod.normalized_shape, mod.weight, mod.bias, mod.eps)
+
+
+def _linear_relprop(x, W, b, R, rules, absorbed):
+    """Explicit contributions c[..., j, i] = x_i W_ji."""
+    c = x.unsqueeze(-2) * W  # ... x out x in
+    if rules == "chefer":  # alpha 1, beta 0: positive contributions over their sum
+        pos = c.clamp(min=0)
+        return (pos / pos.sum(-1, keepdim=True) * R.unsqueeze(-1)).sum(-2)
+    y = c.sum(-1) + b  # epsilon -> 0: the z-rule, the bias keeps b / y of R
+    absorbed += (b / y * R).flatten(1).sum(-1)
+    return (c / y.unsqueeze(-1) * R.unsqueeze(-1)).sum(-2)
+
+
+def _ln_relprop(x, mod, R, rules, absorbed):
+    if rules == "chefer":
+        return R  # identity
+    D = x.shape[-1]
+    sigma = (x.var(-1, unbiased=False, keepdim=True) + mod.eps).sqrt()
+    n = (x - x.mean(-1, keepdim=True)) / sigma
+    y = n * mod.weight + mod.bias
+    absorbed += (mod.bias / y * R).flatten(1).sum(-1)
+    R_n = n * mod.weight / y * R  # the bias's z-rule share removed; times weight: identity
+    C = (torch.eye(D, dtype=x.dtype) - 1.0 / D) / sigma.unsqueeze(-1)  # ... x D x D, n = C x
+    c = C * x.unsqueeze(-2)  # c[..., i, j] = C_ij x_j, sums to n_i over j
+    return (c / n.unsqueeze(-1) * R_n.unsqueeze(-1)).sum(-2)
+
+
+def _add_relprop(a, b, R, rules):
+    z = a + b
+    Ra, Rb = a / z * R, b / z * R
+    if rules == "chefer":  # the reference's rescaling, per sample
+        sa, sb, s = (t.flatten(1).sum(-1)[:, None, None] for t in (Ra, Rb, R))
+        share = sa.abs() / (sa.abs() + sb.abs())
+        Ra, Rb = Ra * (share * s / sa), Rb * ((1 - share) * s / sb)
+    return Ra, Rb
+
+
+def _matmul_relprop(a, b, R):
+    """z = a @ b over the last two dims: contributions a_ik b_kj, half of each to each side."""
+    c = a.unsqueeze(-1) * b.unsqueeze(-3)  # ... x i x k x j
+    share = c / c.sum(-2, keepdim=True) * R.unsqueeze(-2) / 2
+    return share.sum(-1), share.sum(-3)
+
+
+def scratch(model, x, rules, target=None):
+    """LRP of a timm ViT in float64, propagating relevance layer by layer (no autograd for the
+    relevance), plus the ordinary attention gradients from an autograd forward of the same copy."""
+    m = copy.deepcopy(model).double()
+    x = x.double()
+    B = x.shape[0]
+    with torch.enable_grad():
+        e = m.patch_embed.proj(x).flatten(2).transpose(1, 2)
+        x0 = torch.cat([m.cls_token.expand(B, -1, -1), e], 1) + m.pos_embed
+        h, saved = x0, []
+        for blk in m.blocks:
+            at = blk.attn
+            H = at.num_heads
+            n1 = _ln(h, blk.norm1)
+            qkv = F.linear(n1, at.qkv.weight, at.qkv.bias)
+            N, D = qkv.shape[1], qkv.shape[2] // 3
+            q, k, v = qkv.reshape(B, N, 3, H, D // H).permute(2, 0, 3, 1, 4)
+            qs = q * at.scale
+            S = qs @ k.transpose(-2, -1)
+            A = S.softmax(-1)
+            A.retain_grad()
+            O = (A @ v).transpose(1, 2).reshape(B, N, D)
+            P = F.linear(O, at.proj.weight, at.proj.bias)
+            mid = h + P
+            n2 = _ln(mid, blk.norm2)
+            f1 = F.linear(n2, blk.mlp.fc1.weight, blk.mlp.fc1.bias)
+            g = F.gelu(f1)
+            f2 = F.linear(g, blk.mlp.fc2.weight, blk.mlp.fc2.bias)
+            saved.append(dict(h=h, n1=n1, qkv=qkv, qs=qs, k=k, v=v, S=S, A=A, O=O, P=P, mid=mid, n2=n2,
+                              f1=f1, g=g, f2=f2))
+            h = mid + f2
+        nf = _ln(h, m.norm)
+        logits = F.linear(nf[:, 0], m.head.weight, m.head.bias)
+        t = logits.argmax(-1) if target is None else torch.as_tensor(target).expand(B)
+        y = logits.gather(1, t[:, None])[:, 0]
+        y.sum().backward()
+    grads = [s["A"].grad for s in saved]
+    with torch.no_grad():
+        absorbed = torch.zeros(B, dtype=torch.float64)
+        R = torch.zeros_like(logits).scatter(1, t[:, None], y[:, None])
+        R_cls = _linear_relprop(nf[:, 0], m.head.weight, m.head.bias, R, rules, absorbed)
+        R_nf = torch.zeros_like(nf)
+        R_nf[:, 0] = R_cls
+        R_h = _ln_relprop(h, m.norm, R_nf, rules, absorbed)
+        R_attn = [None] * len(saved)
+        for l in reversed(range(len(saved))):
+            s, blk = saved[l], m.blocks[l]
+            H = blk.attn.num_heads
+            R_mid, R_f2 = _add_relprop(s["mid"], s["f2"], R_h, rules)
+            R_g = _linear_relprop(s["g"], blk.mlp.fc2.weight, blk.mlp.fc2.bias, R_f2, rules, absorbed)
+            R_n2 = _linear_relprop(s["n2"], blk.mlp.fc1.weight, blk.mlp.fc1.bias, R_g, rules, absorbed)
+            R_mid = R_mid + _ln_relprop(s["mid"], blk.norm2, R_n2, rules, absorbed)
+            R_hin, R_P = _add_relprop(s["h"], s["P"], R_mid, rules)
+            R_O = _linear_relprop(s["O"], blk.attn.proj.weight, blk.attn.proj.bias, R_P, rules, absorbed)
+            N, D = R_O.shape[1], R_O.shape[2]
+            R_Oh = R_O.reshape(B, N, H, D // H).transpose(1, 2)
+            R_A, R_v = _matmul_relprop(s["A"], s["v"], R_Oh)
+            R_attn[l] = R_A
+            if rules == "chefer":
+                R_S = R_A
+            else:  # AttnLRP's softmax rule: x * (R - p sum R), the rest absorbed
+                R_S = s["S"] * (R_A - s["A"] * R_A.sum(-1, keepdim=True))
+                absorbed += (R_A.sum((1, 2, 3)) - R_S.sum((1, 2, 3)))
+            R_q, R_kT = _matmul_relprop(s["qs"], s["k"].transpose(-2, -1), R_S)
+            R_qkv = torch.stack([R_q, R_kT.transpose(-2, -1), R_v]).permute(1, 3, 0, 2, 4).reshape(B, N, 3 * D)
+            R_n1 = _linear_relprop(s["n1"], blk.attn.qkv.weight, blk.attn.qkv.bias, R_qkv, rules, absorbed)
+            R_h = R_hin + _ln_relprop(s["h"], blk.norm1, R_n1, rules, absorbed)
+        R_e = e / x0[:, 1:] * R_h[:, 1:]  # z-rule at the position embedding's addition
+    return dict(tokens=R_h.sum(-1), patches=R_e.sum(-1), attention=R_attn, grads=grads, logit=y.detach(),
+                absorbed=absorbed)
+
+
+@pytest.fixture(scope="module")
+def vit64(vit):
+    return copy.deepcopy(vit).double()
+
+
+@pytest.mark.parametrize("rules", ["chefer", "attnlrp"])
+def test_pass_equals_scratch(vit, vit64, x, rules):
+    want = scratch(vit, x, rules)
+    tight = L.lrp_pass(vit64, x.double(), rules=rules, attention=True)
+    torch.testing.assert_close(tight.token_relevance, want["tokens"], atol=1e-9, rtol=1e-8)
+    torch.testing.assert_close(tight.patch_relevance, want["patches"], atol=1e-9, rtol=1e-8)
+    for got, ref in zip(tight.attention_relevance, want["attention"]):
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-8)
+    loose = L.lrp_pass(vit, x, rules=rules)  # float32: the same up to rounding
+    scale = want["patches"].abs().max().item()
+    torch.testing.assert_close(loose.patch_relevance.double(), want["patches"], atol=1e-4 * scale, rtol=1e-3)
+
+
+def test_conservation(vit, vit64, x):
+    """Chefer's rules conserve the logit down to the tokens; AttnLRP's keep the biases' and the
+    softmax's shares, and nothing else (checked against the from-scratch bookkeeping)."""
+    c = L.lrp_conservation(vit64, x.double(), rules="chefer")
+    torch.testing.assert_close(c["tokens"], c["logit"], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(c["absorbed"], torch.zeros(3, dtype=torch.float64), atol=1e-10, rtol=0)
+    c32 = L.lrp_conservation(vit, x, rules="chefer")
+    assert c32["absorbed"].abs().max() < 1e-5 * c32["logit"].abs().max()
+    a = L.lrp_conservation(vit64, x.double(), rules="attnlrp")
+    want = scratch(vit, x, "attnlrp")
+    torch.testing.assert_close(a["tokens"] + want["absorbed"], a["logit"], atol=1e-9, rtol=1e-9)
+    assert (a["absorbed"] - want["absorbed"]).abs().max() < 1e-9
+    assert a["absorbed"].abs().min() > 1e-3  # these weights have large biases: something is absorbed
+    torch.testing.assert_close(a["position and prefix"], a["tokens"] - a["patches"])
+
+
+def test_methods_equal_scratch(vit, vit64, x):
+    ch, at = scratch(vit, x, "chefer"), scratch(vit, x, "attnlrp")
+    grid = (3, 4, 4)
+    torch.testing.assert_close(L.lrp(vit64, x.double()), ch["patches"].reshape(grid), atol=1e-9, rtol=1e-8)
+    torch.testing.assert_close(L.attn_lrp(vit64, x.double()), at["patches"].reshape(grid), atol=1e-9, rtol=1e-8)
+    partial = ch["attention"][-1].clamp(min=0).mean(1)[:, 0, 1:]
+    torch.testing.assert_close(L.partial_lrp(vit64, x.double()), partial.reshape(grid), atol=1e-10, rtol=1e-8)
+    # eq. 13 as the reference's compute_rollout_attention: joint = M_L ... M_start, M_b = I + Abar_b
+    for start in (0, 1):
+        N = ch["attention"][0].shape[-1]
+        joint = torch.eye(N, dtype=torch.float64).expand(3, N, N)
+        for R_A, G in list(zip(ch["attention"], ch["grads"]))[start:]:
+            joint = (torch.eye(N, dtype=torch.float64) + (G * R_A).clamp(min=0).mean(1)) @ joint
+        got = L.transformer_attribution(vit64, x.double(), start_layer=start)
+        torch.testing.assert_close(got, joint[:, 0, 1:].reshape(grid), atol=1e-10, rtol=1e-8)
+    # a given target: the same as the scratch explaining that class
+    ch2 = scratch(vit, x, "chefer", target=2)
+    torch.testing.assert_close(L.lrp(vit64, x.double(), target=2), ch2["patches"].reshape(grid),
+                               atol=1e-9, rtol=1e-8)
+
+
+METHODS = [L.lrp, L.attn_lrp, L.partial_lrp, L.transformer_attribution]
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda f: f.__name__)
+def test_batch_equals_items_fused_equals_eager_model_unchanged(vit, x, method):
+    vit.train()
+    before = model_state(vit)
+    try:
+        whole = method(vit, x, target=[1, 0, 4])
+        assert model_state(vit) == before
+        assert all(p.grad is None for p in vit.parameters())
+        fused = [b.attn.fused_attn for b in vit.blocks]
+        for b in vit.blocks:
+            b.attn.fused_attn = not b.attn.fused_attn
+        other = method(vit, x, target=[1, 0, 4])
+        for b, f in zip(vit.blocks, fused):
+            b.attn.fused_attn = f
+    finally:
+        vit.eval()
+    torch.testing.assert_close(other, whole, atol=1e-5, rtol=1e-4)
+    items = torch.cat([method(vit, x[i:i + 1], target=t) for i, t in enumerate([1, 0, 4])])
+    torch.testing.assert_close(items, whole, atol=1e-5, rtol=1e-4)
+    # outside a recording the model computes its plain gradient again
+    xi = x.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(vit(xi)[:, 1].sum(), xi)
+    vit2 = copy.deepcopy(vit)
+    xj = x.clone().requires_grad_(True)
+    (g2,) = torch.autograd.grad(vit2(xj)[:, 1].sum(), xj)
+    torch.testing.assert_close(g, g2)
+
+
+def test_record_restores_on_exception(vit, x):
+    before = model_state(vit)
+    with pytest.raises(ZeroDivisionError):
+        with record(vit, lrp="chefer"):
+            vit(x)
+            1 / 0
+    assert model_state(vit) == before
+    xi = x.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(vit(xi)[:, 0].sum(), xi)
+    with torch.no_grad():
+        eps = 1e-3
+        d = torch.randn_like(x)
+        fd = ((vit(x + eps * d)[:, 0] - vit(x - eps * d)[:, 0]).sum() / (2 * eps)).item()
+    assert abs((g * d).sum().item() - fd) < 1e-2 * max(1.0, abs(fd))  # the plain gradient is back
+    with pytest.raises(ValueError, match="lrp must be one of"):
+        with record(vit, lrp="zplus"):
+            pass
+    assert model_state(vit) == before
+
+
+def test_hf_models():
+    from transformers import Dinov2Config, Dinov2ForImageClassification, ViTConfig, ViTForImageClassification
+
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    small = dict(image_size=32, patch_size=8, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
+                 num_labels=5)
+    for cls, cfg in ((ViTForImageClassification, ViTConfig(intermediate_size=96, **small)),
+                     (Dinov2ForImageClassification, Dinov2Config(**small))):
+        model = randomize(cls(cfg), 1)
+        c = L.lrp_conservation(model, x)
+        torch.testing.assert_close(c["tokens"], c["logit"], atol=1e-5, rtol=1e-5)
+        for method in METHODS:
+            whole = method(model, x)
+            assert whole.shape == (2, 4, 4) and torch.isfinite(whole).all()
+            torch.testing.assert_close(torch.cat([method(model, x[i:i + 1]) for i in range(2)]), whole,
+                                       atol=1e-5, rtol=1e-4)
+        eager = copy.deepcopy(model)
+        eager.config._attn_implementation_internal = "eager"
+        for method in (L.lrp, L.attn_lrp):
+            torch.testing.assert_close(method(eager, x), method(model, x), atol=1e-5, rtol=1e-4)
+
+
+def test_bad_input_refused(vit, x):
+    for method in METHODS:
+        bad = x.clone()
+        bad[1, 0, 0, 0] = float("nan")
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            method(vit, bad)
+        with pytest.raises(ValueError, match="empty batch"):
+            method(vit, x[:0])
+        with pytest.raises(ValueError, match="target"):
+            method(vit, x, target=[0, 1])
+        with pytest.raises(ValueError, match="outside the model's classes"):
+            method(vit, x, target=9)
+    with pytest.raises(ValueError, match="start_layer"):
+        L.transformer_attribution(vit, x, start_layer=3)
+    with pytest.raises(RuntimeError, match="inference_mode"), torch.inference_mode():
+        L.lrp(vit, x)
+    from tests.test_record_multimodal import tiny_detr
+    with pytest.raises(ValueError, match="defined for ViTs"), record(tiny_detr(), lrp="chefer"):
+        pass
