@@ -1,0 +1,210 @@
+"""vitlab.bimodal_faithfulness: the per-modality perturbation tests of Chefer et al. (2021),
+against a plain loop that deletes the tokens and reruns the model question by question."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LxmertConfig, LxmertForQuestionAnswering, VisualBertConfig, VisualBertForQuestionAnswering
+
+from vitlab import bimodal_faithfulness as bf
+from vitlab.relevance import lxmert_raw_attention, lxmert_relevance
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+STEPS = bf.PERTURBATION_STEPS
+
+
+def lxmert(seed=0):
+    torch.manual_seed(seed)
+    cfg = LxmertConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64, l_layers=1,
+                       r_layers=1, x_layers=2, visual_feat_dim=16, visual_pos_dim=4, num_qa_labels=7,
+                       num_object_labels=5, num_attr_labels=5, initializer_range=0.3)
+    return LxmertForQuestionAnswering(cfg).eval()
+
+
+def visualbert(seed=0):
+    torch.manual_seed(seed)
+    cfg = VisualBertConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                           num_hidden_layers=2, visual_embedding_dim=12, num_labels=7, initializer_range=0.3)
+    return VisualBertForQuestionAnswering(cfg).eval()
+
+
+def questions(B=6, T=7, seed=1):
+    """Right-padded questions: [CLS]=1 first, [SEP]=2 last, words 3..49; lengths vary."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [T, T - 3, T, T - 1, 4, T][:B]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = torch.cat([torch.tensor([1]), torch.randint(3, 50, (n - 2,), generator=g), torch.tensor([2])])
+        mask[b, :n] = 1
+    return ids, mask
+
+
+def lxmert_inputs(B=6, T=7, N=10, seed=1):
+    ids, mask = questions(B, T, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return dict(input_ids=ids, attention_mask=mask, visual_feats=torch.randn(B, N, 16, generator=g),
+                visual_pos=torch.rand(B, N, 4, generator=g))
+
+
+def visualbert_inputs(B=6, T=7, N=10, seed=1):
+    ids, mask = questions(B, T, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return dict(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids),
+                visual_embeds=torch.randn(B, N, 12, generator=g))
+
+
+def logits(out):
+    return out.question_answering_score if hasattr(out, "question_answering_score") else out.logits
+
+
+def loop_predictions(model, inputs, maps, modality, positive):
+    """Question by question, unpadded: delete the tokens (plain Python sort, ties to the earlier
+    token) and rerun the model; returns B x S predictions and kept counts."""
+    B = inputs["input_ids"].shape[0]
+    preds, kept = np.zeros((B, len(STEPS)), int), np.zeros((B, len(STEPS)), int)
+    for b in range(B):
+        n = int(inputs["attention_mask"][b].sum())
+        one = {k: v[b : b + 1, :n] if k in bf.TEXT_KEYS else v[b : b + 1] for k, v in inputs.items()}
+        for j, step in enumerate(STEPS):
+            if modality == "image":
+                cand = list(range(maps.shape[1]))
+            else:
+                cand = list(range(1, n - 1))
+            ranked = sorted(cand, key=lambda i: (-float(maps[b, i]), i))      # most relevant first
+            k = int((1 - step) * len(cand))
+            keep = sorted(ranked[len(ranked) - k:] if positive else ranked[:k])
+            x = dict(one)
+            if modality == "image":
+                for key in bf.IMAGE_KEYS:
+                    if key in x:
+                        x[key] = x[key][:, keep] if keep else torch.zeros_like(x[key][:, :1])
+                kept[b, j] = len(keep)
+            else:
+                keep = [0] + keep + [n - 1]
+                for key in bf.TEXT_KEYS:
+                    if key in x:
+                        x[key] = x[key][:, keep]
+                kept[b, j] = len(keep)
+            with torch.no_grad():
+                preds[b, j] = int(logits(model(**x)).argmax(-1))
+    return preds, kept
+
+
+CASES = [(m, p) for m in ("image", "text") for p in (True, False)]
+
+
+@pytest.mark.parametrize("modality,positive", CASES)
+@pytest.mark.parametrize("family", ["lxmert", "visualbert"])
+def test_curve_equals_the_plain_loop_and_batch_equals_items(family, modality, positive):
+    model = lxmert() if family == "lxmert" else visualbert()
+    inputs = lxmert_inputs() if family == "lxmert" else visualbert_inputs()
+    B, T = inputs["input_ids"].shape
+    N = 10
+    g = torch.Generator().manual_seed(7)
+    maps = torch.rand(B, N if modality == "image" else T, generator=g)
+    maps[0, 2] = maps[0, 3]                                         # a tie, broken by token order
+    answers = torch.randint(0, 7, (B,), generator=g)
+    curve = bf.perturbation_curve(model, inputs, maps, modality, positive, answers=answers, batch_size=4)
+    preds, kept = loop_predictions(model, inputs, maps, modality, positive)
+    assert curve.predictions.numpy().tolist() == preds.tolist()
+    assert curve.kept.numpy().tolist() == kept.tolist()
+    assert torch.equal(curve.correct, curve.predictions == answers[:, None])
+    for b in (0, 3):                                                # batch = items
+        one = bf.perturbation_curve(model, {k: v[b : b + 1] for k, v in inputs.items()}, maps[b : b + 1], modality,
+                                    positive, answers=answers[b : b + 1])
+        assert torch.equal(one.predictions[0], curve.predictions[b])
+    assert len(set(map(tuple, curve.predictions.tolist()))) > 1    # the model's answers do vary
+
+
+def test_padding_never_changes_the_result():
+    model, inputs = lxmert(), lxmert_inputs()
+    maps = torch.rand(6, 7, generator=torch.Generator().manual_seed(3))
+    padded = dict(inputs)
+    padded["input_ids"] = torch.cat([inputs["input_ids"], torch.zeros(6, 4, dtype=torch.long)], 1)
+    padded["attention_mask"] = torch.cat([inputs["attention_mask"], torch.zeros(6, 4, dtype=torch.long)], 1)
+    wide = torch.cat([maps, torch.full((6, 4), 100.0)], 1)          # padding's map values are never read
+    for modality, m, mp in (("text", maps, wide), ("image", torch.rand(6, 10), None)):
+        a = bf.perturbation_curve(model, inputs, m, modality)
+        b = bf.perturbation_curve(model, padded, m if mp is None else mp, modality)
+        assert torch.equal(a.predictions, b.predictions) and torch.equal(a.kept, b.kept)
+
+
+def test_auc_is_the_trapezoid_and_the_interval_brackets_the_mean():
+    correct = torch.tensor([[True] * 9, [True, True, False, False, False, False, False, False, False]])
+    curve = bf.PerturbationCurve("image", True, STEPS, correct, torch.zeros(2, 9, dtype=torch.long),
+                                 torch.zeros(2, 9, dtype=torch.long))
+    # question 2: 1 on [0, .25], falling to 0 over [.25, .5]: 0.25 + 0.125
+    assert curve.question_auc.tolist() == pytest.approx([1.0, 0.375])
+    assert curve.auc == pytest.approx(0.6875) and curve.accuracy.tolist()[2] == 0.5
+    lo, hi = bf.bootstrap_interval(curve.question_auc)
+    assert lo <= curve.auc <= hi and 0.375 <= lo
+    with pytest.raises(ValueError, match="finite"):
+        bf.bootstrap_interval([1.0, float("nan")])
+
+
+def test_kept_indices_follow_the_reference_counts_and_ties():
+    s = torch.tensor([0.1, 0.9, 0.5, 0.5, 0.0])
+    assert bf.kept_indices(s, 0.0, True).tolist() == [0, 1, 2, 3, 4]
+    # int(0.75 * 5) = 3 kept, the least relevant; of the tie 2/3 the earlier (2) is removed first
+    assert bf.kept_indices(s, 0.25, True).tolist() == [0, 3, 4]
+    assert bf.kept_indices(s, 0.5, False).tolist() == [1, 2]           # int(0.5 * 5) = 2 most relevant
+    assert bf.kept_indices(s, 0.5, True).tolist() == [0, 4]            # the 2 least relevant
+    assert bf.kept_indices(s, 1.0, True).tolist() == []
+
+
+def test_the_method_convenience_uses_its_maps_and_the_model_is_left_as_it_was():
+    model, inputs = lxmert(), lxmert_inputs()
+    model.train()
+    flags = [p.requires_grad for p in model.parameters()]
+    a = bf.perturbation_test(model, inputs, lxmert_relevance, "image", positive=True)
+    assert model.training and flags == [p.requires_grad for p in model.parameters()]
+    model.eval()
+    maps = lxmert_relevance(model, inputs).image
+    b = bf.perturbation_curve(model, inputs, maps, "image", positive=True)
+    assert torch.equal(a.predictions, b.predictions)
+    assert (a.correct[:, 0]).all()                                  # step 0: the unperturbed prediction
+    c = bf.perturbation_test(model, inputs, lxmert_raw_attention, "text", positive=False)
+    assert c.kept[:, -1].eq(2).all()                               # [CLS] and [SEP] stay
+
+
+def test_bad_input_is_refused_before_the_forward():
+    model, inputs = lxmert(), lxmert_inputs()
+    maps = torch.rand(6, 10)
+    bad = maps.clone()
+    bad[2, 4] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        bf.perturbation_curve(model, inputs, bad, "image")
+    with pytest.raises(ValueError, match="batch is empty"):
+        bf.perturbation_curve(model, {k: v[:0] for k, v in inputs.items()}, maps[:0], "image")
+    with pytest.raises(ValueError, match=r"image maps must be B x N = 6 x 10, got \(6, 7\)"):
+        bf.perturbation_curve(model, inputs, torch.rand(6, 7), "image")
+    with pytest.raises(ValueError, match="modality must be 'image' or 'text'"):
+        bf.perturbation_curve(model, inputs, maps, "audio")
+    with pytest.raises(ValueError, match="steps must be increasing"):
+        bf.perturbation_curve(model, inputs, maps, "image", steps=(0.5, 0.25))
+    with pytest.raises(ValueError, match="answers must hold one answer id per question"):
+        bf.perturbation_curve(model, inputs, maps, "image", answers=torch.zeros(3))
+    left = dict(inputs, attention_mask=inputs["attention_mask"].flip(1))
+    with pytest.raises(ValueError, match="right-padded"):
+        bf.perturbation_curve(model, left, torch.rand(6, 7), "text")
+
+
+def test_shapes_lxmert_pixel_values_become_its_patch_tokens():
+    from vitlab.shapes.bimodal import build_shapes_lxmert
+    from vitlab.shapes.data import make_scenes, scenes_to_tensor
+
+    torch.manual_seed(0)
+    model = build_shapes_lxmert(dict(hidden_size=32, intermediate_size=64, l_layers=1, r_layers=1, x_layers=1)).eval()
+    s = make_scenes(3, 5, 2)
+    x = scenes_to_tensor(s.images, (3, 112, 112), (0.5,) * 3, (0.5,) * 3)
+    ids, mask = model.encode(["where is the star ?", "is there a ring ?", "which shape is on the left ?"])
+    tok = bf.token_inputs(model, dict(input_ids=ids, attention_mask=mask, pixel_values=x))
+    feats, pos = model.visual_inputs(x)
+    assert torch.equal(tok["visual_feats"], feats) and tok["visual_feats"].shape[1] == 49 and "pixel_values" not in tok
+    maps = torch.rand(3, 49)
+    a = bf.perturbation_curve(model, dict(input_ids=ids, attention_mask=mask, pixel_values=x), maps, "image")
+    b = bf.perturbation_curve(model, dict(input_ids=ids, attention_mask=mask, visual_feats=feats, visual_pos=pos),
+                              maps, "image")
+    assert torch.equal(a.predictions, b.predictions)

@@ -1,0 +1,317 @@
+"""Faithfulness of bi-modal explanations: the perturbation tests of Chefer, Gur & Wolf (ICCV 2021).
+
+"Generic Attention-model Explainability for Interpreting Bi-Modal and Encoder-Decoder
+Transformers", section 5 (VisualBERT and LXMERT on VQA): the tokens of *one* modality are
+removed in the order of an explanation map -- most relevant first (*positive* perturbation: a
+faithful map makes accuracy fall fast, a low area under the curve is better) or least relevant
+first (*negative*: accuracy should hold, a high area is better) -- and top-1 accuracy is
+measured after each step. The other modality stays whole, so accuracy need not reach 0.
+
+As in the reference code (hila-chefer/Transformer-MM-Explainability, ``lxmert/lxmert/
+perturbation.py``, ``perturbation_image`` / ``perturbation_text``):
+
+- steps (:data:`PERTURBATION_STEPS`): 0, .25, .5, .75, .8, .85, .9, .95, 1 of the tokens
+  removed; a step keeps ``int((1 - step) * n)`` of the ``n`` tokens that can be removed;
+- tokens are *deleted* from the input (not masked or blurred): the kept image tokens (their
+  features and boxes) are passed alone; the kept text tokens are passed alone, in their order
+  (so positions are renumbered), with their attention mask and token types;
+- ``[CLS]`` (first) and ``[SEP]`` (last real token) are always kept: the ``n`` text tokens
+  that can be removed are the others, and the map is read on them only;
+- image: every image token can be removed. At step 1 the reference keeps ``int(0 * n) = 0``
+  regions; Hugging Face's LXMERT cannot run on zero regions (its attention cannot reshape an
+  empty sequence), so a step that leaves no image token passes one *blank* token instead
+  (zero features and a zero box, or a zero ``visual_embeds`` row): no image content is left,
+  but the model still sees one uninformative token. ``kept`` reports 0 there.
+
+Choices the reference leaves open: ties in the map are broken by token order (the earlier
+token counts as more relevant; the reference's ``topk`` leaves them to the implementation);
+the reference min-max normalises the maps first, which does not change the order. It scores
+VQA's soft accuracy against the annotators' answers; here ``answers`` are the true answer
+ids (the shapes questions have one answer) or, if None, the model's own unperturbed
+predictions.
+
+Batched: every question of a batch is perturbed by its own map; text of different lengths is
+re-packed and padded (the padding is masked), so a batch gives what its questions give one by
+one (the tests check against a plain loop). Models: LXMERT (``visual_feats`` / ``visual_pos``)
+and any model with the same calling shape whose image tokens are inputs of the forward
+(VisualBERT's ``visual_embeds``). For vitlab's shapes models ``pixel_values`` are turned into
+those token inputs first (:func:`token_inputs`): the patch tokens the model reads.
+
+- :func:`perturbation_curve` -- maps in, :class:`PerturbationCurve` out;
+- :func:`perturbation_test` -- the same, computing the maps with a method first
+  (``lxmert_relevance``, ``lxmert_raw_attention``, ...);
+- :func:`bootstrap_interval` -- an interval for a mean of per-question values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = [
+    "IMAGE_KEYS", "PERTURBATION_STEPS", "TEXT_KEYS", "PerturbationCurve", "bootstrap_interval", "kept_indices",
+    "perturbation_curve", "perturbation_test", "token_inputs",
+]
+
+#: Fractions of the removable tokens removed, as in the reference's ``pert_steps``.
+PERTURBATION_STEPS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
+#: Inputs with one entry per text token (``B x T``).
+TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+#: Inputs with one entry per image token (``B x N [x D]``): LXMERT's and VisualBERT's.
+IMAGE_KEYS = ("visual_feats", "visual_pos", "visual_embeds", "visual_token_type_ids", "visual_attention_mask")
+
+
+@dataclass(frozen=True)
+class PerturbationCurve:
+    """One perturbation test over a set of questions.
+
+    Attributes:
+        modality: ``"image"`` or ``"text"``, the tokens removed.
+        positive: True: most relevant removed first; False: least relevant first.
+        steps: fraction of the removable tokens removed at each step.
+        correct: ``B x S`` bool, the top-1 answer right after each step.
+        kept: ``B x S`` int, tokens of the modality left after each step ([CLS] and [SEP]
+            included for text).
+        predictions: ``B x S`` int, the top-1 answers.
+    """
+
+    modality: str
+    positive: bool
+    steps: tuple[float, ...]
+    correct: torch.Tensor
+    kept: torch.Tensor
+    predictions: torch.Tensor
+
+    @property
+    def accuracy(self) -> torch.Tensor:
+        """Mean accuracy after each step (``S``)."""
+        return self.correct.double().mean(0)
+
+    @property
+    def question_auc(self) -> torch.Tensor:
+        """Per question, the trapezoid area under its 0/1 curve over ``steps`` (``B``); their
+        mean is :attr:`auc`."""
+        return _trapezoid(self.correct.double(), torch.tensor(self.steps, dtype=torch.float64))
+
+    @property
+    def auc(self) -> float:
+        """Area under the accuracy curve (trapezoid over the fractions removed; in [0, 1]; the
+        paper reports it in percent)."""
+        return float(_trapezoid(self.accuracy[None], torch.tensor(self.steps, dtype=torch.float64))[0])
+
+
+def _trapezoid(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return ((y[:, 1:] + y[:, :-1]) / 2 * (x[1:] - x[:-1])).sum(-1)
+
+
+def bootstrap_interval(values, level: float = 0.95, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval for the mean of per-question ``values`` (e.g.
+    :attr:`PerturbationCurve.question_auc`): ``n`` resamples with replacement, seeded."""
+    v = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values, dtype=np.float64).ravel()
+    if v.size == 0 or not np.isfinite(v).all():
+        raise ValueError(f"bootstrap_interval needs finite values, got {v.size} values"
+                         f"{'' if v.size == 0 else ' with NaN or inf'}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, v.size, size=(n, v.size))].mean(1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def kept_indices(scores: torch.Tensor, step: float, positive: bool) -> torch.Tensor:
+    """Indices (ascending) of the ``int((1 - step) * n)`` tokens kept from ``n`` removable ones.
+
+    ``scores``: ``n`` relevance values. Positive: the least relevant are kept (the most
+    relevant removed first); negative: the most relevant are kept. Ties: the earlier token
+    counts as more relevant.
+    """
+    n = scores.shape[-1]
+    k = int((1 - step) * n)
+    order = torch.sort(scores.double(), descending=True, stable=True).indices  # most relevant first
+    keep = order[n - k:] if positive else order[:k]
+    return torch.sort(keep).values
+
+
+def token_inputs(model, inputs: dict) -> dict:
+    """``inputs`` with ``pixel_values`` replaced by the image tokens the model reads.
+
+    For vitlab's shapes models: LXMERT (``model.visual_inputs``) gets ``visual_feats`` and
+    ``visual_pos``; VisualBERT (``model.visual_embeddings``) gets ``visual_embeds``. Inputs
+    without ``pixel_values`` are returned as they are (a new dict).
+    """
+    inputs = dict(inputs)
+    if "pixel_values" not in inputs:
+        return inputs
+    px = inputs.pop("pixel_values")
+    if not hasattr(model, "visual_inputs"):
+        raise ValueError(f"{type(model).__name__} takes pixel_values but has no visual_inputs() to give its image "
+                         "tokens; pass the image tokens (visual_feats / visual_pos, or visual_embeds) instead")
+    with torch.no_grad():
+        feats, pos = model.visual_inputs(px)
+        if hasattr(model, "visual_embeddings"):
+            inputs["visual_embeds"] = model.visual_embeddings(feats)
+        else:
+            inputs["visual_feats"], inputs["visual_pos"] = feats, pos
+    return inputs
+
+
+def _logits(out) -> torch.Tensor:
+    for name in ("question_answering_score", "logits"):
+        value = getattr(out, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TypeError(f"the model returned {type(out).__name__} with neither question_answering_score nor logits")
+
+
+def _check(inputs: dict, maps: torch.Tensor, modality: str, answers, steps) -> tuple[int, int, int]:
+    if modality not in ("image", "text"):
+        raise ValueError(f"modality must be 'image' or 'text', got {modality!r}")
+    if "input_ids" not in inputs or "attention_mask" not in inputs:
+        raise ValueError("inputs need input_ids and attention_mask (the questions, e.g. from model.encode)")
+    image_keys = [k for k in IMAGE_KEYS if k in inputs]
+    if not any(k in inputs for k in ("visual_feats", "visual_embeds")):
+        raise ValueError("inputs need the image tokens (visual_feats and visual_pos, or visual_embeds, or "
+                         "pixel_values for a vitlab shapes model)")
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    B, T = ids.shape
+    if B == 0:
+        raise ValueError("the batch is empty: give at least one question")
+    N = inputs[image_keys[0]].shape[1]
+    for k in image_keys:
+        if inputs[k].shape[:2] != (B, N):
+            raise ValueError(f"{k} has shape {tuple(inputs[k].shape)}; every image input must start B x N = {B} x {N}")
+    if "visual_attention_mask" in inputs and not bool((inputs["visual_attention_mask"] != 0).all()):
+        raise ValueError("visual_attention_mask masks some image tokens: every image token must be real here")
+    for k in TEXT_KEYS:
+        if k in inputs and inputs[k].shape != (B, T):
+            raise ValueError(f"{k} has shape {tuple(inputs[k].shape)}; text inputs must be B x T = {B} x {T}")
+    lengths = mask.sum(1)
+    if (lengths < 2).any():
+        raise ValueError("every question needs at least [CLS] and [SEP] (attention_mask sums >= 2)")
+    if bool((mask != (torch.arange(T, device=mask.device) < lengths[:, None]).to(mask.dtype)).any()):
+        raise ValueError("attention_mask must be right-padded: ones for the tokens, then zeros")
+    want = (B, N) if modality == "image" else (B, T)
+    if tuple(maps.shape) != want:
+        raise ValueError(f"{modality} maps must be B x {'N' if modality == 'image' else 'T'} = {want[0]} x {want[1]}, "
+                         f"got {tuple(maps.shape)}")
+    if modality == "image":
+        valid = maps
+    else:
+        inner = (torch.arange(T, device=maps.device) >= 1) & (torch.arange(T, device=maps.device) < lengths[:, None] - 1)
+        valid = maps[inner]
+    if not bool(torch.isfinite(valid).all()):
+        raise ValueError(f"the {modality} maps hold NaN or inf: fix the explanation before testing it")
+    if answers is not None and tuple(answers.shape) != (B,):
+        raise ValueError(f"answers must hold one answer id per question ({B}), got shape {tuple(answers.shape)}")
+    s = list(steps)
+    if not s or any(not 0 <= x <= 1 for x in s) or sorted(s) != s:
+        raise ValueError(f"steps must be increasing fractions in [0, 1], got {steps}")
+    return B, T, N
+
+
+def _perturbed_batch(inputs: dict, maps: torch.Tensor, modality: str, step: float, positive: bool,
+                     rows: range) -> tuple[dict, list[int]]:
+    """The inputs of questions ``rows`` after removing ``step`` of their ``modality`` tokens."""
+    out, kept = {}, []
+    mask = inputs["attention_mask"]
+    if modality == "image":
+        idx = torch.stack([kept_indices(maps[b], step, positive) for b in rows]).to(mask.device)  # b x k
+        for k, v in inputs.items():
+            if k in IMAGE_KEYS:
+                if idx.shape[1] == 0:  # no token left: one blank token (see the module docstring)
+                    out[k] = torch.zeros(len(rows), 1, *v.shape[2:], dtype=v.dtype, device=v.device)
+                    if k == "visual_attention_mask":
+                        out[k] += 1
+                    continue
+                sel = idx.reshape(*idx.shape, *([1] * (v.ndim - 2))).expand(-1, -1, *v.shape[2:])
+                out[k] = v[list(rows)].gather(1, sel)
+            else:
+                out[k] = v[list(rows)]
+        return out, [idx.shape[1]] * len(rows)
+    picks = []
+    for b in rows:
+        n = int(mask[b].sum())
+        inner = kept_indices(maps[b, 1 : n - 1], step, positive) + 1
+        picks.append(torch.cat([torch.tensor([0]), inner.cpu(), torch.tensor([n - 1])]))
+    width = max(len(p) for p in picks)
+    for k, v in inputs.items():
+        if k in TEXT_KEYS:
+            packed = torch.zeros(len(picks), width, dtype=v.dtype, device=v.device)
+            for r, (b, p) in enumerate(zip(rows, picks)):
+                packed[r, : len(p)] = v[b, p.to(v.device)]
+            out[k] = packed
+        else:
+            out[k] = v[list(rows)]
+    return out, [len(p) for p in picks]
+
+
+def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool = True, answers=None,
+                       steps=PERTURBATION_STEPS, batch_size: int = 256) -> PerturbationCurve:
+    """The perturbation test of Chefer et al. (2021, sec. 5) for one modality and given maps.
+
+    Args:
+        model: LXMERT-like question answering (``question_answering_score`` or ``logits``);
+            run in eval mode without gradients and left as it was.
+        inputs: the model's keyword inputs for ``B`` questions: ``input_ids``,
+            ``attention_mask`` (right-padded; ``[CLS]`` first, ``[SEP]`` last real token), maybe
+            ``token_type_ids``; image tokens as ``visual_feats`` + ``visual_pos`` (LXMERT) or
+            ``visual_embeds`` (VisualBERT), or ``pixel_values`` for a vitlab shapes model
+            (:func:`token_inputs`).
+        maps: ``B x N`` (image) or ``B x T`` (text, read on the tokens between [CLS] and
+            [SEP]; padding and the two kept tokens are ignored) relevance per token.
+        modality: ``"image"`` or ``"text"``: the tokens removed.
+        positive: remove the most relevant first (True) or the least relevant first (False).
+        answers: ``B`` true answer ids; None: the model's unperturbed predictions.
+        steps: fractions removed (default :data:`PERTURBATION_STEPS`).
+        batch_size: questions per forward.
+
+    Returns:
+        :class:`PerturbationCurve` (accuracy per step, its AUC, per question).
+    """
+    if not isinstance(inputs, dict):
+        raise TypeError(f"inputs must be a dict of the model's keyword inputs, got {type(inputs).__name__}")
+    inputs = token_inputs(model, inputs)
+    maps = torch.as_tensor(maps).detach()
+    answers = None if answers is None else torch.as_tensor(answers).detach().long()
+    B, _, _ = _check(inputs, maps, modality, answers, steps)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    maps = maps.cpu()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if answers is None:
+                answers = torch.cat([_logits(model(**{k: v[i : i + batch_size] for k, v in inputs.items()})).argmax(-1)
+                                     for i in range(0, B, batch_size)]).cpu()
+            preds = torch.zeros(B, len(steps), dtype=torch.long)
+            kept = torch.zeros(B, len(steps), dtype=torch.long)
+            for j, step in enumerate(steps):
+                for i in range(0, B, batch_size):
+                    rows = range(i, min(i + batch_size, B))
+                    batch, n_kept = _perturbed_batch(inputs, maps, modality, step, positive, rows)
+                    preds[i : rows.stop, j] = _logits(model(**batch)).argmax(-1).cpu()
+                    kept[i : rows.stop, j] = torch.tensor(n_kept)
+    finally:
+        model.train(was_training)
+    correct = preds == answers.cpu()[:, None]
+    return PerturbationCurve(modality, positive, tuple(float(s) for s in steps), correct, kept, preds)
+
+
+def perturbation_test(model, inputs: dict, method, modality: str, positive: bool = True, answers=None,
+                      steps=PERTURBATION_STEPS, batch_size: int = 256, **method_kwargs) -> PerturbationCurve:
+    """:func:`perturbation_curve` with the maps of ``method(model, inputs, **method_kwargs)``.
+
+    ``method`` returns :class:`vitlab.relevance.BimodalMaps` (``.image``, ``.text``), e.g.
+    ``lxmert_relevance`` (which explains the predicted answer, as the reference does),
+    ``lxmert_raw_attention``, ``lxmert_rollout``, ``lxmert_gradcam``. The maps are computed on
+    the unperturbed input once.
+    """
+    result = method(model, inputs, **method_kwargs)
+    maps = getattr(result, modality, None)
+    if not isinstance(maps, torch.Tensor):
+        raise TypeError(f"{getattr(method, '__name__', method)} returned {type(result).__name__} without a "
+                        f"{modality!r} map (expected BimodalMaps)")
+    return perturbation_curve(model, inputs, maps, modality, positive, answers, steps, batch_size)
