@@ -273,8 +273,9 @@ const done = arguments[arguments.length - 1];
   const rendered = document.querySelectorAll('mjx-container').length;
   const imgs = Array.from(document.images);
   const broken = imgs.filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src);
-  const text = Array.from(document.querySelectorAll('.bd-article p, .bd-article li, .bd-article td'))
-      .map(e => e.innerText).join('\\n');
+  const body = document.body.cloneNode(true);   // the prose: code, scripts and typeset math left out
+  body.querySelectorAll('pre, code, script, style, textarea, mjx-container').forEach(e => e.remove());
+  const text = body.textContent;
   const views = document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"]').length;
   const widgets = document.querySelectorAll('.widget-subarea, .jupyter-widgets').length;
   done({unrendered, rendered, images: imgs.length, broken, raw: (text.match(/\\$\\$|\\\\\\(|\\\\\\[/g) || []).length,
