@@ -269,3 +269,83 @@ def test_asked_object_maps_are_the_maps_of_each_ask():
     assert set(maps) == set(ch.CLASS_METHODS) and maps["Chefer relevance"].shape == (3, 2, 4, 4)
     torch.testing.assert_close(maps["Chefer relevance"][:, 1], chefer_relevance(model, x, labels[:, 1]))
     torch.testing.assert_close(maps["gradient rollout"][:, 0], grad_rollout(model, x, labels[:, 0], discard_ratio=0.2))
+
+
+# --- weakly supervised segmentation (Chefer et al. 2021, DETR) -----------------------------------
+def brute_otsu(u8):
+    """Otsu by definition: the t maximising w0 w1 (m0 - m1)^2 over {v <= t} / {v > t}."""
+    v = np.asarray(u8, dtype=np.float64).ravel()
+    best, arg = -1.0, 0
+    for t in range(256):
+        lo, hi = v[v <= t], v[v > t]
+        if len(lo) == 0 or len(hi) == 0:
+            continue
+        score = len(lo) / len(v) * len(hi) / len(v) * (lo.mean() - hi.mean()) ** 2
+        if score > best + 1e-12:
+            best, arg = score, t
+    return arg
+
+
+def test_otsu_threshold_is_the_definition():
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        u8 = np.concatenate([rng.integers(0, 90, 30), rng.integers(150, 256, 19)]).astype(np.uint8)
+        t = loc.otsu_threshold(u8)
+        assert t == brute_otsu(u8)
+        assert (u8 > t).sum() == 19                                  # the two groups split
+    with pytest.raises(ValueError, match="uint8"):
+        loc.otsu_threshold(np.array([0.5, 0.7]))
+
+
+def test_map_to_mask_keeps_the_high_patches():
+    m = torch.zeros(1, 4, 4)
+    m[0, 1:3, 1:3] = 1.0                                             # the object's 4 patches
+    m[0, 0, 0] = 0.1
+    near = loc.map_to_mask(m, (8, 8), upsample="nearest")
+    assert torch.equal(near[0], torch.from_numpy(square_mask(8, 8, slice(2, 6), slice(2, 6))))
+    bil = loc.map_to_mask(m, (8, 8))                                # bilinear > 0 grows by the blend zone
+    assert (bil[0] >= near[0]).all() and bil[0].sum() > near[0].sum() and not bil[0, 0, 0]
+    assert not loc.map_to_mask(torch.ones(1, 4, 4), (8, 8)).any()   # nothing stands out
+    with pytest.raises(ValueError, match="NaN"):
+        loc.map_to_mask(torch.full((1, 2, 2), float("nan")), (4, 4))
+
+
+def test_mask_iou_by_hand():
+    a = np.stack([square_mask(), np.zeros((8, 8), bool)])
+    b = np.stack([square_mask(rows=slice(0, 4), cols=slice(2, 6)), np.zeros((8, 8), bool)])
+    iou = loc.mask_iou(a, b)                                        # 8 shared of 24 pixels
+    np.testing.assert_allclose(iou.numpy(), [[8 / 24, 0.0], [0.0, 0.0]])
+
+
+def det(scores, labels, masks):
+    return {"scores": np.array(scores, float), "labels": np.array(labels), "masks": np.stack(masks)}
+
+
+def test_segmentation_ap_hand_made_cases():
+    obj = square_mask()                                             # 16 pixels
+    half = square_mask(rows=slice(0, 4), cols=slice(2, 6))          # IoU 8/24 = 1/3 with obj
+    truth = [{"labels": np.array([0]), "masks": obj[None]}]
+    # a perfect mask: AP 1 at every threshold
+    assert loc.segmentation_ap([det([0.9], [0], [obj])], truth)["ap"] == pytest.approx(1.0)
+    # IoU 1/3: a hit at the thresholds 0.2, 0.25, 0.3 only -> 3 of 16
+    r = loc.segmentation_ap([det([0.9], [0], [half])], truth)
+    assert r["ap"] == pytest.approx(3 / 16) and r["ap50"] == 0.0 and r["per_threshold"][0.3] == 1.0
+    # a higher-scored false positive first: precision 1/2 at recall 1 -> AP 0.5
+    wrong = square_mask(rows=slice(4, 8), cols=slice(4, 8))
+    assert loc.segmentation_ap([det([0.9, 0.5], [0, 0], [wrong, obj])], truth)["ap"] == pytest.approx(0.5)
+    # ... after the true positive it costs nothing (the precision envelope)
+    assert loc.segmentation_ap([det([0.5, 0.9], [0, 0], [wrong, obj])], truth)["ap"] == pytest.approx(1.0)
+    # the wrong class never matches; a class with objects but no detection scores 0
+    r = loc.segmentation_ap([det([0.9], [1], [obj])], truth)
+    assert r["ap"] == 0.0 and set(r["per_class"]) == {0}
+    # two images, one object each, one found: recall reaches 1/2 -> 51 of the 101 recalls
+    t2 = truth + [{"labels": np.array([0]), "masks": wrong[None]}]
+    nothing = {"scores": np.zeros(0), "labels": np.zeros(0, int), "masks": np.zeros((0, 8, 8), bool)}
+    r = loc.segmentation_ap([det([0.9], [0], [obj]), nothing], t2)
+    assert r["ap"] == pytest.approx(51 / 101) and r["n_objects"] == 2
+    # each detection takes the unmatched object it overlaps most: both found here
+    both = [{"labels": np.array([0, 0]), "masks": np.stack([obj, half])}]
+    r = loc.segmentation_ap([det([0.9, 0.5], [0, 0], [obj, half])], both)
+    assert r["ap"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no true objects"):
+        loc.segmentation_ap([det([0.9], [0], [obj])], [{"labels": np.zeros(0, int), "masks": np.zeros((0, 8, 8), bool)}])

@@ -12,7 +12,11 @@ pixel mask, so a map over the patch grid can be graded, not just looked at:
 - :func:`mass_on_object` — the share of the map's (non-negative) mass on object patches,
   with the object's area share as the chance level;
 - :func:`grade_maps`, :func:`grade_asked` — those measures over many maps, one object or
-  each object of a scene asked for in turn.
+  each object of a scene asked for in turn;
+- weakly supervised segmentation, Chefer et al. (2021)'s DETR experiment:
+  :func:`map_to_mask` (a detection's map -> the object's mask, Otsu as the reference's
+  ``DETR/mask_generator.py``), :func:`mask_iou` and :func:`segmentation_ap` (COCO's mask AP
+  over the reference's IoU thresholds 0.2:0.05:0.95, :data:`SEGMENTATION_IOU_THRESHOLDS`).
 
 They take maps and masks only; no model is called here.
 """
@@ -191,3 +195,167 @@ def grade_asked(maps: dict, masks, min_coverage: float = 0.5) -> list[dict]:
         row["n"] = B
         rows.append(row)
     return rows
+
+
+# --- weakly supervised segmentation: Chefer et al. (2021)'s DETR experiment --------------------
+#: IoU thresholds of the reference's segmentation experiment: COCO's mask evaluation with its
+#: ``iouThrs`` changed from 0.5:0.05:0.95 to 0.2:0.05:0.95 (hila-chefer/Transformer-MM-
+#: Explainability, README "segmentation experiment"), 16 thresholds.
+SEGMENTATION_IOU_THRESHOLDS: tuple[float, ...] = tuple(np.round(np.linspace(0.2, 0.95, 16), 2).tolist())
+
+
+def otsu_threshold(values) -> int:
+    """Otsu's threshold (1979) of uint8 values: the level ``t`` maximising the between-class
+    variance of ``{v <= t}`` and ``{v > t}`` over the 256-bin histogram (as OpenCV's
+    ``THRESH_OTSU``: pixels ``> t`` are foreground; the first maximum wins)."""
+    v = np.asarray(values).ravel()
+    if v.size == 0:
+        raise ValueError("otsu_threshold needs at least one value")
+    if v.dtype != np.uint8:
+        raise ValueError(f"otsu_threshold takes uint8 values (0..255), got dtype {v.dtype}")
+    hist = np.bincount(v, minlength=256).astype(np.float64)
+    p = hist / hist.sum()
+    levels = np.arange(256, dtype=np.float64)
+    w0 = np.cumsum(p)                       # weight of {v <= t}
+    m0 = np.cumsum(p * levels)
+    mu = m0[-1]
+    w1 = 1.0 - w0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        between = (mu * w0 - m0) ** 2 / (w0 * w1)
+    between[(w0 <= 0) | (w1 <= 1e-15)] = -1.0
+    return int(np.argmax(between))
+
+
+def map_to_mask(maps, size: tuple[int, int], upsample: str = "bilinear") -> torch.Tensor:
+    """Explanation maps ``B x gh x gw`` -> object masks ``B x H x W`` (bool), as the reference's
+    ``DETR/mask_generator.py`` makes them: each map min-max scaled to 0..255, cast to uint8,
+    thresholded by Otsu on the patch grid (:func:`otsu_threshold`), then brought to the image
+    size. ``upsample="bilinear"``: as DETR's ``PostProcessSegm`` does it (bilinear
+    interpolation of the grid mask, ``align_corners=False``, foreground where the value is
+    > 0, i.e. its sigmoid > 0.5); ``"nearest"``: each patch's pixels take its value. A constant
+    map gives an empty mask (nothing stands out)."""
+    if upsample not in ("bilinear", "nearest"):
+        raise ValueError(f"upsample must be 'bilinear' or 'nearest', got {upsample!r}")
+    m = _as_tensor(maps, torch.float64)
+    if m.ndim != 3 or m.shape[0] == 0:
+        raise ValueError(f"maps must be B x gh x gw with B >= 1, got shape {tuple(m.shape)}")
+    if not bool(torch.isfinite(m).all()):
+        raise ValueError("maps hold NaN or inf: fix the explanation before turning it into a mask")
+    grid = torch.zeros_like(m)
+    for b in range(m.shape[0]):
+        lo, hi = m[b].min(), m[b].max()
+        if hi <= lo:
+            continue
+        u8 = ((m[b] - lo) / (hi - lo) * 255).numpy().astype(np.uint8)
+        grid[b] = torch.from_numpy(u8 > otsu_threshold(u8)).double()
+    if upsample == "nearest":
+        up = F.interpolate(grid[:, None], size=tuple(size), mode="nearest")[:, 0]
+    else:
+        up = F.interpolate(grid[:, None], size=tuple(size), mode="bilinear", align_corners=False)[:, 0]
+    return up > 0
+
+
+def mask_iou(pred, true) -> torch.Tensor:
+    """IoU of every predicted mask with every true mask: ``K x H x W`` and ``M x H x W`` -> ``K x M``
+    (0 where both are empty)."""
+    a = _as_tensor(pred, torch.bool).flatten(1).double()
+    b = _as_tensor(true, torch.bool).flatten(1).double()
+    if a.shape[1:] != b.shape[1:]:
+        raise ValueError(f"predicted and true masks differ in size: {tuple(pred.shape[1:])} vs {tuple(true.shape[1:])}")
+    inter = a @ b.T
+    union = a.sum(1)[:, None] + b.sum(1)[None] - inter
+    return torch.where(union > 0, inter / union.clamp_min(1), torch.zeros_like(inter))
+
+
+def segmentation_ap(detections: list[dict], truths: list[dict],
+                    iou_thresholds=SEGMENTATION_IOU_THRESHOLDS) -> dict:
+    """COCO's mask AP (the reference's DETR segmentation score), written out here.
+
+    Args:
+        detections: per image ``{"scores": K, "labels": K, "masks": K x H x W}``.
+        truths: per image ``{"labels": M, "masks": M x H x W}``.
+        iou_thresholds: default the reference's 0.2, 0.25, ..., 0.95.
+
+    COCO's rules (``pycocotools`` ``evaluateImg`` / ``accumulate``): per image and class,
+    detections by decreasing score each take the still unmatched true object of that class
+    with the highest IoU, if at least the threshold; per class over all images, detections by
+    decreasing score give the precision-recall curve, made non-increasing from the right and
+    read at the 101 recalls 0, 0.01, ..., 1 (0 beyond the highest recall); AP is the mean over
+    the classes that have true objects and over the thresholds. Returns ``{"ap", "ap50" (the
+    0.5 threshold, if listed), "per_threshold": {t: ap}, "per_class": {label: ap},
+    "n_detections", "n_objects"}``.
+    """
+    if len(detections) != len(truths):
+        raise ValueError(f"got detections for {len(detections)} images and truths for {len(truths)}")
+    thr = [float(t) for t in iou_thresholds]
+    if not thr or any(not 0 < t <= 1 for t in thr):
+        raise ValueError(f"iou_thresholds must be in (0, 1], got {iou_thresholds}")
+    per_class: dict[int, dict] = {}
+    for d, t in zip(detections, truths):
+        scores = np.asarray(d["scores"], dtype=np.float64).ravel()
+        dl = np.asarray(d["labels"]).ravel().astype(int)
+        tl = np.asarray(t["labels"]).ravel().astype(int)
+        if len(scores) != len(dl) or len(d["masks"]) != len(dl) or len(t["masks"]) != len(tl):
+            raise ValueError("each image needs as many scores, labels and masks as detections (and labels as masks "
+                             "for its true objects)")
+        if not np.isfinite(scores).all():
+            raise ValueError("detection scores hold NaN or inf")
+        for c in set(dl.tolist()) | set(tl.tolist()):
+            di, ti = np.flatnonzero(dl == c), np.flatnonzero(tl == c)
+            di = di[np.argsort(-scores[di], kind="mergesort")]
+            entry = per_class.setdefault(c, {"scores": [], "matched": [], "n_true": 0})
+            entry["n_true"] += len(ti)
+            if len(di) == 0:
+                continue
+            if len(ti):
+                ious = mask_iou(_as_tensor(d["masks"], torch.bool)[torch.from_numpy(di)],
+                                _as_tensor(t["masks"], torch.bool)[torch.from_numpy(ti)]).numpy()
+            else:
+                ious = np.zeros((len(di), 0))
+            matched = np.zeros((len(thr), len(di)), dtype=bool)
+            for k, th in enumerate(thr):
+                taken = np.zeros(len(ti), dtype=bool)
+                for r in range(len(di)):
+                    best, m = min(th, 1 - 1e-10), -1
+                    for g in range(len(ti)):
+                        if taken[g] or ious[r, g] < best:
+                            continue
+                        best, m = ious[r, g], g
+                    if m >= 0:
+                        taken[m] = True
+                        matched[k, r] = True
+            entry["scores"].append(scores[di])
+            entry["matched"].append(matched)
+    recalls = np.linspace(0, 1, 101)
+    ap = np.full((len(thr), len(per_class)), np.nan)
+    classes = sorted(per_class)
+    for j, c in enumerate(classes):
+        e = per_class[c]
+        if e["n_true"] == 0:
+            continue
+        if not e["scores"]:
+            ap[:, j] = 0.0
+            continue
+        s = np.concatenate(e["scores"])
+        order = np.argsort(-s, kind="mergesort")
+        tps = np.concatenate(e["matched"], axis=1)[:, order]
+        for k in range(len(thr)):
+            tp = np.cumsum(tps[k])
+            fp = np.cumsum(~tps[k])
+            rc = tp / e["n_true"]
+            pr = tp / np.maximum(tp + fp, np.finfo(np.float64).eps)
+            pr = np.maximum.accumulate(pr[::-1])[::-1]
+            idx = np.searchsorted(rc, recalls, side="left")
+            q = np.where(idx < len(pr), pr[np.minimum(idx, len(pr) - 1)], 0.0)
+            ap[k, j] = q.mean()
+    valid = ~np.isnan(ap[0]) if len(classes) else np.zeros(0, bool)
+    if not valid.any():
+        raise ValueError("no true objects: segmentation AP needs at least one")
+    res = {"ap": float(ap[:, valid].mean()),
+           "per_threshold": {t: float(ap[k, valid].mean()) for k, t in enumerate(thr)},
+           "per_class": {c: float(ap[:, j].mean()) for j, c in enumerate(classes) if valid[j]},
+           "n_detections": int(sum(len(np.asarray(d["scores"]).ravel()) for d in detections)),
+           "n_objects": int(sum(per_class[c]["n_true"] for c in classes))}
+    if 0.5 in res["per_threshold"]:
+        res["ap50"] = res["per_threshold"][0.5]
+    return res
