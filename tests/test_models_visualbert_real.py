@@ -3,8 +3,6 @@ dandelin/vilt-b32-finetuned-vqa -- offline: pretrained=False builds their archit
 layers, widths, answers) with no network access at all, relevance runs on them end to end (batch =
 items, the model unchanged), preprocess prepares a photo for ViLT and says where VisualBERT's region
 features come from, pretrained=True fails fast, and shapes-visualbert is registered."""
-import socket
-
 import numpy as np
 import pytest
 import torch
@@ -14,24 +12,12 @@ import vitlab
 from vitlab import models
 from vitlab.relevance import vilt_relevance, visualbert_relevance
 
-from test_models_bimodal_real import _same_state, _state
+from test_models_bimodal_real import _offline_build, _same_state, _state
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VISUALBERT = "uclanlp/visualbert-vqa"
 VILT = "dandelin/vilt-b32-finetuned-vqa"
-
-
-def _no_network(*args, **kwargs):
-    raise AssertionError("load_model(..., pretrained=False) tried to open a network connection")
-
-
-def _offline_build(name):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(socket, "create_connection", _no_network)
-        mp.setattr(socket.socket, "connect", _no_network)
-        return vitlab.load_model(name, pretrained=False)
 
 
 @pytest.fixture(scope="module")

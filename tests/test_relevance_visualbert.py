@@ -141,6 +141,11 @@ def test_visualbert_refuses_bad_inputs_before_the_forward(vb):
             visualbert_gradcam(vb, {k: v for k, v in good.items() if k != "attention_mask"})
         with pytest.raises(ValueError, match="unexpected input key 'pixel_values'"):
             visualbert_relevance(vb, {**good, "pixel_values": torch.zeros(3, 3, 8, 8)})
+        with pytest.raises(ValueError, match="outside the model's vocabulary 0 .. 39"):
+            visualbert_relevance(vb, {**good, "input_ids": good["input_ids"] + 40})
+        long = {k: v.repeat(1, 3) if k in ("input_ids", "attention_mask") else v for k, v in good.items()}
+        with pytest.raises(ValueError, match="more than the model's 16 text positions"):
+            visualbert_relevance(vb, long)
         with pytest.raises(TypeError, match="ViLT"):
             vilt_relevance(vb, good)
     finally:

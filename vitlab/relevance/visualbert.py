@@ -123,6 +123,14 @@ def _checked_inputs(model, inputs, family: str, method: str) -> tuple[dict, int]
             raise ValueError(f"{method}: inputs[{key!r}] contains NaN or infinite values; every input must be finite")
         if key in _MASK_KEYS and not ((value == 0) | (value == 1)).all():
             raise ValueError(f"{method}: inputs[{key!r}] must hold 0 (padding) and 1 (token) only")
+    ids, config = inputs["input_ids"], model.config
+    vocab, positions = int(config.vocab_size), int(config.max_position_embeddings)
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"{method}: inputs['input_ids'] holds token id {int(ids.max() if ids.max() >= vocab else ids.min())}, "
+                         f"outside the model's vocabulary 0 .. {vocab - 1}; tokenise with the model's own tokenizer")
+    if ids.shape[1] > positions:
+        raise ValueError(f"{method}: the questions are {ids.shape[1]} tokens long, more than the model's "
+                         f"{positions} text positions (max_position_embeddings); shorten them")
     mask = inputs.get("attention_mask")
     if mask is not None:
         if (mask[:, 1:] > mask[:, :-1]).any():

@@ -92,15 +92,16 @@ def train(args) -> dict:
 
 
 def parse_args(argv=None):
-    p = parser("python -m vitlab.shapes.train_visualbert", __doc__, out=VISUALBERT_PATH, steps=4000, batch=64,
+    p = parser("python -m vitlab.shapes.train_visualbert", __doc__, out=VISUALBERT_PATH, steps=1000, batch=64,
                lr=1e-3, weight_decay=0.01, val_n=200, eval_n=1000, batch_help="questions per step",
                arch_example='{"num_hidden_layers": 6}', val_help="validation scenes (3 questions each)",
                quick_help="smoke test: 20 steps of 16 questions, nothing written (explicit options win)")
-    p.add_argument("--per-scene", type=int, default=4, help="questions drawn about each scene")
+    p.set_defaults(val_every=200)
+    p.add_argument("--per-scene", type=int, default=8, help="questions drawn about each scene")
     p.add_argument("--kinds", default="where:2,exists:1,which:1",
                    help="question kinds to train on, each with an optional sampling weight (kind:weight, comma-separated)")
     p.add_argument("--first-kinds", default="where", help="curriculum: the kinds asked alone at first ('' for none)")
-    p.add_argument("--first-frac", type=float, default=0.2,
+    p.add_argument("--first-frac", type=float, default=0.3,
                    help="curriculum: the fraction of the steps that ask only --first-kinds")
     args = parse(p, argv, quick=dict(steps=20, batch=16, chunk=32, val_every=10, val_n=16, eval_n=32))
     if args.per_scene < 1:

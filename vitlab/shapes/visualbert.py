@@ -32,7 +32,7 @@ from torch import nn
 from transformers import VisualBertConfig, VisualBertForQuestionAnswering
 
 from vitlab.shapes.bimodal import (
-    BACKBONE_PATH, _data_config, _file_sha256, _load_backbone, backbone_tokens, grid_boxes,
+    BACKBONE_PATH, ShapesLxmertForQuestionAnswering, _data_config, _file_sha256, _load_backbone, grid_boxes,
 )
 from vitlab.shapes.qa import ANSWERS, WordTokenizer
 
@@ -47,10 +47,12 @@ _RETRAIN = "python -m vitlab.shapes.train_visualbert"
 
 #: VisualBERT size of ``shapes-visualbert`` (``VisualBertConfig`` keywords; vocabulary, answers
 #: and the visual embedding width come from the tokenizer, :data:`ANSWERS` and the backbone).
+#: Weights start with std 0.2, not BERT's 0.02, as for ``shapes-lxmert`` (whose pilots stayed at
+#: the answers' prior with 0.02 and 0.1; see its model card).
 VISUALBERT_ARCH: dict = dict(
     hidden_size=64, num_attention_heads=4, intermediate_size=256, num_hidden_layers=4,
     max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    initializer_range=0.1,
+    initializer_range=0.2,
 )
 
 
@@ -84,10 +86,10 @@ class ShapesVisualBertForQuestionAnswering(VisualBertForQuestionAnswering):
         self.backbone.eval()  # frozen: its statistics must not move
         return self
 
-    def visual_inputs(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(tokens B x N x C, cells B x N x 4)`` for images ``B x 3 x H x W``."""
-        feats = backbone_tokens(self.backbone, pixel_values)
-        return feats, self.patch_boxes.to(feats.dtype).expand(feats.shape[0], -1, -1)
+    # ``(tokens B x N x C, cells B x N x 4)`` for images, and ``(input_ids, attention_mask)`` for
+    # questions: the same as shapes-lxmert's (the same backbone, grid and tokenizer)
+    visual_inputs = ShapesLxmertForQuestionAnswering.visual_inputs
+    encode = ShapesLxmertForQuestionAnswering.encode
 
     def visual_embeddings(self, feats: torch.Tensor) -> torch.Tensor:
         """``visual_embeds`` for backbone tokens ``B x N x C``: each token with its cell, ``B x N x (C + 4)``."""
@@ -113,12 +115,6 @@ class ShapesVisualBertForQuestionAnswering(VisualBertForQuestionAnswering):
             raise ValueError(f"{input_ids.shape[0]} questions for {n_images} images: "
                              "give one question per image (repeat the images to ask several)")
         return super().forward(input_ids, attention_mask, *args, **kwargs)
-
-    def encode(self, questions) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(input_ids, attention_mask)`` tensors for a question or a list of questions."""
-        ids, mask = self.tokenizer.encode(questions)
-        dev = self.patch_boxes.device
-        return torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev)
 
     @torch.no_grad()
     def answer(self, pixel_values: torch.Tensor, questions) -> list[str]:
