@@ -696,6 +696,14 @@ def test_attention_memory_agreement_by_hand(vit, x):
     for i in range(3):  # batch = items
         one = P.memory_agreement(vit, x[i:i + 1], 1, target=[0, 1, 4][i], k=5, sublayer="attention")
         assert torch.equal(one.units[0], res.units[i])
+    every = P.memory_agreement(vit, x, None, target=[0, 1, 4], k=5, sublayer="attention")  # all blocks at once
+    assert every.agreement.shape == (3, TINY["depth"], 17)
+    torch.testing.assert_close(every.agreement[:, 1], res.agreement)
+    for sub in ("mlp", "attention"):
+        every = P.memory_agreement(vit, x, None, target=2, k=3, sublayer=sub)
+        for b in range(TINY["depth"]):
+            one = P.memory_agreement(vit, x, b, target=2, k=3, sublayer=sub)
+            assert torch.equal(every.units[:, b], one.units) and torch.equal(every.agreement[:, b], one.agreement)
     assert model_state(vit) == before
 
 
@@ -792,3 +800,30 @@ def test_ridge_probes_solve_the_ridge_problem_per_block_and_token():
         P.ridge_probes(states.clone().fill_(float("nan")), labels, C)
     with pytest.raises(ValueError, match="states must be B x 2 x 3 x 5"):
         probes.scores(states[:, :1])
+
+
+def test_permutation_test_against_exact_enumeration():
+    import itertools
+
+    first, second = [3.0, 4.0, 5.5], [1.0, 2.0, 3.5, 0.5]
+    pooled = first + second
+    observed = sum(first) / 3 - sum(second) / 4
+    diffs = []
+    for pick in itertools.combinations(range(7), 3):  # every split of the 7 values into 3 + 4
+        a = [pooled[i] for i in pick]
+        b = [pooled[i] for i in range(7) if i not in pick]
+        diffs.append(sum(a) / 3 - sum(b) / 4)
+    exact_greater = sum(d >= observed - 1e-12 for d in diffs) / len(diffs)
+    exact_two = sum(abs(d) >= abs(observed) - 1e-12 for d in diffs) / len(diffs)
+    res = P.permutation_test(first, second, n_perm=20000, seed=3)
+    assert res.difference == pytest.approx(observed)
+    assert res.p_greater == pytest.approx(exact_greater, abs=0.01)
+    assert res.p_two_sided == pytest.approx(exact_two, abs=0.01)
+    exact_less = sum(d <= observed + 1e-12 for d in diffs) / len(diffs)
+    assert res.p_less == pytest.approx(exact_less, abs=0.01) and res.p_less > 0.9  # first is the higher group
+    flipped = P.permutation_test(second, first, n_perm=20000, seed=3)
+    assert flipped.difference == pytest.approx(-observed) and flipped.p_less == pytest.approx(exact_greater, abs=0.01)
+    with pytest.raises(ValueError, match="both groups"):
+        P.permutation_test([], [1.0])
+    with pytest.raises(ValueError, match="finite"):
+        P.permutation_test([1.0, float("nan")], [1.0])

@@ -679,7 +679,7 @@ def _coefficients(attention: torch.Tensor, values: torch.Tensor) -> torch.Tensor
     return (attention @ values).transpose(1, 2).reshape(B, N, H * d)
 
 
-def memory_agreement(model, x: torch.Tensor, block: int, target=None, k: int = 10,
+def memory_agreement(model, x: torch.Tensor, block: int | None, target=None, k: int = 10,
                      mode: str = "norm", sublayer: str = "mlp") -> MemoryAgreement:
     """Do the memories that are most active on a token promote its class? (Vilas et al. 2023,
     key-value memories, Sec. 5 and Fig. 1b)
@@ -690,8 +690,10 @@ def memory_agreement(model, x: torch.Tensor, block: int, target=None, k: int = 1
     coefficient being the activation after the non-linearity (recorded by
     :func:`vitlab.record` with ``mlp=True``); ``sublayer="attention"``: the attention
     sublayer's D memories, the coefficient being :func:`attention_coefficients`. One forward
-    pass, eval mode. (The paper's code scores a token as agreeing when any of its 5 most
-    active memories is among the 5 memories whose values promote the class most.)
+    pass, eval mode. ``block=None``: every block from the same forward, the fields then
+    ``B x L x N`` and ``B x L x N x k`` (entry l equal to ``block=l``'s). (The paper's code
+    scores a token as agreeing when any of its 5 most active memories is among the 5
+    memories whose values promote the class most.)
     """
     check_images(x, "memory_agreement")
     check_target(target, x.shape[0])
@@ -699,20 +701,24 @@ def memory_agreement(model, x: torch.Tensor, block: int, target=None, k: int = 1
         raise ValueError(f"k must be a positive int, got {k!r}")
     if sublayer not in SUBLAYERS:
         raise ValueError(f"sublayer must be one of {SUBLAYERS}, got {sublayer!r}")
-    top = unit_top_classes(model, block, 1, mode, sublayer)[:, 0]  # memories
-    index = record_blocks(model).index(_block(model, block))
+    all_blocks = record_blocks(model)
+    chosen = range(len(all_blocks)) if block is None else [all_blocks.index(_block(model, block))]
+    tops = [unit_top_classes(model, b, 1, mode, sublayer)[:, 0] for b in chosen]  # memories, per block
     if sublayer == "mlp":
         with torch.no_grad(), record(model, eval_mode=True, mlp=True, capture=()) as rec:
             logits = _logits(model(x))
-        acts = rec.mlp_activations[index]  # B x N x hidden
+        acts = [rec.mlp_activations[b] for b in chosen]  # B x N x hidden
     else:
         with torch.no_grad(), record(model, eval_mode=True, capture=("attention", "value")) as rec:
             logits = _logits(model(x))
-        acts = _coefficients(rec.attentions[index], rec.values[index])  # B x N x D
+        acts = [_coefficients(rec.attentions[b], rec.values[b]) for b in chosen]  # B x N x D
     t = _target_for(target, logits)
-    units = acts.topk(min(k, acts.shape[-1]), dim=-1).indices  # B x N x k
-    hits = top.to(units.device)[units] == t[:, None, None]
-    return MemoryAgreement(agreement=hits.to(acts.dtype).mean(-1), units=units, target=t)
+    units = [a.topk(min(k, a.shape[-1]), dim=-1).indices for a in acts]  # B x N x k
+    agreement = [(top.to(u.device)[u] == t[:, None, None]).to(a.dtype).mean(-1)
+                 for top, u, a in zip(tops, units, acts)]
+    if block is None:
+        return MemoryAgreement(agreement=torch.stack(agreement, 1), units=torch.stack(units, 1), target=t)
+    return MemoryAgreement(agreement=agreement[0], units=units[0], target=t)
 
 
 # --------------------------------------------------------------------------------------
@@ -1255,3 +1261,54 @@ def ridge_probes(states: torch.Tensor, labels, num_classes: int, alpha: float = 
     W = torch.linalg.solve(gram, Xc.transpose(-1, -2) @ Yc)  # L x N x D x C
     bias = y_mean - (x_mean @ W).squeeze(-2)  # L x N x C
     return TokenProbes(weight=W.transpose(-1, -2).to(states.dtype), bias=bias.to(states.dtype), alpha=float(alpha))
+
+
+# --------------------------------------------------------------------------------------
+# Tokens on and off the object: the paper's permutation test (Sec. 4, ImageNet-S masks)
+# --------------------------------------------------------------------------------------
+class PermutationTest(NamedTuple):
+    """From :func:`permutation_test`.
+
+    Attributes:
+        difference: ``mean(first) - mean(second)``.
+        p_greater: share of label permutations whose difference is at least as large
+            (one-sided: is ``first`` higher?), with the +1 correction ``(1 + k) / (1 + n)``.
+        p_less: the same for "at least as small" (is ``first`` lower?).
+        p_two_sided: for ``|difference|`` at least as large.
+        n_perm: the number of permutations.
+    """
+
+    difference: float
+    p_greater: float
+    p_less: float
+    p_two_sided: float
+    n_perm: int
+
+
+def permutation_test(first, second, n_perm: int = 300, seed: int = 0) -> PermutationTest:
+    """Does the mean of ``first`` differ from that of ``second``? A permutation test on the
+    pooled values (Vilas et al. 2023, their ``compute_context_diff``: class- vs context-labelled
+    image tokens' identifiability, 300 shuffles; they report the share of shuffles whose
+    difference exceeds the observed one, without the +1 correction used here). ``first``,
+    ``second``: 1-D values (e.g. every object token's and every background token's
+    identifiability in one block, pooled over images); shuffles from a generator seeded with
+    ``seed``."""
+    a = torch.as_tensor(first, dtype=torch.float64).flatten()
+    b = torch.as_tensor(second, dtype=torch.float64).flatten()
+    if a.numel() == 0 or b.numel() == 0:
+        raise ValueError(f"permutation_test needs values in both groups, got {a.numel()} and {b.numel()}")
+    if not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
+        raise ValueError("permutation_test: the values must be finite (no NaN or inf)")
+    _positive_int(n_perm, "n_perm")
+    observed = float(a.mean() - b.mean())
+    pooled, n = torch.cat([a, b]), a.numel()
+    g = torch.Generator().manual_seed(seed)
+    diffs = torch.empty(n_perm, dtype=torch.float64)
+    for i in range(n_perm):
+        shuffled = pooled[torch.randperm(pooled.numel(), generator=g)]
+        diffs[i] = shuffled[:n].mean() - shuffled[n:].mean()
+    eps = 1e-12 * max(1.0, abs(observed))  # a shuffle that reproduces the split counts as "as large"
+    share = lambda hits: (1 + int(hits.sum())) / (1 + n_perm)  # noqa: E731
+    return PermutationTest(difference=observed, p_greater=share(diffs >= observed - eps),
+                           p_less=share(diffs <= observed + eps),
+                           p_two_sided=share(diffs.abs() >= abs(observed) - eps), n_perm=n_perm)
