@@ -208,3 +208,53 @@ def test_shapes_lxmert_pixel_values_become_its_patch_tokens():
     b = bf.perturbation_curve(model, dict(input_ids=ids, attention_mask=mask, visual_feats=feats, visual_pos=pos),
                               maps, "image")
     assert torch.equal(a.predictions, b.predictions)
+
+
+# ------------------------------------------------------------------ what image tokens carry
+def test_corner_tokens():
+    assert bf.corner_tokens((7, 7)) == [0, 6, 42, 48]
+    assert bf.corner_tokens((1, 3)) == [0, 2]
+
+
+def test_image_token_roles_are_the_co_attention_and_its_values():
+    """attention = CLS row of each cross layer's text -> image attention (heads averaged), from
+    the model's own output_attentions; value_norm = ||value(vision input of that layer)||."""
+    model, inputs = lxmert(), lxmert_inputs()
+    roles = bf.image_token_roles(model, inputs)
+    with torch.no_grad():
+        out = model(**inputs, output_attentions=True, output_hidden_states=True)
+    L = model.config.x_layers
+    assert roles["attention"].shape == (6, L, 10)
+    for l in range(L):
+        torch.testing.assert_close(roles["attention"][:, l], out.cross_encoder_attentions[l][:, :, 0].mean(1))
+        vis_in = out.vision_hidden_states[model.config.r_layers + l - 1]       # the layer's image input
+        v = model.lxmert.encoder.x_layers[l].visual_attention.att.value(vis_in)
+        torch.testing.assert_close(roles["value_norm"][:, l], v.norm(dim=-1), rtol=1e-5, atol=1e-6)
+    heads = model.config.num_attention_heads
+    v = model.lxmert.encoder.x_layers[0].visual_attention.att.value(out.vision_hidden_states[0]).detach()
+    per_head = v.reshape(6, 10, heads, -1).norm(dim=-1).transpose(1, 2)           # B x heads x N
+    a = out.cross_encoder_attentions[0][:, :, 0]
+    torch.testing.assert_close(roles["weighted"][:, 0], (a * per_head).mean(1), rtol=1e-5, atol=1e-7)
+    one = bf.image_token_roles(model, {k: v[3:4] for k, v in inputs.items()})      # batch = items
+    for key in roles:
+        torch.testing.assert_close(one[key][0], roles[key][3], rtol=1e-5, atol=1e-7)
+
+
+def test_hiding_effect_equals_deleting_the_tokens_by_hand():
+    model, inputs = lxmert(), lxmert_inputs()
+    hide = torch.zeros(6, 10, dtype=torch.bool)
+    hide[:, [0, 9]] = True
+    hide[2, 4] = True                                               # another count for question 2
+    res = bf.hiding_effect(model, inputs, hide, batch_size=4)
+    for b in range(6):
+        keep = [j for j in range(10) if not hide[b, j]]
+        n = int(inputs["attention_mask"][b].sum())
+        x = dict(input_ids=inputs["input_ids"][b : b + 1, :n], attention_mask=inputs["attention_mask"][b : b + 1, :n],
+                 visual_feats=inputs["visual_feats"][b : b + 1, keep], visual_pos=inputs["visual_pos"][b : b + 1, keep])
+        with torch.no_grad():
+            p = logits(model(**x)).softmax(-1)[0]
+        assert int(p.argmax()) == int(res["answer_after"][b])
+        assert float(p[res["answer"][b]]) == pytest.approx(float(res["probability_after"][b]), rel=1e-4, abs=1e-6)
+    assert torch.equal(res["changed"], res["answer"] != res["answer_after"])
+    with pytest.raises(ValueError, match="keep at least one"):
+        bf.hiding_effect(model, inputs, torch.ones(6, 10, dtype=torch.bool))

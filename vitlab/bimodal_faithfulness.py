@@ -40,7 +40,10 @@ those token inputs first (:func:`token_inputs`): the patch tokens the model read
 - :func:`perturbation_curve` -- maps in, :class:`PerturbationCurve` out;
 - :func:`perturbation_test` -- the same, computing the maps with a method first
   (``lxmert_relevance``, ``lxmert_raw_attention``, ...);
-- :func:`bootstrap_interval` -- an interval for a mean of per-question values.
+- :func:`bootstrap_interval` -- an interval for a mean of per-question values;
+- what image tokens carry (why LXMERT's maps pick corner patches): :func:`image_token_roles`
+  (attention received by each token from [CLS], its value norm, their product per layer),
+  :func:`hiding_effect` (the answer after deleting chosen tokens), :func:`corner_tokens`.
 """
 from __future__ import annotations
 
@@ -50,8 +53,8 @@ import numpy as np
 import torch
 
 __all__ = [
-    "IMAGE_KEYS", "PERTURBATION_STEPS", "TEXT_KEYS", "PerturbationCurve", "bootstrap_interval", "kept_indices",
-    "perturbation_curve", "perturbation_test", "token_inputs",
+    "IMAGE_KEYS", "PERTURBATION_STEPS", "TEXT_KEYS", "PerturbationCurve", "bootstrap_interval", "corner_tokens",
+    "hiding_effect", "image_token_roles", "kept_indices", "perturbation_curve", "perturbation_test", "token_inputs",
 ]
 
 #: Fractions of the removable tokens removed, as in the reference's ``pert_steps``.
@@ -315,3 +318,100 @@ def perturbation_test(model, inputs: dict, method, modality: str, positive: bool
         raise TypeError(f"{getattr(method, '__name__', method)} returned {type(result).__name__} without a "
                         f"{modality!r} map (expected BimodalMaps)")
     return perturbation_curve(model, inputs, maps, modality, positive, answers, steps, batch_size)
+
+
+# --- what image tokens carry: attention received, value norms, hiding them ---------------------
+def corner_tokens(grid: tuple[int, int]) -> list[int]:
+    """Row-major indices of the four corner patches of a ``gh x gw`` grid."""
+    gh, gw = grid
+    if gh < 1 or gw < 1:
+        raise ValueError(f"grid must be positive, got {grid}")
+    return sorted({0, gw - 1, (gh - 1) * gw, gh * gw - 1})
+
+
+def image_token_roles(model, inputs: dict) -> dict:
+    """What each image token gives LXMERT's answer token, per cross-modality layer.
+
+    One recorded forward (:func:`vitlab.record`, attention and values; no gradients) of an
+    LXMERT-like model; for every cross-modality layer l, read in its text -> image
+    co-attention (the one whose output reaches ``[CLS]``):
+
+    - ``attention``: ``B x L x N``, the attention ``[CLS]`` pays each image token, heads
+      averaged -- what raw attention and the co-attention part of relevance look at;
+    - ``value_norm``: ``B x L x N``, the norm of the token's value vector (heads concatenated):
+      how much it can move ``[CLS]`` per unit of attention;
+    - ``weighted``: ``B x L x N``, ``mean_h A_h[CLS, j] * ||v_h,j||``, the size of what token j
+      actually adds (Kobayashi et al. 2020, "Attention is not only a weight", before the
+      output projection).
+
+    A token that takes much attention but has a small value norm is a *sink*: attention parks
+    there and little is read from it.
+    """
+    import vitlab
+
+    inputs = token_inputs(model, inputs)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), vitlab.record(model, capture=("attention", "value")) as rec:
+            model(**inputs)
+        caps = rec.stream("lang->vision")
+        if not caps:
+            raise ValueError(f"{type(model).__name__} recorded no text -> image co-attention: use an LXMERT model")
+        A = torch.stack([c.attention[:, :, 0] for c in caps], 1).float()        # B x L x heads x N
+        V = torch.stack([c.value.norm(dim=-1) for c in caps], 1).float()        # B x L x heads x N
+    finally:
+        model.train(was_training)
+    return {"attention": A.mean(2), "value_norm": V.pow(2).sum(2).sqrt(), "weighted": (A * V).mean(2)}
+
+
+def hiding_effect(model, inputs: dict, hide, batch_size: int = 256) -> dict:
+    """What deleting some image tokens does to the answer (tokens removed from the input, as in
+    :func:`perturbation_curve`).
+
+    Args:
+        hide: ``B x N`` bool, the image tokens to delete from each question's input (at least
+            one kept).
+
+    Returns ``{"answer", "answer_after"`` (``B`` ids), ``"changed"`` (``B`` bool),
+    ``"probability", "probability_after"`` (softmax probability of the unperturbed answer,
+    ``B``)``}``.
+    """
+    inputs = token_inputs(model, inputs)
+    hide = torch.as_tensor(hide, dtype=torch.bool)
+    B, _, N = _check(inputs, torch.zeros(inputs["input_ids"].shape[0], hide.shape[-1]), "image", None, (0.0,))
+    if tuple(hide.shape) != (B, N):
+        raise ValueError(f"hide must be B x N = {B} x {N}, got {tuple(hide.shape)}")
+    if bool(hide.all(1).any()):
+        raise ValueError("hide removes every image token of some question: keep at least one")
+    was_training = model.training
+    model.eval()
+    answer, after = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
+    p0, p1 = torch.zeros(B), torch.zeros(B)
+    try:
+        with torch.no_grad():
+            for i in range(0, B, batch_size):
+                sl = slice(i, min(i + batch_size, B))
+                probs = _logits(model(**{k: v[sl] for k, v in inputs.items()})).float().softmax(-1).cpu()
+                answer[sl] = probs.argmax(-1)
+                p0[sl] = probs.gather(1, answer[sl, None])[:, 0]
+            counts = hide.sum(1)
+            for n in counts.unique().tolist():                     # questions hiding as many tokens run together
+                rows = torch.nonzero(counts == n)[:, 0]
+                for i in range(0, len(rows), batch_size):
+                    r = rows[i : i + batch_size]
+                    keep = torch.stack([torch.nonzero(~hide[b])[:, 0] for b in r.tolist()]).to(inputs["input_ids"].device)
+                    x = {}
+                    for k, v in inputs.items():
+                        v = v[r.to(v.device)]
+                        if k in IMAGE_KEYS:
+                            sel = keep.reshape(*keep.shape, *([1] * (v.ndim - 2))).expand(-1, -1, *v.shape[2:])
+                            v = v.gather(1, sel)
+                        x[k] = v
+                    probs = _logits(model(**x)).float().softmax(-1).cpu()
+                    after[r] = probs.argmax(-1)
+                    p1[r] = probs.gather(1, answer[r, None])[:, 0]
+    finally:
+        model.train(was_training)
+    return {"answer": answer, "answer_after": after, "changed": answer != after, "probability": p0,
+            "probability_after": p1}
