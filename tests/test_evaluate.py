@@ -181,21 +181,38 @@ def test_image_folder(tmp_path):
         ev.ImageFolderData(model, tmp_path / "empty")
 
 
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now (the OS picks it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def outputs(run) -> str:
+    """Everything a command printed (torchrun's workers inherit its stdout and stderr)."""
+    return f"exit status {run.returncode}\n--- stdout ---\n{run.stdout}\n--- stderr ---\n{run.stderr}"
+
+
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None
                     and shutil.which("torchrun") is None, reason="torchrun not installed")
 def test_torchrun_two_processes_write_the_table_of_one(tmp_path):
+    # Deterministic on a shared machine: the rendezvous on a port free at run time (a fixed
+    # port collides with any other run of this test, or anything else bound to it), on
+    # 127.0.0.1, and gloo on the loopback interface (not whatever the host name resolves to).
     args = ["--samples", "4", "--methods", "random,rollout,Chefer relevance", "--k", "4", "--chunk", "1",
             "--threads", "1", "--no-progress", "--device", "cpu"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     one = subprocess.run([sys.executable, "-m", "vitlab.evaluate", *args, "--out", str(tmp_path / "one")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert one.returncode == 0, one.stderr
+    assert one.returncode == 0, outputs(one)
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
-    two = subprocess.run([torchrun, "--nproc_per_node=2", "--master_port=29517", "-m", "vitlab.evaluate", *args,
-                          "--out", str(tmp_path / "two")],
+    two = subprocess.run([torchrun, "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                          "-m", "vitlab.evaluate", *args, "--out", str(tmp_path / "two")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert two.returncode == 0, two.stderr
-    assert "2 processes" in two.stdout and "4 chunks computed" in two.stdout
+    assert two.returncode == 0, outputs(two)
+    assert "2 processes" in two.stdout and "4 chunks computed" in two.stdout, outputs(two)
     assert (tmp_path / "one" / "leaderboard.csv").read_text() == (tmp_path / "two" / "leaderboard.csv").read_text()
     a, b = np.load(tmp_path / "one" / "per_sample.npz"), np.load(tmp_path / "two" / "per_sample.npz")
     np.testing.assert_array_equal(a["values"], b["values"])

@@ -132,26 +132,32 @@ def test_lxmert_baselines_are_their_formulas():
     text[:, 0] = 0
     torch.testing.assert_close(raw.text.double(), text, atol=1e-6, rtol=0)
 
-    def roll(mats):  # rownorm(A + I) products, first layer applied first, per sample
+    real = inputs["attention_mask"].sum(1).tolist()  # [PAD] is no token: each question as if alone
+
+    def roll(mats, text=False):  # rownorm(A + I) products, first layer applied first, per sample
         out = []
         for b in range(2):
-            ms = [m[b].mean(0) + torch.eye(m.shape[-1], dtype=m.dtype) for m in mats]
+            n, N = (real[b] if text else mats[0].shape[-1]), mats[0].shape[-1]
+            ms = [m[b].mean(0)[:n, :n] + torch.eye(n, dtype=m.dtype) for m in mats]
             ms = [m / m.sum(-1, keepdim=True) for m in ms]
-            out.append(torch.linalg.multi_dot(ms[::-1]) if len(ms) > 1 else ms[0])
+            out.append(torch.nn.functional.pad(torch.linalg.multi_dot(ms[::-1]) if len(ms) > 1 else ms[0],
+                                               (0, N - n, 0, N - n)))
         return torch.stack(out)
 
-    T = roll(A["lang"] + A["cross.lang"][:-1])
+    T = roll(A["lang"] + A["cross.lang"][:-1], text=True)
     V = roll(A["vision"] + A["cross.vision"][:-1])
     expected = torch.stack([T[b].T @ last_lv[b].mean(0) @ V[b] for b in range(2)])[:, 0]
     torch.testing.assert_close(rolled.image.double(), expected, atol=1e-6, rtol=1e-5)
-    text = roll(A["lang"] + A["cross.lang"])[:, 0].clone()
+    text = roll(A["lang"] + A["cross.lang"], text=True)[:, 0].clone()
     text[:, 0] = 0
     torch.testing.assert_close(rolled.text.double(), text, atol=1e-6, rtol=1e-5)
     assert rolled.image.min() >= 0
-    # GradCAM: head weights = gradient averaged over the whole map
+    # GradCAM: head weights = gradient averaged over the whole map of the question's real tokens
     G = {s: [c.grad.double() for c in rec.stream(s)] for s in rec.streams}
     for got, A_, G_ in ((cam.image, last_lv, G["lang->vision"][-1]), (cam.text, last_cl, G["cross.lang"][-1])):
-        want = (G_.mean(dim=(2, 3), keepdim=True) * A_).mean(1).clamp(min=0)[:, 0]
+        cols = (lambda n: n) if got is cam.text else (lambda n: None)
+        w = torch.stack([G_[b, :, :real[b], :cols(real[b])].mean(dim=(1, 2), keepdim=True) for b in range(2)])
+        want = (w * A_).mean(1).clamp(min=0)[:, 0]
         if got is cam.text:
             want[:, 0] = 0
         torch.testing.assert_close(got.double(), want, atol=1e-7, rtol=1e-5)

@@ -118,7 +118,8 @@ def check_images(x, method: str) -> None:
     """Raise ``ValueError`` unless ``x`` is a non-empty, finite ``B x C x H x W`` float batch.
 
     Every method calls it first, so a wrong input is named before any forward pass (and a
-    NaN or infinite pixel never becomes an all-NaN map).
+    NaN or infinite pixel never becomes an all-NaN map); the value checks are
+    :func:`check_batch_values`.
     """
     if not isinstance(x, torch.Tensor):
         raise ValueError(
@@ -132,22 +133,38 @@ def check_images(x, method: str) -> None:
         )
     if x.ndim != 4:
         raise ValueError(f"{method} takes an image batch B x C x H x W, got shape {tuple(x.shape)}")
+    check_batch_values(x, method)
+
+
+def check_batch_values(x: torch.Tensor, method: str, name: str | None = None, unit: str = "image") -> None:
+    """Raise ``ValueError`` when the batch ``x`` (samples first) is empty, not floating point,
+    or holds a NaN or infinite value -- before any forward pass, so that a wrong input is
+    named instead of becoming an all-NaN map (or an answer computed from NaN).
+
+    :func:`check_images` calls it for pixels; the bimodal methods call it for every float
+    input (``name``, e.g. ``"inputs['visual_feats']"``; None: the image batch), ``unit``
+    naming what one sample is in the messages.
+    """
+    where = "" if name is None else f" {name}"
     if x.shape[0] == 0:
         raise ValueError(
-            f"{method} got an empty batch (B = 0, shape {tuple(x.shape)}); pass at least one image"
+            f"{method} got an empty batch{where} (B = 0, shape {tuple(x.shape)}); pass at least one {unit}"
         )
     if not x.is_floating_point():
-        raise ValueError(
-            f"{method} takes a float image batch (normalised as the model expects), got dtype {x.dtype}; "
-            "make one with vitlab.preprocess(image, model)"
-        )
-    finite = torch.isfinite(x).flatten(1).all(dim=1)
+        if name is None:
+            raise ValueError(
+                f"{method} takes a float image batch (normalised as the model expects), got dtype {x.dtype}; "
+                "make one with vitlab.preprocess(image, model)"
+            )
+        raise ValueError(f"{method}:{where} must be a float tensor, got dtype {x.dtype}; convert it with .float()")
+    fix = f"check how the {unit}s were loaded and normalised" if name is None else "check how it was computed"
+    finite = torch.isfinite(x).flatten(1).all(dim=1) if x.ndim > 1 else torch.isfinite(x)
     if not bool(finite.all()):
         bad = (~finite).nonzero().flatten().tolist()
         raise ValueError(
-            f"{method}: the input holds NaN or infinite values (in sample{'s' if len(bad) > 1 else ''} "
+            f"{method}:{where or ' the input'} holds NaN or infinite values (in sample{'s' if len(bad) > 1 else ''} "
             f"{', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''}), which would make every "
-            "map NaN; check how the images were loaded and normalised"
+            f"map and score NaN; {fix}"
         )
 
 

@@ -311,6 +311,24 @@ def named_word_positions(tokenizer, questions) -> np.ndarray:
     return pos
 
 
+def _encoded_questions(model, scenes: int, questions, method: str):
+    """``(input_ids, attention_mask, scene)`` of ``questions`` for ``shapes-lxmert``, checked
+    before any forward: every question within the model's positions (its tokens within its
+    vocabulary) and every ``questions.scene`` an index into the ``scenes`` scenes."""
+    from vitlab.relevance.lxmert import _check_tokens
+
+    ids, mask = model.encode(list(questions.text))
+    _check_tokens(model.config, {"input_ids": ids, "attention_mask": mask}, method)
+    scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
+    if scene.shape != (len(questions),):
+        raise ValueError(f"{method}: questions.scene must hold one scene index per question, got shape "
+                         f"{tuple(scene.shape)} for {len(questions)} questions")
+    if len(scene) and (scene.min() < 0 or scene.max() >= scenes):
+        raise ValueError(f"{method}: questions.scene holds scene {int(scene.max() if scene.max() >= scenes else scene.min())}, "
+                         f"but there are {scenes} scenes (0 .. {scenes - 1}); ask questions about the scenes given")
+    return ids, mask, scene
+
+
 def lxmert_method_maps(model, x: torch.Tensor, questions, methods=BIMODAL_METHODS,
                        batch_size: int = 100, features=None) -> dict:
     """Image and text maps of every method for every question about the scenes ``x``.
@@ -319,15 +337,16 @@ def lxmert_method_maps(model, x: torch.Tensor, questions, methods=BIMODAL_METHOD
     :class:`vitlab.shapes.qa.Questions` about them (``questions.scene`` indexes ``x``). Each
     method explains the model's own answer. Returns method -> :class:`vitlab.relevance.BimodalMaps`
     over all questions (``image``: ``Q x gh x gw`` on the backbone's patch grid, ``text``:
-    ``Q x L``, the questions padded to one length ``L``). One forward (and one backward) per
-    batch and method.
+    ``Q x L``, the questions padded to one length ``L``, 0 on the padding). One forward (and
+    one backward) per batch and method. Padding changes no map: every method gives each
+    question the map it gives that question asked alone (the methods leave ``[PAD]`` tokens
+    out, see :func:`vitlab.relevance.lxmert_rollout`).
     """
     from vitlab.relevance import BimodalMaps
 
     methods = _checked_methods(methods)
     table = _lxmert_methods()
-    ids, mask = model.encode(list(questions.text))
-    scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
+    ids, mask, scene = _encoded_questions(model, x.shape[0], questions, "lxmert_method_maps")
     grid = tuple(int(g) for g in model.backbone.patch_embed.grid_size)
     feats, pos = lxmert_scene_features(model, x, batch_size) if features is None else features
     out = {}
@@ -349,8 +368,10 @@ def lxmert_scene_features(model, x: torch.Tensor, batch_size: int = 100) -> tupl
     """``shapes-lxmert``'s visual inputs for every scene, once: ``(feats S x N x C, boxes S x N x 4)``
     (the frozen ViT's tokens and their grid boxes). The functions below that take ``features=``
     accept them, so that several calls on the same scenes run the ViT once."""
+    from vitlab.attention import check_images
     from vitlab.record import eval_mode
 
+    check_images(x, "lxmert_scene_features")
     feats, pos = [], []
     with torch.no_grad(), eval_mode(model):
         for s in _batches(x.shape[0], batch_size):
@@ -427,10 +448,15 @@ def detr_detections(model, x: torch.Tensor, threshold: float = 0.9, batch_size: 
     """DETR's detections per image: ``{"queries", "labels", "scores", "boxes"}`` (boxes
     ``(x0, y0, x1, y1)`` in [0, 1]) for the queries whose best real class has a probability
     above ``threshold`` (the "no object" class left out). One forward per batch, no gradient."""
+    from vitlab.attention import check_images
     from vitlab.record import eval_mode
+    from vitlab.relevance._common import _require_family
+    from vitlab.relevance.detr import check_threshold
 
-    if not 0 <= threshold < 1:
-        raise ValueError(f"threshold must be a probability in [0, 1), got {threshold!r}")
+    method = "detr_detections"
+    _require_family(model, "detr", method)
+    threshold = check_threshold(threshold, method)
+    check_images(x, method)
     out = []
     with torch.no_grad(), eval_mode(model):
         for s in _batches(x.shape[0], batch_size):
@@ -456,23 +482,32 @@ def detr_method_maps(model, x: torch.Tensor, queries, methods=BIMODAL_METHODS, b
     The gradient methods run one backward per batch with K slots, K = the most detections of
     any image in the batch; so the images are batched by their number of detections (fewest
     first; images without any are skipped), which keeps K close to every image's own count.
+    With no detection in any image every entry is ``0 x gh x gw``, the grid read from the
+    method's map of query 0 of the first image (one extra forward per method).
     """
+    from vitlab.attention import check_images
+
     methods = _checked_methods(methods)
+    check_images(x, "detr_method_maps")
     table = _detr_methods()
+    if isinstance(queries, (str, bytes)) or not hasattr(queries, "__len__") or len(queries) != x.shape[0]:
+        got = f"{len(queries)} lists" if hasattr(queries, "__len__") else type(queries).__name__
+        raise ValueError(f"detr_method_maps: queries must hold one list of query indices per image: {got} for "
+                         f"{x.shape[0]} images")
     queries = [torch.as_tensor(q, dtype=torch.long).reshape(-1) for q in queries]
-    if len(queries) != x.shape[0]:
-        raise ValueError(f"queries must hold one list per image: {len(queries)} lists for {x.shape[0]} images")
     counts = np.array([len(q) for q in queries])
     order = [i for i in np.argsort(counts, kind="stable") if counts[i] > 0]
     out = {}
     for name in methods:
+        if not order:  # nothing detected: no map, on the grid this method's maps have
+            out[name] = table[name](model, x[:1], queries=[torch.zeros(1, dtype=torch.long)])[0].maps[:0]
+            continue
         per_image: list[torch.Tensor | None] = [None] * len(queries)
         for s in _batches(len(order), batch_size):
             idx = order[s]
             for i, d in zip(idx, table[name](model, x[idx], queries=[queries[i] for i in idx])):
                 per_image[i] = d.maps
-        parts = [m for m in per_image if m is not None]
-        out[name] = torch.cat(parts) if parts else torch.zeros(0)
+        out[name] = torch.cat([m for m in per_image if m is not None])
     return out
 
 
@@ -524,6 +559,9 @@ def grade_detr(model, x: torch.Tensor, masks, labels, threshold: float = 0.9, me
         raise ValueError(f"need masks S x 2 x H x W and labels S x 2 for the {x.shape[0]} scenes of x; "
                          f"got masks {tuple(masks.shape)}, labels {labels.shape}")
     dets = detr_detections(model, x, threshold, batch_size)
+    if not any(len(d["queries"]) for d in dets):
+        raise ValueError(f"grade_detr: nothing to grade: no query's best class has a probability above "
+                         f"threshold={threshold} in any of the {x.shape[0]} images; lower the threshold")
     maps = detr_method_maps(model, x, [d["queries"] for d in dets], methods, batch_size)
     methods = tuple(maps)
     H, W = masks.shape[-2:]
@@ -577,11 +615,11 @@ def text_occlusion(model, x: torch.Tensor, questions, batch_size: int = 100, fea
     from vitlab.record import eval_mode
 
     tok = model.tokenizer
-    ids, mask = model.encode(list(questions.text))
-    scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
+    scenes = x.shape[0] if features is None else features[0].shape[0]
+    ids, mask, scene = _encoded_questions(model, scenes, questions, "text_occlusion")
+    feats, boxes = lxmert_scene_features(model, x, batch_size) if features is None else features
     word = (mask == 1) & (ids != tok.cls_id) & (ids != tok.sep_id)
     out = torch.full(ids.shape, float("nan"))
-    feats, boxes = lxmert_scene_features(model, x, batch_size) if features is None else features
     with torch.no_grad(), eval_mode(model):
         for s in _batches(len(questions), batch_size):
             ib, mb = ids[s], mask[s]
@@ -628,8 +666,7 @@ def lxmert_answers_without(model, x: torch.Tensor, questions, drop, batch_size: 
     if drop.shape != (len(questions), feats.shape[1]):
         raise ValueError(f"drop must be Q x N = {len(questions)} x {feats.shape[1]} (questions x image tokens), "
                          f"got {tuple(drop.shape)}")
-    ids, mask = model.encode(list(questions.text))
-    scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
+    ids, mask, scene = _encoded_questions(model, feats.shape[0], questions, "lxmert_answers_without")
     out = []
     with torch.no_grad(), eval_mode(model):
         for s in _batches(len(questions), batch_size):

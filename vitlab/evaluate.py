@@ -532,7 +532,9 @@ def _load_chunk(path: Path, config: dict, measures, start: int, stop: int, n_met
     except ValueError as e:
         if str(e).startswith("the chunk file"):
             raise
-        raise ValueError(f"the chunk file {str(path)!r} is damaged ({type(e).__name__}: {e}); {remedy}") from None
+        why = ("it holds Python objects, which need unpickling, and a chunk is never unpickled (pickles can run "
+               "code)" if "allow_pickle" in str(e) else f"{type(e).__name__}: {e}")
+        raise ValueError(f"the chunk file {str(path)!r} is damaged ({why}); {remedy}") from None
     except Exception as e:  # a truncated or overwritten file: BadZipFile, EOFError, OSError, ...
         raise ValueError(f"the chunk file {str(path)!r} is damaged ({type(e).__name__}: {e}); {remedy}") from None
     want = json.loads(json.dumps(config))
@@ -770,6 +772,8 @@ def main(argv=None) -> int:
             print(f"\n{len(board.indices)} samples, {world} process{'es' if world > 1 else ''}: "
                   f"{board.chunks_computed} chunks computed in {board.seconds:.1f} s, {board.chunks_loaded} resumed; "
                   f"written: {', '.join(str(p) for p in paths)}")
+        if world > 1:  # leave together: no process closes its connections while another still writes
+            dist.barrier()
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -63,6 +63,51 @@ def pixel_saliency(saliency, x: torch.Tensor) -> torch.Tensor:
     return _pixel_saliency(saliency, x)
 
 
+#: Model families that are not image classifiers, with where the tutorial grades them.
+_NOT_CLASSIFIERS = {
+    "lxmert": "LXMERT answers questions; chapter 5 grades its maps (vitlab.chapters.grade_lxmert)",
+    "detr": "DETR detects objects; chapter 5 grades its maps (vitlab.chapters.grade_detr)",
+    "visual_bert": "VisualBERT answers questions about an image",
+}
+
+
+def require_image_classifier(model, method: str) -> None:
+    """Raise ``ValueError`` unless ``model`` is an image classifier with a class head, which
+    the faithfulness measures (and the leaderboard) grade by its target class's probability.
+
+    Refused before any forward: a Hugging Face model that is no ``...ForImageClassification``
+    (LXMERT, DETR, a base model: their outputs are no class scores) and a headless model
+    (timm ``num_classes=0``, e.g. ``dinov2_small_imgfocus``: its outputs are feature
+    channels, see :func:`vitlab.targets.require_class_head`).
+    """
+    from vitlab.targets import require_class_head
+
+    mro = type(model).__mro__
+    if any(c.__module__.startswith("transformers.") for c in mro) and not any(
+            "ForImageClassification" in c.__name__ for c in mro):
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        hint = _NOT_CLASSIFIERS.get(model_type, "its output holds no class scores")
+        raise ValueError(f"{method} grades image classifiers (a timm ViT, or a Hugging Face ...ForImageClassification), "
+                         f"but got {type(model).__name__}: {hint}")
+    try:
+        require_class_head(model, method)
+    except ValueError:
+        raise ValueError(
+            f"{method} grades a map by how the target class's probability drops, but {type(model).__name__} "
+            "has no class head (num_classes=0: its outputs are feature channels, not classes); grade the maps "
+            "on a classifier") from None
+
+
+def _check_model_and_images(model, x, method: str) -> None:
+    """What every measure checks before its first forward: ``x`` a non-empty, finite float
+    image batch (:func:`vitlab.attention.check_images`) and an image classifier with a class
+    head (:func:`require_image_classifier`)."""
+    from vitlab.attention import check_images
+
+    check_images(x, method)
+    require_image_classifier(model, method)
+
+
 def _channel_means(x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=(2, 3), keepdim=True)  # B x C x 1 x 1
 
@@ -177,6 +222,7 @@ def saco_details(model, x: torch.Tensor, saliency, target=None, k: int = 10, bat
     """:func:`saco` with its ingredients (groups' drops and salience sums); see there."""
     from vitlab.targets import check_target, resolve_target
 
+    _check_model_and_images(model, x, "saco")
     _check_probability(probability)
     sal = _pixel_saliency(saliency, x)
     B, C, H, W = x.shape
@@ -211,7 +257,10 @@ def saco(model, x: torch.Tensor, saliency, target=None, k: int = 10, batch_size:
 
     Args:
         model: a classifier (timm or Hugging Face); run in eval mode under no_grad, left as it was.
-        x: ``B x C x H x W`` inputs (as the model takes them).
+            A model without a class head (timm ``num_classes=0``, e.g. ``dinov2_small_imgfocus``)
+            is refused: its output channels are features, not classes.
+        x: ``B x C x H x W`` float inputs (as the model takes them); an empty batch or a NaN
+            or infinite value is refused before any forward.
         saliency: ``B x gh x gw`` maps (upsampled bilinearly to ``H x W``) or ``B x H x W``
             pixel maps. Wrong shape, NaN, or a constant map: ``ValueError``.
         target: :mod:`vitlab.targets` conventions (None = predicted class of the clean input).
@@ -294,12 +343,18 @@ def perturbation_curve(model, x: torch.Tensor, saliency, target=None, positive: 
     """
     from vitlab.targets import check_target, resolve_target
 
+    _check_model_and_images(model, x, "perturbation_curve")
     _check_probability(probability)
     if replacement not in REPLACEMENTS:
         raise ValueError(f"replacement must be one of {REPLACEMENTS}, got {replacement!r}")
-    fr = torch.as_tensor(np.asarray(fractions, dtype=np.float64))
-    if fr.ndim != 1 or fr.numel() < 1 or bool(((fr < 0) | (fr > 1)).any()) or bool((fr[1:] <= fr[:-1]).any()):
-        raise ValueError(f"fractions must be increasing values in [0, 1], got {list(np.asarray(fractions).ravel())}")
+    try:
+        fr = torch.as_tensor(np.asarray(fractions, dtype=np.float64))
+    except (TypeError, ValueError):
+        raise ValueError(f"fractions must be increasing numbers in [0, 1], got {fractions!r}") from None
+    if (fr.ndim != 1 or fr.numel() < 1 or not bool(torch.isfinite(fr).all()) or bool(((fr < 0) | (fr > 1)).any())
+            or bool((fr[1:] <= fr[:-1]).any())):
+        raise ValueError(f"fractions must be increasing values in [0, 1] (finite), got "
+                         f"{[float(f) for f in np.asarray(fractions, dtype=np.float64).ravel()]}")
     if target is None and fr[0] != 0:
         raise ValueError("with target=None the first fraction must be 0 (the clean input decides the predicted class)")
     sal = _pixel_saliency(saliency, x)

@@ -169,12 +169,19 @@ def _rollout(cams: list[torch.Tensor], n: int, like: torch.Tensor) -> torch.Tens
     return rollout_matrix([residual_normalize(a) for a in cams])
 
 
-def attention_matrix_gradcam(attn: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def attention_matrix_gradcam(attn: torch.Tensor, grad: torch.Tensor, entries: torch.Tensor | None = None) -> torch.Tensor:
     """GradCAM on a whole attention map, as the reference's bi-modal baseline: ``... x Nq x Nk``.
 
     Per head ``w_h`` = the gradient averaged over all ``Nq x Nk`` entries; the map is
     ``(mean_h w_h A_h)^+``. (The ViT baseline, :func:`vitlab.attention.gradcam_cls_row`,
-    averages the CLS row only, as the ViT reference does.)
+    averages the CLS row only, as the ViT reference does.) ``entries`` (0 / 1, broadcastable
+    to ``attn``, e.g. ``B x 1 x Nq x Nk``): average over the entries marked 1 only -- those
+    between real tokens, so that padding does not dilute the weights.
     """
-    w = grad.mean(dim=(-2, -1), keepdim=True)  # ... x H x 1 x 1
+    if entries is None:
+        w = grad.mean(dim=(-2, -1), keepdim=True)  # ... x H x 1 x 1
+    else:
+        entries = entries.to(grad.dtype)
+        count = entries.sum(dim=(-2, -1), keepdim=True).clamp(min=1)
+        w = (grad * entries).sum(dim=(-2, -1), keepdim=True) / count
     return (w * attn).mean(dim=-3).clamp(min=0)

@@ -1,10 +1,12 @@
 """Relevance and the paper's baselines for Hugging Face DETR (encoder-decoder; chapter 5)."""
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
 
+from vitlab.attention import check_images
 from vitlab.relevance._common import (
     DetectionMaps, _attention_grads, _backbone_prefix, _events, _last, _recorded_forward,
     _require_family, _rollout, _sizes, attention_matrix_gradcam,
@@ -19,6 +21,8 @@ def _detr_forward(model, pixel_values, pixel_mask, method: str, grad: bool, back
     if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4:
         got = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
         raise ValueError(f"{method}: pixel_values must be a tensor B x 3 x H x W, got {got}")
+    check_images(pixel_values, method)  # empty, not float, NaN or infinite
+    _check_pixel_mask(pixel_mask, pixel_values, method)
     kwargs = {"pixel_values": pixel_values} if pixel_mask is None else {"pixel_values": pixel_values,
                                                                        "pixel_mask": pixel_mask}
     rec, out = _recorded_forward(model, kwargs, grad, method, through_pixels=backbone)
@@ -29,14 +33,34 @@ def _detr_forward(model, pixel_values, pixel_mask, method: str, grad: bool, back
     return rec, logits
 
 
+def _check_pixel_mask(pixel_mask, pixel_values: torch.Tensor, method: str) -> None:
+    """DETR's ``pixel_mask``: None, or ``B x H x W`` of 1 (a pixel) / 0 (padding) for ``pixel_values``."""
+    if pixel_mask is None:
+        return
+    B, _, H, W = pixel_values.shape
+    if not isinstance(pixel_mask, torch.Tensor) or tuple(pixel_mask.shape) != (B, H, W):
+        got = tuple(pixel_mask.shape) if isinstance(pixel_mask, torch.Tensor) else type(pixel_mask).__name__
+        raise ValueError(f"{method}: pixel_mask must be B x H x W = {B} x {H} x {W} (one mask per image of "
+                         f"pixel_values), got {got}")
+    if not bool(((pixel_mask == 0) | (pixel_mask == 1)).all()):
+        raise ValueError(f"{method}: pixel_mask must hold 1 (a pixel of the image) or 0 (padding)")
+
+
+def check_threshold(threshold, method: str) -> float:
+    """``threshold`` as a float, after checking it is a probability in [0, 1) (a real number,
+    not a string or a bool): a detection's best class probability must exceed it."""
+    if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0 <= threshold < 1:
+        raise ValueError(f"{method}: threshold must be a probability in [0, 1), got {threshold!r}")
+    return float(threshold)
+
+
 def _detr_queries(logits: torch.Tensor, queries, threshold: float, method: str):
     """Per image ``(queries, labels, probabilities)`` to explain (see :func:`detr_relevance`)."""
     B, Q, _ = logits.shape
     probs = logits.detach().softmax(-1)[..., :-1]  # the last class is "no object"
     best, labels = probs.max(-1)  # B x Q
     if queries is None:
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
-            raise ValueError(f"{method}: threshold must be a probability in [0, 1), got {threshold!r}")
+        threshold = check_threshold(threshold, method)
         chosen = [torch.nonzero(best[b] > threshold).flatten() for b in range(B)]
         if not any(len(c) for c in chosen):
             raise ValueError(
@@ -61,12 +85,17 @@ def _checked_queries(queries, B: int, Q: int, method: str) -> list[torch.Tensor]
     def is_index(v):
         return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, torch.Tensor) and v.ndim == 0)
 
+    def is_number(v):
+        return isinstance(v, numbers.Number) or (isinstance(v, torch.Tensor) and v.ndim == 0)
+
     usage = "an int or a list of ints (the same queries in every image), or one list per image"
     if is_index(queries) or (isinstance(queries, torch.Tensor) and queries.ndim == 1):
         per_image = [as_indices(queries, "queries")] * B
     elif isinstance(queries, (Sequence, torch.Tensor)) and not isinstance(queries, (str, bytes)):
         if all(is_index(v) for v in queries):
             per_image = [as_indices(list(queries), "queries")] * B
+        elif any(is_number(v) for v in queries):  # e.g. [0.0] or [1, True]: numbers, but not indices
+            raise ValueError(f"{method}: queries must be query indices (ints), got {queries!r}")
         elif len(queries) != B:
             raise ValueError(f"{method}: queries has {len(queries)} lists for a batch of {B} images")
         else:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
+from vitlab.attention import check_batch_values, check_images
 from vitlab.relevance._common import (
     BimodalMaps, _attention_grads, _backbone_prefix, _events, _last, _recorded_forward,
     _require_family, _rollout, _sizes, attention_matrix_gradcam,
@@ -42,7 +43,14 @@ LXMERT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "visual_feats"
 
 
 def _checked_lxmert_inputs(model, inputs, method: str) -> tuple[dict, int]:
-    """``inputs`` as a dict of tensors the model's forward takes, and the batch size."""
+    """``inputs`` as a dict of tensors the model's forward takes, and the batch size.
+
+    Everything the forward would otherwise fail on deep inside (or compute NaN from) is named
+    here, before it runs: the keys, one batch size, an empty batch, token ids outside the
+    vocabulary or longer than the model's positions, masks of another shape, region features
+    of another width or count than the boxes and the model's ``visual_feat_dim``, and NaN or
+    infinite pixels / features / boxes (:func:`vitlab.attention.check_batch_values`).
+    """
     if not isinstance(inputs, Mapping):
         raise TypeError(f"{method}: inputs must be a dict of tensors (keys among {LXMERT_INPUTS}), "
                         f"got {type(inputs).__name__}")
@@ -67,12 +75,105 @@ def _checked_lxmert_inputs(model, inputs, method: str) -> tuple[dict, int]:
             raise ValueError(f"{method}: inputs[{key!r}] has shape {tuple(value.shape)}; every input needs "
                              f"the batch size {batch} first")
         batch = value.shape[0]
+    if batch == 0:
+        raise ValueError(f"{method} got an empty batch (B = 0, inputs['input_ids'] of shape "
+                         f"{tuple(inputs['input_ids'].shape)}); pass at least one question")
+    _check_tokens(model.config, inputs, method)
+    if "pixel_values" in inputs:
+        check_images(inputs["pixel_values"], method)
+    else:
+        _check_regions(model.config, inputs, method)
     return dict(inputs), int(batch)
+
+
+def _check_tokens(config, inputs, method: str) -> None:
+    """input_ids in the vocabulary and within the positions; masks of their shape, CLS kept."""
+    ids = inputs["input_ids"]
+    if ids.ndim != 2 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{method}: inputs['input_ids'] must be B x L integer token ids, got shape "
+                         f"{tuple(ids.shape)} and dtype {ids.dtype}; encode the questions with the model's tokenizer")
+    L = ids.shape[1]
+    if L == 0:
+        raise ValueError(f"{method}: inputs['input_ids'] holds no token (shape {tuple(ids.shape)}); a question is "
+                         "at least [CLS] and [SEP]")
+    longest = getattr(config, "max_position_embeddings", None)
+    if isinstance(longest, int) and L > longest:
+        mask = inputs.get("attention_mask")
+        lengths = (mask != 0).sum(1) if mask is not None else torch.full((ids.shape[0],), L)
+        if bool((lengths > longest).any()):
+            b = int((lengths > longest).nonzero()[0])
+            what = f"question {b} is {int(lengths[b])} tokens long ([CLS] and [SEP] included)"
+        else:
+            what = f"the questions are padded to {L} tokens"
+        raise ValueError(f"{method}: {what}, but the model reads at most {longest} tokens "
+                         "(config.max_position_embeddings); ask shorter questions (pad to the longest only)")
+    vocab = int(config.vocab_size)
+    bad = (ids < 0) | (ids >= vocab)
+    if bool(bad.any()):
+        b, pos = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{method}: inputs['input_ids'] holds token id {int(ids[b, pos])} (sample {b}, position "
+                         f"{pos}), outside the model's vocabulary 0 .. {vocab - 1}; encode the questions with the "
+                         "model's own tokenizer")
+    for key in ("attention_mask", "token_type_ids"):
+        if key in inputs and tuple(inputs[key].shape) != tuple(ids.shape):
+            raise ValueError(f"{method}: inputs[{key!r}] has shape {tuple(inputs[key].shape)}, but input_ids has "
+                             f"{tuple(ids.shape)}: one entry per token")
+    if "token_type_ids" in inputs:
+        types = inputs["token_type_ids"]
+        n_types = int(getattr(config, "type_vocab_size", 2))
+        if types.is_floating_point() or bool(((types < 0) | (types >= n_types)).any()):
+            raise ValueError(f"{method}: inputs['token_type_ids'] must be integers in 0 .. {n_types - 1}")
+    if "attention_mask" in inputs:
+        mask = inputs["attention_mask"]
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(f"{method}: inputs['attention_mask'] must hold 1 (a token) or 0 (padding)")
+        if not bool((mask[:, 0] == 1).all()):
+            b = int((mask[:, 0] != 1).nonzero()[0])
+            raise ValueError(f"{method}: inputs['attention_mask'] masks the first token of sample {b}, but the "
+                             "first token is [CLS], from which LXMERT reads its answer; padding goes after the words")
+
+
+def _check_regions(config, inputs, method: str) -> None:
+    """Region features and boxes: finite floats B x N x visual_feat_dim and B x N x visual_pos_dim."""
+    feats, pos = inputs["visual_feats"], inputs["visual_pos"]
+    for key, t, width, what in (("visual_feats", feats, getattr(config, "visual_feat_dim", None), "visual_feat_dim"),
+                                ("visual_pos", pos, getattr(config, "visual_pos_dim", None), "visual_pos_dim")):
+        if t.ndim != 3 or (isinstance(width, int) and t.shape[-1] != width):
+            raise ValueError(f"{method}: inputs[{key!r}] must be B x regions x {width} (the model's {what}), "
+                             f"got shape {tuple(t.shape)}")
+        check_batch_values(t, method, f"inputs[{key!r}]", unit="question")
+    if feats.shape[1] != pos.shape[1] or feats.shape[1] == 0:
+        raise ValueError(f"{method}: inputs['visual_feats'] has {feats.shape[1]} regions and inputs['visual_pos'] "
+                         f"{pos.shape[1]}: give one box per region feature, at least one region")
+    vmask = inputs.get("visual_attention_mask")
+    if vmask is not None:
+        if tuple(vmask.shape) != tuple(feats.shape[:2]):
+            raise ValueError(f"{method}: inputs['visual_attention_mask'] has shape {tuple(vmask.shape)}; it needs "
+                             f"one entry per region, {tuple(feats.shape[:2])}")
+        if not bool(((vmask == 0) | (vmask == 1)).all()):
+            raise ValueError(f"{method}: inputs['visual_attention_mask'] must hold 1 (a region) or 0 (masked out)")
+
+
+def _real_tokens(kwargs: dict, text_tokens: int, image_tokens: int, like: torch.Tensor):
+    """``(text B x Nt, image B x Ni)``: 1 for a real token, 0 for padding / a masked region
+    (``attention_mask`` / ``visual_attention_mask``; all 1 where none was given), in ``like``'s
+    dtype and device."""
+    B = like.shape[0]
+    out = []
+    for key, n in (("attention_mask", text_tokens), ("visual_attention_mask", image_tokens)):
+        m = kwargs.get(key)
+        if m is None:
+            out.append(torch.ones(B, n, dtype=like.dtype, device=like.device))
+        elif tuple(m.shape) != (B, n):
+            raise ValueError(f"inputs[{key!r}] has shape {tuple(m.shape)}, but the model has {B} x {n} such tokens")
+        else:
+            out.append(m.to(dtype=like.dtype, device=like.device))
+    return tuple(out)
 
 
 # --- LXMERT ----------------------------------------------------------------------------------------
 def _lxmert_forward(model, inputs, method: str, grad: bool, backbone: bool = False):
-    """Checks, then one recorded forward: ``(rec, logits)``."""
+    """Checks, then one recorded forward: ``(rec, logits, kwargs)`` (the checked inputs)."""
     _require_family(model, "lxmert", method)
     kwargs, _ = _checked_lxmert_inputs(model, inputs, method)
     if backbone and "pixel_values" not in kwargs:
@@ -83,7 +184,7 @@ def _lxmert_forward(model, inputs, method: str, grad: bool, backbone: bool = Fal
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{method} explains an answer score, but {type(model).__name__} returned no "
                         "question_answering_score: use LxmertForQuestionAnswering")
-    return rec, logits
+    return rec, logits, kwargs
 
 
 def lxmert_relevance(model, inputs: dict, target=None, backbone: bool = False) -> BimodalMaps:
@@ -119,7 +220,7 @@ def lxmert_relevance(model, inputs: dict, target=None, backbone: bool = False) -
     from vitlab.targets import check_target, resolve_target
 
     target = check_target(target, batch)
-    rec, logits = _lxmert_forward(model, inputs, method, grad=True, backbone=backbone)
+    rec, logits, _ = _lxmert_forward(model, inputs, method, grad=True, backbone=backbone)
     t = resolve_target(target, logits)
     captures = [c for c in rec.events if backbone or c.stream != "backbone"]
     image_tokens = _last(rec, "lang->vision", method).attention.shape[-1]
@@ -142,7 +243,7 @@ def lxmert_raw_attention(model, inputs: dict) -> BimodalMaps:
     without gradients; ``target`` is the predicted answer.
     """
     method = "lxmert_raw_attention"
-    rec, logits = _lxmert_forward(model, inputs, method, grad=False)
+    rec, logits, _ = _lxmert_forward(model, inputs, method, grad=False)
     image = _last(rec, "lang->vision", method).attention.mean(dim=1)[:, 0]  # B x regions
     text = _last(rec, "cross.lang", method).attention.mean(dim=1)[:, 0].clone()  # B x tokens
     text[:, 0] = 0
@@ -160,22 +261,34 @@ def lxmert_rollout(model, inputs: dict) -> BimodalMaps:
     ``text`` = row CLS of the rollout of all text self-attention layers (the last layer's
     included), CLS entry set to 0. The other co-attention layers do not enter. One forward
     without gradients; ``target`` is the predicted answer.
+
+    Padding: a ``[PAD]`` token (``attention_mask`` 0) or a masked region
+    (``visual_attention_mask`` 0) is not a token of the question or image -- the model
+    attends to none of them -- so its rows and columns are left out of every ``a`` (its row
+    of ``rownorm(a + I)`` is the identity's): a padded question gets the map of the same
+    question alone (the reference explains one unpadded question at a time), 0 on the padding.
     """
     method = "lxmert_rollout"
-    rec, logits = _lxmert_forward(model, inputs, method, grad=False)
-    last_layer = _last(rec, "lang->vision", method).layer
-    text_cams = [c.attention.mean(dim=1) for c in rec.stream("lang")]
-    text_cams += [c.attention.mean(dim=1) for c in rec.stream("cross.lang") if c.layer < last_layer]
-    image_cams = [c.attention.mean(dim=1) for c in rec.stream("vision")]
-    image_cams += [c.attention.mean(dim=1) for c in rec.stream("cross.vision") if c.layer < last_layer]
-    C = _last(rec, "lang->vision", method).attention.mean(dim=1)  # B x Nt x Ni
+    rec, logits, kwargs = _lxmert_forward(model, inputs, method, grad=False)
+    co = _last(rec, "lang->vision", method)
+    last_layer = co.layer
+    text, image = _real_tokens(kwargs, *co.attention.shape[-2:], co.attention)
+
+    def cam(c, rows, cols):  # head-averaged, padding's rows and columns zeroed
+        return c.attention.mean(dim=1) * rows[:, :, None] * cols[:, None, :]
+
+    text_cams = [cam(c, text, text) for c in rec.stream("lang")]
+    text_cams += [cam(c, text, text) for c in rec.stream("cross.lang") if c.layer < last_layer]
+    image_cams = [cam(c, image, image) for c in rec.stream("vision")]
+    image_cams += [cam(c, image, image) for c in rec.stream("cross.vision") if c.layer < last_layer]
+    C = cam(co, text, image)  # B x Nt x Ni
     T = _rollout(text_cams, C.shape[-2], C)
     V = _rollout(image_cams, C.shape[-1], C)
-    image = (T.mT @ C @ V)[:, 0]
-    text_all = _rollout(text_cams + [_last(rec, "cross.lang", method).attention.mean(dim=1)], C.shape[-2], C)
-    text = text_all[:, 0].clone()
-    text[:, 0] = 0
-    return BimodalMaps(image, text, logits.argmax(-1), logits)
+    image_map = (T.mT @ C @ V)[:, 0]
+    text_all = _rollout(text_cams + [cam(_last(rec, "cross.lang", method), text, text)], C.shape[-2], C)
+    text_map = text_all[:, 0].clone()
+    text_map[:, 0] = 0
+    return BimodalMaps(image_map, text_map, logits.argmax(-1), logits)
 
 
 def lxmert_gradcam(model, inputs: dict, target=None) -> BimodalMaps:
@@ -185,21 +298,30 @@ def lxmert_gradcam(model, inputs: dict, target=None) -> BimodalMaps:
     ``text`` = row CLS of the same for its text self-attention, CLS entry set to 0; gradients
     of the ``target`` answer's logit (None: predicted). One forward, one backward (to these
     two attention maps only).
+
+    Padding: each head's weight is the gradient's mean over the entries between real tokens
+    only (``[PAD]`` tokens and masked regions are no entries of the question alone, which is
+    what the reference explains), so padding never rescales the map.
     """
     method = "lxmert_gradcam"
     _require_family(model, "lxmert", method)
     from vitlab.targets import check_target, resolve_target
 
     target = check_target(target, _checked_lxmert_inputs(model, inputs, method)[1])
-    rec, logits = _lxmert_forward(model, inputs, method, grad=True)
+    rec, logits, kwargs = _lxmert_forward(model, inputs, method, grad=True)
     t = resolve_target(target, logits)
     co, lang = _last(rec, "lang->vision", method), _last(rec, "cross.lang", method)
+    real_text, real_image = _real_tokens(kwargs, *co.attention.shape[-2:], co.attention)
     grad_output = torch.zeros_like(logits)
     grad_output[torch.arange(logits.shape[0], device=logits.device), t] = 1
     g_co, g_lang = _attention_grads(logits, grad_output, [co, lang], batched=False, method=method)
     zero = torch.zeros_like
-    image = attention_matrix_gradcam(co.attention.detach(), zero(co.attention) if g_co is None else g_co)[:, 0]
-    text = attention_matrix_gradcam(lang.attention.detach(), zero(lang.attention) if g_lang is None else g_lang)[:, 0]
+    entries = (real_text[:, None, :, None] * real_image[:, None, None, :],  # B x 1 x Nt x Ni
+               real_text[:, None, :, None] * real_text[:, None, None, :])  # B x 1 x Nt x Nt
+    image = attention_matrix_gradcam(co.attention.detach(), zero(co.attention) if g_co is None else g_co,
+                                     entries[0])[:, 0]
+    text = attention_matrix_gradcam(lang.attention.detach(), zero(lang.attention) if g_lang is None else g_lang,
+                                    entries[1])[:, 0]
     text = text.clone()
     text[:, 0] = 0
     return BimodalMaps(image, text, t, logits.detach())

@@ -281,13 +281,31 @@ class WordTokenizer:
         """``[CLS]``, the words of ``text`` (unknown ones as ``[UNK]``), ``[SEP]``."""
         return ["[CLS]"] + [w if w in self.ids else "[UNK]" for w in self.split(text)] + ["[SEP]"]
 
-    def encode(self, texts) -> tuple[np.ndarray, np.ndarray]:
-        """``(input_ids, attention_mask)``, both ``n x L`` int64, for a string or a list of them."""
+    def encode(self, texts, max_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(input_ids, attention_mask)``, both ``n x L`` int64, for a string or a list of them.
+
+        ``max_length``: the most tokens the model reads (its ``max_position_embeddings``;
+        ``shapes-lxmert``: 16, i.e. 14 words between ``[CLS]`` and ``[SEP]``); a longer
+        question raises ``ValueError`` naming it, instead of an index error inside the model.
+        """
         if isinstance(texts, str):
             texts = [texts]
+        texts = list(texts)
+        bad = [type(s).__name__ for s in texts if not isinstance(s, str)]
+        if bad:
+            raise ValueError(f"encode takes a question (str) or a list of them, got a list holding {bad[0]}")
+        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, Integral)
+                                       or max_length < 3):
+            raise ValueError(f"max_length must be an int >= 3 ([CLS], a word, [SEP]), got {max_length!r}")
         toks = [[self.ids[t] for t in self.tokenize(s)] for s in texts]
         if not toks:
             raise ValueError("encode got no text")
+        if max_length is not None:
+            for s, t in zip(texts, toks):
+                if len(t) > max_length:
+                    raise ValueError(
+                        f"the question {s!r} has {len(t) - 2} words and punctuation marks, but the model reads "
+                        f"at most {max_length - 2} ({max_length} tokens with [CLS] and [SEP]); ask a shorter question")
         width = max(len(t) for t in toks)
         ids = np.full((len(toks), width), self.pad_id, dtype=np.int64)
         mask = np.zeros((len(toks), width), dtype=np.int64)
@@ -299,4 +317,9 @@ class WordTokenizer:
     def decode(self, ids) -> str:
         """The words of one row of ids, without ``[PAD]``, ``[CLS]`` and ``[SEP]``, space-joined."""
         skip = {self.pad_id, self.cls_id, self.sep_id}
-        return " ".join(self.vocab[int(i)] for i in np.asarray(ids).ravel() if int(i) not in skip)
+        ids = [int(i) for i in np.asarray(ids).ravel()]
+        unknown = [i for i in ids if not 0 <= i < len(self.vocab)]
+        if unknown:
+            raise ValueError(f"token id {unknown[0]} is not in this tokenizer's vocabulary (ids 0 .. "
+                             f"{len(self.vocab) - 1}); decode ids this tokenizer encoded")
+        return " ".join(self.vocab[i] for i in ids if i not in skip)
