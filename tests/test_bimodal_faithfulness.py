@@ -59,19 +59,19 @@ def logits(out):
     return out.question_answering_score if hasattr(out, "question_answering_score") else out.logits
 
 
-def loop_predictions(model, inputs, maps, modality, positive):
+def loop_predictions(model, inputs, maps, modality, positive, keep_end=1, steps=STEPS):
     """Question by question, unpadded: delete the tokens (plain Python sort, ties to the earlier
     token) and rerun the model; returns B x S predictions and kept counts."""
     B = inputs["input_ids"].shape[0]
-    preds, kept = np.zeros((B, len(STEPS)), int), np.zeros((B, len(STEPS)), int)
+    preds, kept = np.zeros((B, len(steps)), int), np.zeros((B, len(steps)), int)
     for b in range(B):
         n = int(inputs["attention_mask"][b].sum())
         one = {k: v[b : b + 1, :n] if k in bf.TEXT_KEYS else v[b : b + 1] for k, v in inputs.items()}
-        for j, step in enumerate(STEPS):
+        for j, step in enumerate(steps):
             if modality == "image":
                 cand = list(range(maps.shape[1]))
             else:
-                cand = list(range(1, n - 1))
+                cand = list(range(1, n - keep_end))
             ranked = sorted(cand, key=lambda i: (-float(maps[b, i]), i))      # most relevant first
             k = int((1 - step) * len(cand))
             keep = sorted(ranked[len(ranked) - k:] if positive else ranked[:k])
@@ -82,7 +82,7 @@ def loop_predictions(model, inputs, maps, modality, positive):
                         x[key] = x[key][:, keep] if keep else torch.zeros_like(x[key][:, :1])
                 kept[b, j] = len(keep)
             else:
-                keep = [0] + keep + [n - 1]
+                keep = [0] + keep + list(range(n - keep_end, n))
                 for key in bf.TEXT_KEYS:
                     if key in x:
                         x[key] = x[key][:, keep]
@@ -106,14 +106,18 @@ def test_curve_equals_the_plain_loop_and_batch_equals_items(family, modality, po
     maps = torch.rand(B, N if modality == "image" else T, generator=g)
     maps[0, 2] = maps[0, 3]                                         # a tie, broken by token order
     answers = torch.randint(0, 7, (B,), generator=g)
-    curve = bf.perturbation_curve(model, inputs, maps, modality, positive, answers=answers, batch_size=4)
-    preds, kept = loop_predictions(model, inputs, maps, modality, positive)
+    # VisualBERT as its reference: the answer token before [SEP] kept too, its own image steps
+    keep_end = 2 if family == "visualbert" else 1
+    steps = bf.VISUALBERT_IMAGE_STEPS if family == "visualbert" and modality == "image" else STEPS
+    curve = bf.perturbation_curve(model, inputs, maps, modality, positive, answers=answers, batch_size=4,
+                                  keep_end=keep_end, steps=steps)
+    preds, kept = loop_predictions(model, inputs, maps, modality, positive, keep_end, steps)
     assert curve.predictions.numpy().tolist() == preds.tolist()
     assert curve.kept.numpy().tolist() == kept.tolist()
     assert torch.equal(curve.correct, curve.predictions == answers[:, None])
     for b in (0, 3):                                                # batch = items
         one = bf.perturbation_curve(model, {k: v[b : b + 1] for k, v in inputs.items()}, maps[b : b + 1], modality,
-                                    positive, answers=answers[b : b + 1])
+                                    positive, answers=answers[b : b + 1], keep_end=keep_end, steps=steps)
         assert torch.equal(one.predictions[0], curve.predictions[b])
     assert len(set(map(tuple, curve.predictions.tolist()))) > 1    # the model's answers do vary
 

@@ -16,7 +16,10 @@ perturbation.py``, ``perturbation_image`` / ``perturbation_text``):
   features and boxes) are passed alone; the kept text tokens are passed alone, in their order
   (so positions are renumbered), with their attention mask and token types;
 - ``[CLS]`` (first) and ``[SEP]`` (last real token) are always kept: the ``n`` text tokens
-  that can be removed are the others, and the map is read on them only;
+  that can be removed are the others, and the map is read on them only. VisualBERT reads its
+  answer off the token before ``[SEP]`` (``attention_mask.sum(1) - 2``); its reference
+  (``VisualBERT/mmf/trainers/core/evaluation_loop.py``) keeps that token too: ``keep_end=2``;
+  its image steps are :data:`VISUALBERT_IMAGE_STEPS`;
 - image: every image token can be removed. At step 1 the reference keeps ``int(0 * n) = 0``
   regions; Hugging Face's LXMERT cannot run on zero regions (its attention cannot reshape an
   empty sequence), so a step that leaves no image token passes one *blank* token instead
@@ -53,12 +56,16 @@ import numpy as np
 import torch
 
 __all__ = [
-    "IMAGE_KEYS", "PERTURBATION_STEPS", "TEXT_KEYS", "PerturbationCurve", "bootstrap_interval", "corner_tokens",
+    "IMAGE_KEYS", "PERTURBATION_STEPS", "TEXT_KEYS", "VISUALBERT_IMAGE_STEPS", "PerturbationCurve", "bootstrap_interval", "corner_tokens",
     "hiding_effect", "image_token_roles", "kept_indices", "perturbation_curve", "perturbation_test", "token_inputs",
 ]
 
-#: Fractions of the removable tokens removed, as in the reference's ``pert_steps``.
+#: Fractions of the removable tokens removed, as in the reference's ``pert_steps`` (LXMERT, image
+#: and text; VisualBERT, text).
 PERTURBATION_STEPS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
+#: The reference's image steps for VisualBERT (``VisualBERT/mmf/trainers/core/evaluation_loop.py``,
+#: 100 regions per image there).
+VISUALBERT_IMAGE_STEPS: tuple[float, ...] = (0.0, 0.5, 0.75, 0.95, 0.96, 0.97, 0.98, 0.99, 1.0)
 #: Inputs with one entry per text token (``B x T``).
 TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 #: Inputs with one entry per image token (``B x N [x D]``): LXMERT's and VisualBERT's.
@@ -168,7 +175,7 @@ def _logits(out) -> torch.Tensor:
     raise TypeError(f"the model returned {type(out).__name__} with neither question_answering_score nor logits")
 
 
-def _check(inputs: dict, maps: torch.Tensor, modality: str, answers, steps) -> tuple[int, int, int]:
+def _check(inputs: dict, maps: torch.Tensor, modality: str, answers, steps, keep_end: int = 1) -> tuple[int, int, int]:
     if modality not in ("image", "text"):
         raise ValueError(f"modality must be 'image' or 'text', got {modality!r}")
     if "input_ids" not in inputs or "attention_mask" not in inputs:
@@ -190,9 +197,12 @@ def _check(inputs: dict, maps: torch.Tensor, modality: str, answers, steps) -> t
     for k in TEXT_KEYS:
         if k in inputs and inputs[k].shape != (B, T):
             raise ValueError(f"{k} has shape {tuple(inputs[k].shape)}; text inputs must be B x T = {B} x {T}")
+    if isinstance(keep_end, bool) or not isinstance(keep_end, int) or keep_end < 1:
+        raise ValueError(f"keep_end must be an int >= 1 (the final tokens always kept, [SEP] included), got {keep_end!r}")
     lengths = mask.sum(1)
-    if (lengths < 2).any():
-        raise ValueError("every question needs at least [CLS] and [SEP] (attention_mask sums >= 2)")
+    if (lengths < 1 + keep_end).any():
+        raise ValueError(f"every question needs at least [CLS] and its {keep_end} kept final token(s) "
+                         f"(attention_mask sums >= {1 + keep_end})")
     if bool((mask != (torch.arange(T, device=mask.device) < lengths[:, None]).to(mask.dtype)).any()):
         raise ValueError("attention_mask must be right-padded: ones for the tokens, then zeros")
     want = (B, N) if modality == "image" else (B, T)
@@ -202,7 +212,8 @@ def _check(inputs: dict, maps: torch.Tensor, modality: str, answers, steps) -> t
     if modality == "image":
         valid = maps
     else:
-        inner = (torch.arange(T, device=maps.device) >= 1) & (torch.arange(T, device=maps.device) < lengths[:, None] - 1)
+        pos = torch.arange(T, device=maps.device)
+        inner = (pos >= 1) & (pos < lengths[:, None].to(maps.device) - keep_end)
         valid = maps[inner]
     if not bool(torch.isfinite(valid).all()):
         raise ValueError(f"the {modality} maps hold NaN or inf: fix the explanation before testing it")
@@ -215,7 +226,7 @@ def _check(inputs: dict, maps: torch.Tensor, modality: str, answers, steps) -> t
 
 
 def _perturbed_batch(inputs: dict, maps: torch.Tensor, modality: str, step: float, positive: bool,
-                     rows: range) -> tuple[dict, list[int]]:
+                     rows: range, keep_end: int = 1) -> tuple[dict, list[int]]:
     """The inputs of questions ``rows`` after removing ``step`` of their ``modality`` tokens."""
     out, kept = {}, []
     mask = inputs["attention_mask"]
@@ -236,8 +247,8 @@ def _perturbed_batch(inputs: dict, maps: torch.Tensor, modality: str, step: floa
     picks = []
     for b in rows:
         n = int(mask[b].sum())
-        inner = kept_indices(maps[b, 1 : n - 1], step, positive) + 1
-        picks.append(torch.cat([torch.tensor([0]), inner.cpu(), torch.tensor([n - 1])]))
+        inner = kept_indices(maps[b, 1 : n - keep_end], step, positive) + 1
+        picks.append(torch.cat([torch.tensor([0]), inner.cpu(), torch.arange(n - keep_end, n)]))
     width = max(len(p) for p in picks)
     for k, v in inputs.items():
         if k in TEXT_KEYS:
@@ -251,7 +262,7 @@ def _perturbed_batch(inputs: dict, maps: torch.Tensor, modality: str, step: floa
 
 
 def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool = True, answers=None,
-                       steps=PERTURBATION_STEPS, batch_size: int = 256) -> PerturbationCurve:
+                       steps=PERTURBATION_STEPS, batch_size: int = 256, keep_end: int = 1) -> PerturbationCurve:
     """The perturbation test of Chefer et al. (2021, sec. 5) for one modality and given maps.
 
     Args:
@@ -269,6 +280,8 @@ def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool 
         answers: ``B`` true answer ids; None: the model's unperturbed predictions.
         steps: fractions removed (default :data:`PERTURBATION_STEPS`).
         batch_size: questions per forward.
+        keep_end: final real tokens always kept (1: ``[SEP]``, LXMERT; 2: the answer token
+            and ``[SEP]``, VisualBERT).
 
     Returns:
         :class:`PerturbationCurve` (accuracy per step, its AUC, per question).
@@ -278,7 +291,7 @@ def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool 
     inputs = token_inputs(model, inputs)
     maps = torch.as_tensor(maps).detach()
     answers = None if answers is None else torch.as_tensor(answers).detach().long()
-    B, _, _ = _check(inputs, maps, modality, answers, steps)
+    B, _, _ = _check(inputs, maps, modality, answers, steps, keep_end)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     maps = maps.cpu()
@@ -294,7 +307,7 @@ def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool 
             for j, step in enumerate(steps):
                 for i in range(0, B, batch_size):
                     rows = range(i, min(i + batch_size, B))
-                    batch, n_kept = _perturbed_batch(inputs, maps, modality, step, positive, rows)
+                    batch, n_kept = _perturbed_batch(inputs, maps, modality, step, positive, rows, keep_end)
                     preds[i : rows.stop, j] = _logits(model(**batch)).argmax(-1).cpu()
                     kept[i : rows.stop, j] = torch.tensor(n_kept)
     finally:
@@ -304,7 +317,8 @@ def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool 
 
 
 def perturbation_test(model, inputs: dict, method, modality: str, positive: bool = True, answers=None,
-                      steps=PERTURBATION_STEPS, batch_size: int = 256, **method_kwargs) -> PerturbationCurve:
+                      steps=PERTURBATION_STEPS, batch_size: int = 256, keep_end: int = 1,
+                      **method_kwargs) -> PerturbationCurve:
     """:func:`perturbation_curve` with the maps of ``method(model, inputs, **method_kwargs)``.
 
     ``method`` returns :class:`vitlab.relevance.BimodalMaps` (``.image``, ``.text``), e.g.
@@ -317,7 +331,7 @@ def perturbation_test(model, inputs: dict, method, modality: str, positive: bool
     if not isinstance(maps, torch.Tensor):
         raise TypeError(f"{getattr(method, '__name__', method)} returned {type(result).__name__} without a "
                         f"{modality!r} map (expected BimodalMaps)")
-    return perturbation_curve(model, inputs, maps, modality, positive, answers, steps, batch_size)
+    return perturbation_curve(model, inputs, maps, modality, positive, answers, steps, batch_size, keep_end)
 
 
 # --- what image tokens carry: attention received, value norms, hiding them ---------------------
