@@ -1,0 +1,93 @@
+"""Speed of the LRP family relative to a plain forward pass.
+
+Random-initialised timm ``deit_tiny_patch16_224`` (no download), batch 16, CPU. Each method
+is timed right after a plain forward on the same batch (under ``torch.no_grad()``); the
+ratio of each pair is taken and the median over rounds printed, which keeps the figures
+stable on a shared machine. Beside each batched method: the same method one image at a
+time (the reference code's protocol: hila-chefer/Transformer-Explainability explains batch
+1 per call), over the same 16 images.
+
+Goal: each LRP method <= 3x a plain forward.
+
+    python benchmarks/bench_lrp.py [--batch 16] [--rounds 3] [--threads N] [--clock wall|cpu]
+
+On a machine shared with other jobs, ``--threads 1 --clock cpu`` (process CPU time of one
+thread) measures the work done rather than the wait for a core.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import timm
+import torch
+
+from vitlab.gradients import integrated_gradients
+from vitlab.lrp import attn_lrp, lrp, partial_lrp, transformer_attribution
+from vitlab.relevance import chefer_relevance
+
+GOAL = 3.0
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    parser.add_argument("--ig-steps", type=int, default=32)
+    args = parser.parse_args()
+    clock = CLOCKS[args.clock]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def seconds(fn) -> float:
+        start = clock()
+        fn()
+        return clock() - start
+
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+    x = torch.randn(args.batch, 3, 224, 224)
+
+    def forward():
+        with torch.no_grad():
+            model(x)
+
+    def per_image(method):
+        return lambda: [method(model, x[i:i + 1]) for i in range(x.shape[0])]
+
+    lrp_methods = {"lrp": lrp, "partial_lrp": partial_lrp, "transformer_attribution": transformer_attribution,
+                   "attn_lrp": attn_lrp}
+    methods = {}
+    for name, fn in lrp_methods.items():
+        methods[name] = (lambda fn=fn: fn(model, x))
+        methods[f"  {name}, per image"] = per_image(fn)
+    methods["chefer_relevance (2021, no LRP)"] = lambda: chefer_relevance(model, x)
+    methods[f"integrated_gradients ({args.ig_steps} steps)"] = lambda: integrated_gradients(
+        model, x, steps=args.ig_steps)
+    forward()  # warm-up
+    for fn in methods.values():
+        fn()
+
+    ratios = {name: [] for name in methods}
+    forward_times = []
+    for _ in range(args.rounds):
+        for name, fn in methods.items():
+            t_fwd = seconds(forward)
+            forward_times.append(t_fwd)
+            ratios[name].append(seconds(fn) / t_fwd)
+
+    print(f"deit_tiny_patch16_224 (random init), batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
+          f"{args.clock} clock, median of {args.rounds} rounds")
+    print(f"plain forward (no_grad): {statistics.median(forward_times) * 1000:.0f} ms")
+    for name, values in ratios.items():
+        ratio = statistics.median(values)
+        verdict = f"  goal <= {GOAL:.1f}x: {'ok' if ratio <= GOAL else 'MISSED'}" if name in lrp_methods else ""
+        print(f"{name:36s} {ratio:6.2f}x{verdict}")
+
+
+if __name__ == "__main__":
+    main()
