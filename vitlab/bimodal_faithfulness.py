@@ -56,8 +56,9 @@ import numpy as np
 import torch
 
 __all__ = [
-    "IMAGE_KEYS", "PERTURBATION_STEPS", "TEXT_KEYS", "VISUALBERT_IMAGE_STEPS", "PerturbationCurve", "bootstrap_interval", "corner_tokens",
-    "hiding_effect", "image_token_roles", "kept_indices", "perturbation_curve", "perturbation_test", "token_inputs",
+    "IMAGE_KEYS", "PERTURBATION_STEPS", "TEXT_KEYS", "VISUALBERT_IMAGE_STEPS", "PerturbationCurve",
+    "bootstrap_interval", "corner_tokens", "hiding_effect", "image_token_roles", "kept_indices",
+    "perturbation_curve", "perturbation_test", "token_inputs",
 ]
 
 #: Fractions of the removable tokens removed, as in the reference's ``pert_steps`` (LXMERT, image

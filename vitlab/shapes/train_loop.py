@@ -24,17 +24,20 @@ API (what a new command, e.g. ``train_visualbert.py``, uses):
   :class:`torch.optim.lr_scheduler.LambdaLR` stepping :func:`lr_schedule`.
 - ``optimizer_step(model, opt, loss, clip)`` -> ``float``: backward, clip the gradient norm of
   the trainable parameters to ``clip`` (0: none), step; returns the loss before the step.
-- ``fit(model, args, *, name, batches, loss_fn, validate, evaluate, arch, info, counts)`` -> report
-  dict: the loop. ``batches`` is an iterator; ``loss_fn(model, batch)`` returns the scalar loss
+- ``fit(model, args, *, name, batches, loss_fn, validate, evaluate, arch, info, counts, save)``
+  -> report dict: the loop (``name`` ``"shapes-<x>"``: the report's command is
+  ``python -m vitlab.shapes.train_<x> <argv>``). ``batches`` is an iterator; ``loss_fn(model, batch)`` returns the scalar loss
   tensor of one batch; every ``args.val_every`` steps (and at the last) a record
   ``{"step", **counts(step), "minutes", "cpu_minutes", "loss" (EMA 0.98), "lr", **validate(model)}``
   is logged into the history; ``evaluate(model, n=args.eval_n)`` is the held-out evaluation put
   under ``"evaluation"``; ``info`` (command-specific training facts) is completed with the
   command line, seed, steps, batch, arch, minutes, threads, device, torch version and machine,
   and stored in the report and in the weights file's metadata, written by ``save(model, path,
-  arch=..., extra=...)`` (default :func:`vitlab.shapes.bimodal.save_bimodal`). The report (written to
-  ``args.report``) is ``{"model", "training", "history", "evaluation"}``; the returned dict adds
+  arch=..., extra=...)`` (default :func:`vitlab.shapes.bimodal.save_bimodal`; pass your own for
+  another model family). The report (written to ``args.report``) is ``{"model", "training", "history", "evaluation"}``; the returned dict adds
   the trained model (eval mode, CPU) under ``"model_object"``.
+- ``finish_run(model, name, info, history, args, evaluate, arch, minutes, log, save)``: the end
+  of :func:`fit` alone (evaluation, weights, report), for a command with its own loop.
 - ``lr_schedule(steps, warmup, min_ratio)``: the learning-rate factor per step.
 """
 from __future__ import annotations
