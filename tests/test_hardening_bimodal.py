@@ -421,3 +421,29 @@ def test_chunk_files_record_their_configuration(vit, tmp_path):
         assert (int(f["start"]), int(f["stop"])) == (2, 4) and list(f["measures"]) == board.measures
         assert str(f["data"]) == ev.batch_fingerprint(ToyData(4).batch([2, 3]))
         np.testing.assert_array_equal(f["values"], board.values[2:])
+
+
+def test_detr_gradcam_weights_average_over_real_pixels_only(detr):
+    """With a pixel_mask, each head's weight is the gradient's mean over the feature positions
+    of real pixels (those DETR masks: the mask resized to the grid), as for the image alone."""
+    import vitlab
+
+    x = torch.zeros(1, 3, 64, 80)
+    x[..., :48] = torch.randn(1, 3, 64, 48, generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros(1, 64, 80, dtype=torch.long)
+    mask[..., :48] = 1
+    got = detr_gradcam(detr, x, queries=[2], pixel_mask=mask)[0]
+    with vitlab.record(detr, gradients=True) as rec:
+        logits = detr(pixel_values=x, pixel_mask=mask).logits
+        logits[0, 2, int(got.labels[0])].backward()
+    detr.zero_grad(set_to_none=True)
+    cross = rec.stream("cross")[-1]
+    h, w = rec.feature_grid
+    real = torch.zeros(h, w, dtype=torch.bool)
+    real[:, : w * 48 // 80] = True  # 48 of 80 pixel columns: 6 of 10 feature columns
+    weights = cross.grad[..., real.flatten()].mean(dim=(-2, -1), keepdim=True)
+    want = (weights * cross.attention.detach()).mean(1).clamp(min=0)[0, 2].reshape(h, w)
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got.maps[0], want, atol=1e-7 * float(want.abs().max()) + 1e-12, rtol=1e-5)
+    everywhere = (cross.grad.mean(dim=(-2, -1), keepdim=True) * cross.attention.detach()).mean(1).clamp(min=0)
+    assert not torch.allclose(everywhere[0, 2].reshape(h, w), want, rtol=1e-3, atol=0)  # the padding would count

@@ -181,7 +181,7 @@ def attention_matrix_gradcam(attn: torch.Tensor, grad: torch.Tensor, entries: to
     if entries is None:
         w = grad.mean(dim=(-2, -1), keepdim=True)  # ... x H x 1 x 1
     else:
-        entries = entries.to(grad.dtype)
+        entries = entries.to(grad.dtype).expand_as(grad)
         count = entries.sum(dim=(-2, -1), keepdim=True).clamp(min=1)
         w = (grad * entries).sum(dim=(-2, -1), keepdim=True) / count
     return (w * attn).mean(dim=-3).clamp(min=0)

@@ -166,7 +166,12 @@ def detr_relevance(model, pixel_values: torch.Tensor, queries=None, threshold: f
             DETR's demo keeps them), or the queries to explain: an int or a list of ints for
             every image, or one list per image.
         threshold: the probability a detection must exceed (default 0.9, the paper's).
-        pixel_mask: DETR's optional ``B x H x W`` mask of valid pixels.
+        pixel_mask: DETR's optional ``B x H x W`` mask of valid pixels (1) and padding (0).
+            The maps then lie on the padded image's feature grid, 0 on the padding. DETR's
+            own computation is not exactly independent of padding (its backbone and position
+            encoding see the padded image: on random-initialised DETRs, in float64, the raw
+            cross-attention of an image alone and padded differs by 5e-5 to 3e-3 relative),
+            so a padded image's maps equal its maps alone only to about that order.
         backbone: also carry relevance through the self-attention of a ViT backbone (vitlab's
             ``shapes-detr``): its blocks are earlier self-attention layers of the image
             modality over all the ViT's tokens (feature token k = patch k); the maps are read
@@ -234,13 +239,20 @@ def detr_gradcam(model, pixel_values: torch.Tensor, queries=None, threshold: flo
     """GradCAM baseline on the last decoder layer's cross-attention (the reference's
     ``generate_attn_gradcam``): row j of :func:`attention_matrix_gradcam` with the gradient of
     query j's class logit. One forward, one (batched over queries, as in
-    :func:`detr_relevance`) backward to that attention map only."""
+    :func:`detr_relevance`) backward to that attention map only. With a ``pixel_mask``, the
+    head weights average the gradient over the feature positions of real pixels only (the
+    positions DETR itself masks: ``pixel_mask`` resized to the feature grid, nearest), so
+    padding an image does not dilute them."""
     method = "detr_gradcam"
     rec, logits = _detr_forward(model, pixel_values, pixel_mask, method, grad=True)
     found = _detr_queries(logits, queries, threshold, method)
     cross = _last(rec, "cross", method)
     (g,), index, K = _detr_grads(logits, found, [cross], method)
     A = cross.attention.detach().expand(K, *cross.attention.shape)
-    cam = attention_matrix_gradcam(A, torch.zeros_like(A) if g is None else g)  # K x B x Q x N
+    entries = None
+    if pixel_mask is not None:  # as DetrConvModel masks its feature map
+        real = torch.nn.functional.interpolate(pixel_mask[None].float(), size=rec.feature_grid)[0] > 0
+        entries = real.flatten(1)[:, None, None, :].to(device=A.device)  # B x 1 x 1 x N
+    cam = attention_matrix_gradcam(A, torch.zeros_like(A) if g is None else g, entries)  # K x B x Q x N
     rows = read_rows(cam, index)  # K x B x N
     return _per_image(found, rows, rec.feature_grid)
