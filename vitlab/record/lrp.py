@@ -73,8 +73,7 @@ LRP_RULES = ("attnlrp", "chefer")
 
 def safe_divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a / b`` where ``b != 0``, 0 where ``b == 0`` (a relevance with no contribution to share)."""
-    nonzero = b != 0
-    return torch.where(nonzero, a / torch.where(nonzero, b, torch.ones_like(b)), torch.zeros_like(a))
+    return torch.where(b != 0, a / b, 0.0)  # the inf / nan of a division by 0 is never picked
 
 
 class LRPState:
