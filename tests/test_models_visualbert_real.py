@@ -109,7 +109,7 @@ def test_shapes_visualbert_is_registered():
     assert "shapes-visualbert" in vitlab.EMBEDDED_MODELS
     model = vitlab.load_model("shapes-visualbert", pretrained=False, num_hidden_layers=1)
     assert type(model).__name__ == "ShapesVisualBertForQuestionAnswering" and not model.training
-    assert model.config.num_hidden_layers == 1 and model.config.visual_embedding_dim == 192 + 4
+    assert model.config.num_hidden_layers == 1 and model.config.visual_embedding_dim == 192 + 4 + 49  # token, cell, one-hot patch index
     assert models.data_config(model)["input_size"] == (3, 112, 112)
 
 

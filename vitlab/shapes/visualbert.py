@@ -8,10 +8,11 @@ self-attention layers, where every token attends to every other, text or image.
 :class:`ShapesVisualBertForQuestionAnswering` is a :class:`transformers.VisualBertForQuestionAnswering`
 whose visual embeddings (``visual_embeds``) are, per image, the 49 last-block patch tokens of
 the frozen ``shapes-vit-tiny`` (192-d, after its final LayerNorm; :func:`vitlab.shapes.bimodal.backbone_tokens`),
-each with its grid cell ``(x0, y0, x1, y1)`` in [0, 1] appended (196-d): VisualBERT gives its
+each with its grid cell ``(x0, y0, x1, y1)`` in [0, 1] and (``config.patch_onehot``, the shipped
+model) its patch index as a one-hot vector appended (192 + 4 + 49 = 245-d): VisualBERT gives its
 visual tokens no position of their own (its visual position ids are all 0 without a text
-alignment), so the cell plays the part of LXMERT's ``visual_pos``. Given ``pixel_values`` it
-computes them itself; ``visual_feats`` (the 192-d tokens) get their cells appended; given
+alignment), so these play the part of LXMERT's ``visual_pos``. Given ``pixel_values`` it
+computes them itself; ``visual_feats`` (the 192-d tokens) get them appended; given
 ``visual_embeds`` it is plain VisualBERT. Questions are encoded by the same word-level tokenizer
 as ``shapes-lxmert`` (``model.encode``), answers are ``model.config.id2label``
 (:data:`vitlab.shapes.qa.ANSWERS`), and, as in Hugging Face's VisualBERT VQA head and the
@@ -52,7 +53,7 @@ _RETRAIN = "python -m vitlab.shapes.train_visualbert"
 VISUALBERT_ARCH: dict = dict(
     hidden_size=64, num_attention_heads=4, intermediate_size=256, num_hidden_layers=4,
     max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    initializer_range=0.2,
+    initializer_range=0.2, patch_onehot=True,
 )
 
 
@@ -92,9 +93,13 @@ class ShapesVisualBertForQuestionAnswering(VisualBertForQuestionAnswering):
     encode = ShapesLxmertForQuestionAnswering.encode
 
     def visual_embeddings(self, feats: torch.Tensor) -> torch.Tensor:
-        """``visual_embeds`` for backbone tokens ``B x N x C``: each token with its cell, ``B x N x (C + 4)``."""
-        boxes = self.patch_boxes.to(feats.dtype).expand(feats.shape[0], -1, -1)
-        return torch.cat([feats, boxes], dim=-1)
+        """``visual_embeds`` for backbone tokens ``B x N x C``: each token with its cell (4) and, with
+        ``config.patch_onehot``, its patch index one-hot (N): ``B x N x (C + 4 [+ N])``."""
+        B, N, _ = feats.shape
+        parts = [feats, self.patch_boxes.to(feats.dtype).expand(B, -1, -1)]
+        if getattr(self.config, "patch_onehot", False):
+            parts.append(torch.eye(N, dtype=feats.dtype, device=feats.device).expand(B, -1, -1))
+        return torch.cat(parts, dim=-1)
 
     def forward(self, input_ids=None, attention_mask=None, *args, pixel_values: torch.Tensor | None = None,
                 visual_feats: torch.Tensor | None = None, **kwargs):
@@ -124,9 +129,15 @@ class ShapesVisualBertForQuestionAnswering(VisualBertForQuestionAnswering):
         return [self.config.id2label[int(i)] for i in logits.argmax(-1)]
 
 
-def _config(arch: dict, vocab_size: int, feat_dim: int) -> VisualBertConfig:
+def _patches(backbone: nn.Module) -> int:
+    gh, gw = backbone.patch_embed.grid_size
+    return int(gh) * int(gw)
+
+
+def _config(arch: dict, vocab_size: int, feat_dim: int, n_patches: int) -> VisualBertConfig:
+    extra = n_patches if arch.get("patch_onehot", False) else 0
     return VisualBertConfig(
-        vocab_size=vocab_size, visual_embedding_dim=feat_dim + 4, num_labels=len(ANSWERS),
+        vocab_size=vocab_size, visual_embedding_dim=feat_dim + 4 + extra, num_labels=len(ANSWERS),
         id2label=dict(enumerate(ANSWERS)), label2id={a: i for i, a in enumerate(ANSWERS)}, **arch,
     )
 
@@ -139,7 +150,7 @@ def build_shapes_visualbert(arch: dict | None = None, *, backbone: nn.Module | N
     """
     backbone = _load_backbone() if backbone is None else backbone
     tokenizer = WordTokenizer.for_templates() if tokenizer is None else tokenizer
-    cfg = _config({**VISUALBERT_ARCH, **(arch or {})}, len(tokenizer), backbone.embed_dim)
+    cfg = _config({**VISUALBERT_ARCH, **(arch or {})}, len(tokenizer), backbone.embed_dim, _patches(backbone))
     return ShapesVisualBertForQuestionAnswering(cfg, backbone, tokenizer).train()
 
 
@@ -201,7 +212,8 @@ def load_shapes_visualbert(pretrained: bool = True, *, weights_path: str | Path 
                          f"differs); its weights do not fit these features: retrain it with `{_RETRAIN}`")
     backbone = _load_backbone()
     tokenizer = WordTokenizer(json.loads(meta["vocabulary"]))
-    model = ShapesVisualBertForQuestionAnswering(_config(json.loads(meta["arch"]), len(tokenizer), backbone.embed_dim),
+    model = ShapesVisualBertForQuestionAnswering(_config(json.loads(meta["arch"]), len(tokenizer), backbone.embed_dim,
+                                                         _patches(backbone)),
                                                  backbone, tokenizer)
     missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
     missing = [k for k in missing if not k.startswith("backbone.")]
