@@ -395,11 +395,23 @@ def test_shapes_questions_longer_than_the_model_reads(shapes_lxmert):
     with forwards_counted(shapes_lxmert) as calls:
         for call in (lambda: ch.lxmert_method_maps(shapes_lxmert, x, qs, methods=("rollout",)),
                      lambda: ch.text_occlusion(shapes_lxmert, x, qs)):
-            with pytest.raises(ValueError, match=r"question 1 is 18 tokens long .* at most 16 tokens"):
+            with pytest.raises(ValueError, match=r"has 16 words and punctuation marks, but the model reads at most 14"):
                 call()
     assert not calls
     with pytest.raises(ValueError, match=r"token id 99 is not in this tokenizer's vocabulary"):
         tok.decode([1, 99])
+
+
+def test_shapes_lxmert_answer_refuses_long_questions_and_bad_pixels(shapes_lxmert):
+    long = "is there a " + "star " * 12 + "?"
+    x = torch.zeros(1, 3, 112, 112)
+    with forwards_counted(shapes_lxmert) as calls:
+        with pytest.raises(ValueError, match=r"but the model reads at most 14"):
+            shapes_lxmert.answer(x, [long])
+        with pytest.raises(ValueError, match=r"non-finite|NaN"):
+            shapes_lxmert.answer(torch.full((1, 3, 112, 112), float("nan")), ["is there a star ?"])
+    assert not calls
+    assert shapes_lxmert.answer(x, ["is there a star ?"])[0] in shapes_lxmert.config.id2label.values()
 
 
 def test_perturbation_curve_refuses_nan_fractions(vit):

@@ -165,13 +165,18 @@ class ShapesLxmertForQuestionAnswering(LxmertForQuestionAnswering):
 
     def encode(self, questions) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, attention_mask)`` tensors for a question or a list of questions."""
-        ids, mask = self.tokenizer.encode(questions)
+        ids, mask = self.tokenizer.encode(questions, max_length=self.config.max_position_embeddings)
         dev = self.patch_boxes.device
         return torch.from_numpy(ids).to(dev), torch.from_numpy(mask).to(dev)
 
     @torch.no_grad()
     def answer(self, pixel_values: torch.Tensor, questions) -> list[str]:
-        """The answer to each question about the matching image (one question per image)."""
+        """The answer to each question about the matching image (one question per image).
+        Non-finite, empty or integer pixels and questions longer than the model reads are refused
+        before the forward."""
+        from vitlab.attention import check_images
+
+        check_images(pixel_values, "answer")
         ids, mask = self.encode(questions)
         scores = self(pixel_values=pixel_values, input_ids=ids, attention_mask=mask).question_answering_score
         return [self.config.id2label[int(i)] for i in scores.argmax(-1)]
