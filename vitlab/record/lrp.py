@@ -249,7 +249,8 @@ class _LRPMode(TorchFunctionMode):
 
     def sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if is_causal or enable_gqa:
-            raise NotImplementedError("vitlab's LRP rules cover non-causal ViT attention only")
+            raise TypeError("vitlab's LRP rules cover non-causal ViT attention only (is_causal and enable_gqa are not "
+                            "ViT attention); use chefer_relevance for other transformers")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         scores = self.matmul(torch.matmul, q * scale, k.transpose(-2, -1))
         if attn_mask is not None:

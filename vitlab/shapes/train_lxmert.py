@@ -157,11 +157,11 @@ def parse_kinds(text: str) -> tuple[tuple[str, ...], list[float]]:
     return tuple(kinds), weights
 
 
-def train(args) -> dict:
-    """Train ``shapes-lxmert`` as ``args`` (:func:`parse_args`) say; returns the report (:func:`fit`)."""
-    device = start(args)
-    arch = {**LXMERT_ARCH, **json.loads(args.arch)}
-    model = build_shapes_lxmert(arch).to(device).train()
+def fit_questions(model, args, *, name: str, loss_fn, evaluate, arch: dict, save=None) -> dict:
+    """Train a question-answering model on the generated question stream as ``args`` say (the
+    options of :func:`add_question_options`): the curriculum's batches, validation on
+    ``VAL_SEED`` scenes, the held-out ``evaluate`` and the report, through ``train_loop.fit``.
+    Shared by ``train_lxmert`` and ``train_visualbert``."""
     kinds, weights = parse_kinds(args.kinds)
     first = parse_kinds(args.first_kinds)[0] if args.first_kinds else None
     batches = question_batches(model, batch=args.batch, per_scene=args.per_scene, chunk=args.chunk, seed=args.seed,
@@ -169,27 +169,30 @@ def train(args) -> dict:
                                first_batches=int(round(args.first_frac * args.steps)))
 
     def validate(m) -> dict:
-        val = evaluate_lxmert(m, n=args.val_n, seed=VAL_SEED)
+        val = evaluate(m, n=args.val_n, seed=VAL_SEED)
         return {k: round(v, 4) for k, v in val.items() if k.startswith("accuracy")}
 
     info = {"per_scene": args.per_scene, "kinds": dict(zip(kinds, weights)), "first_kinds": args.first_kinds,
             "first_frac": args.first_frac, "questions_seen": args.steps * args.batch}
-    return fit(model, args, name="shapes-lxmert", batches=batches, loss_fn=batch_loss, validate=validate,
-               evaluate=evaluate_lxmert, arch=arch, info=info,
+    extra = {} if save is None else {"save": save}
+    return fit(model, args, name=name, batches=batches, loss_fn=loss_fn, validate=validate,
+               evaluate=evaluate, arch=arch, info=info, **extra,
                counts=lambda step: {"questions": step * args.batch, "scenes": step * args.batch // args.per_scene})
 
 
-def parse_args(argv=None):
-    p = parser("python -m vitlab.shapes.train_lxmert", __doc__, out=LXMERT_PATH, steps=4000, batch=64, lr=1e-3,
-               weight_decay=0.01, val_n=200, eval_n=1000, batch_help="questions per step",
-               arch_example='{"x_layers": 3}', val_help="validation scenes (3 questions each)",
-               quick_help="smoke test: 20 steps of 16 questions, nothing written (explicit options win)")
-    p.add_argument("--per-scene", type=int, default=4, help="questions drawn about each scene")
+def add_question_options(p, *, per_scene: int, first_frac: float) -> None:
+    """The question-stream options of the question-answering training commands."""
+    p.add_argument("--per-scene", type=int, default=per_scene, help="questions drawn about each scene")
     p.add_argument("--kinds", default="where:2,exists:1,which:1",
                    help="question kinds to train on, each with an optional sampling weight (kind:weight, comma-separated)")
     p.add_argument("--first-kinds", default="where", help="curriculum: the kinds asked alone at first ('' for none)")
-    p.add_argument("--first-frac", type=float, default=0.2,
+    p.add_argument("--first-frac", type=float, default=first_frac,
                    help="curriculum: the fraction of the steps (rounded up to whole chunks) that ask only --first-kinds")
+
+
+def parse_question_args(p, argv):
+    """Parse ``argv`` with ``p`` (``--quick``: 20 steps of 16 questions) and check the options of
+    :func:`add_question_options`, exiting with the parser's message where one is wrong."""
     args = parse(p, argv, quick=dict(steps=20, batch=16, chunk=32, val_every=10, val_n=16, eval_n=32))
     if args.per_scene < 1:
         p.error("--per-scene must be positive")
@@ -202,6 +205,23 @@ def parse_args(argv=None):
     if not 0 <= args.first_frac < 1:
         p.error(f"--first-frac must be in [0, 1), got {args.first_frac}")
     return args
+
+
+def train(args) -> dict:
+    """Train ``shapes-lxmert`` as ``args`` (:func:`parse_args`) say; returns the report (:func:`fit`)."""
+    device = start(args)
+    arch = {**LXMERT_ARCH, **json.loads(args.arch)}
+    model = build_shapes_lxmert(arch).to(device).train()
+    return fit_questions(model, args, name="shapes-lxmert", loss_fn=batch_loss, evaluate=evaluate_lxmert, arch=arch)
+
+
+def parse_args(argv=None):
+    p = parser("python -m vitlab.shapes.train_lxmert", __doc__, out=LXMERT_PATH, steps=4000, batch=64, lr=1e-3,
+               weight_decay=0.01, val_n=200, eval_n=1000, batch_help="questions per step",
+               arch_example='{"x_layers": 3}', val_help="validation scenes (3 questions each)",
+               quick_help="smoke test: 20 steps of 16 questions, nothing written (explicit options win)")
+    add_question_options(p, per_scene=4, first_frac=0.2)
+    return parse_question_args(p, argv)
 
 
 def main(argv=None):

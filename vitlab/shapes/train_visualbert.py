@@ -23,8 +23,10 @@ import torch.nn.functional as F
 
 from vitlab.shapes.data import make_scenes
 from vitlab.shapes.qa import QUESTION_TYPES, make_questions
-from vitlab.shapes.train_loop import fit, parse, parser, start
-from vitlab.shapes.train_lxmert import EVAL_SEED, VAL_SEED, parse_kinds, question_batches, scene_features
+from vitlab.shapes.train_loop import parser, start
+from vitlab.shapes.train_lxmert import (
+    EVAL_SEED, VAL_SEED, add_question_options, fit_questions, parse_question_args, scene_features,
+)
 from vitlab.shapes.visualbert import (
     VISUALBERT_ARCH, VISUALBERT_PATH, build_shapes_visualbert, save_shapes_visualbert,
 )
@@ -74,21 +76,8 @@ def train(args) -> dict:
     device = start(args)
     arch = {**VISUALBERT_ARCH, **json.loads(args.arch)}
     model = build_shapes_visualbert(arch).to(device).train()
-    kinds, weights = parse_kinds(args.kinds)
-    first = parse_kinds(args.first_kinds)[0] if args.first_kinds else None
-    batches = question_batches(model, batch=args.batch, per_scene=args.per_scene, chunk=args.chunk, seed=args.seed,
-                               kinds=kinds, weights=weights, first_kinds=first,
-                               first_batches=int(round(args.first_frac * args.steps)))
-
-    def validate(m) -> dict:
-        val = evaluate_visualbert(m, n=args.val_n, seed=VAL_SEED)
-        return {k: round(v, 4) for k, v in val.items() if k.startswith("accuracy")}
-
-    info = {"per_scene": args.per_scene, "kinds": dict(zip(kinds, weights)), "first_kinds": args.first_kinds,
-            "first_frac": args.first_frac, "questions_seen": args.steps * args.batch}
-    return fit(model, args, name="shapes-visualbert", batches=batches, loss_fn=batch_loss, validate=validate,
-               evaluate=evaluate_visualbert, arch=arch, info=info, save=save_shapes_visualbert,
-               counts=lambda step: {"questions": step * args.batch, "scenes": step * args.batch // args.per_scene})
+    return fit_questions(model, args, name="shapes-visualbert", loss_fn=batch_loss, evaluate=evaluate_visualbert,
+                         arch=arch, save=save_shapes_visualbert)
 
 
 def parse_args(argv=None):
@@ -97,24 +86,8 @@ def parse_args(argv=None):
                arch_example='{"num_hidden_layers": 6}', val_help="validation scenes (3 questions each)",
                quick_help="smoke test: 20 steps of 16 questions, nothing written (explicit options win)")
     p.set_defaults(val_every=200)
-    p.add_argument("--per-scene", type=int, default=8, help="questions drawn about each scene")
-    p.add_argument("--kinds", default="where:2,exists:1,which:1",
-                   help="question kinds to train on, each with an optional sampling weight (kind:weight, comma-separated)")
-    p.add_argument("--first-kinds", default="where", help="curriculum: the kinds asked alone at first ('' for none)")
-    p.add_argument("--first-frac", type=float, default=0.3,
-                   help="curriculum: the fraction of the steps that ask only --first-kinds")
-    args = parse(p, argv, quick=dict(steps=20, batch=16, chunk=32, val_every=10, val_n=16, eval_n=32))
-    if args.per_scene < 1:
-        p.error("--per-scene must be positive")
-    try:
-        parse_kinds(args.kinds)
-        if args.first_kinds:
-            parse_kinds(args.first_kinds)
-    except ValueError as e:
-        p.error(str(e))
-    if not 0 <= args.first_frac < 1:
-        p.error(f"--first-frac must be in [0, 1), got {args.first_frac}")
-    return args
+    add_question_options(p, per_scene=8, first_frac=0.3)
+    return parse_question_args(p, argv)
 
 
 def main(argv=None):
