@@ -27,6 +27,8 @@ from vitlab.gradients import integrated_gradients
 from vitlab.lrp import attn_lrp, lrp, partial_lrp, transformer_attribution
 from vitlab.relevance import chefer_relevance
 
+from bench_methods import ratios_to_forward
+
 GOAL = 3.0
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
@@ -68,17 +70,7 @@ def main() -> None:
     methods["chefer_relevance (2021, no LRP)"] = lambda: chefer_relevance(model, x)
     methods[f"integrated_gradients ({args.ig_steps} steps)"] = lambda: integrated_gradients(
         model, x, steps=args.ig_steps)
-    forward()  # warm-up
-    for fn in methods.values():
-        fn()
-
-    ratios = {name: [] for name in methods}
-    forward_times = []
-    for _ in range(args.rounds):
-        for name, fn in methods.items():
-            t_fwd = seconds(forward)
-            forward_times.append(t_fwd)
-            ratios[name].append(seconds(fn) / t_fwd)
+    ratios, forward_times = ratios_to_forward(forward, methods, args.rounds, seconds)
 
     print(f"deit_tiny_patch16_224 (random init), batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
           f"{args.clock} clock, median of {args.rounds} rounds")

@@ -32,6 +32,22 @@ GOALS = {"rollout": 1.15, "grad_rollout": 3.2, "chefer_relevance": 3.2}
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
+def ratios_to_forward(forward, methods: dict, rounds: int, seconds):
+    """Warm every callable up once, then time each method against a plain forward timed just
+    before it, ``rounds`` times: ``({name: [ratio, ...]}, [forward seconds, ...])``."""
+    forward()  # warm-up
+    for fn in methods.values():
+        fn()
+    ratios = {name: [] for name in methods}
+    forward_times = []
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            t_fwd = seconds(forward)
+            forward_times.append(t_fwd)
+            ratios[name].append(seconds(fn) / t_fwd)
+    return ratios, forward_times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
@@ -67,17 +83,7 @@ def main() -> None:
         "raw_attention": lambda: raw_attention(model, x),
         "attention_gradcam": lambda: attention_gradcam(model, x),
     }
-    forward()  # warm-up
-    for fn in methods.values():
-        fn()
-
-    ratios = {name: [] for name in methods}
-    forward_times = []
-    for _ in range(args.rounds):
-        for name, fn in methods.items():
-            t_fwd = seconds(forward)
-            forward_times.append(t_fwd)
-            ratios[name].append(seconds(fn) / t_fwd)
+    ratios, forward_times = ratios_to_forward(forward, methods, args.rounds, seconds)
 
     print(
         f"deit_tiny_patch16_224 (random init), batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
