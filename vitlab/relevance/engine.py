@@ -306,7 +306,8 @@ def initial_relevances(sizes: Mapping[str, int], batch_shape=(), dtype=None, dev
     return matrices
 
 
-def propagate(events: Sequence[Step], sizes: Mapping[str, int], normalize: bool = True) -> Relevances:
+def propagate(events: Sequence[Step], sizes: Mapping[str, int], normalize: bool = True, *,
+              eq11: bool = True, self_in_eq10: bool = True) -> Relevances:
     """Relevance through an ordered list of attention events (Chefer, Gur & Wolf 2021, eq. 1-11).
 
     Starts from eq. 1-2 and applies, per event in order, eq. 5 and then eq. 6-7 (self-attention)
@@ -320,6 +321,12 @@ def propagate(events: Sequence[Step], sizes: Mapping[str, int], normalize: bool 
         sizes: tokens per modality, e.g. ``{"text": 20, "image": 36}``; modalities no event
             touches keep eq. 1-2.
         normalize: eq. 8-9 before eq. 10 (the paper); False is its ablation.
+        eq11: False leaves eq. 11 out (an ablation): a ``query <- key`` event then adds
+            nothing to ``R^{ss}`` through ``R^{qs}``; only eq. 10's ``R^{sq}`` update remains.
+        self_in_eq10: False replaces eq. 10 by ``R^{sq} += Abar`` (an ablation, the reference
+            code's ``apply_self_in_rule_10=False``): ``Rbar^{ss}`` and ``Rbar^{qq}`` (eq. 8-9)
+            become the identity, so the cross-attention is added without the context the two
+            modalities' self-attention gave their tokens; ``normalize`` then has no effect.
 
     Returns:
         :class:`Relevances` in the promoted dtype of the attentions and gradients. Each
@@ -339,7 +346,7 @@ def propagate(events: Sequence[Step], sizes: Mapping[str, int], normalize: bool 
     for step in steps:
         additions: dict[tuple[str, str], torch.Tensor] = {}
         for event in step:
-            for pair, add in _additions(state, event, normalize).items():
+            for pair, add in _additions(state, event, normalize, eq11, self_in_eq10).items():
                 additions[pair] = additions[pair] + add if pair in additions else add
         state = {pair: (M + additions[pair] if pair in additions else M) for pair, M in state.items()}
     added = {s: state[s, s] for s in sizes}
@@ -347,9 +354,11 @@ def propagate(events: Sequence[Step], sizes: Mapping[str, int], normalize: bool 
     return Relevances(dict(sizes), matrices, added)
 
 
-def _additions(state, event: AttentionEvent, normalize: bool) -> dict[tuple[str, str], torch.Tensor]:
+def _additions(state, event: AttentionEvent, normalize: bool, eq11: bool = True,
+               self_in_eq10: bool = True) -> dict[tuple[str, str], torch.Tensor]:
     """What ``event`` adds to each matrix of the state it changes (eq. 5-7, 10-11); the state
-    holds ``R^{sq}`` for s != q and ``R^{ss} - I`` for s == q (additions are the same for both)."""
+    holds ``R^{sq}`` for s != q and ``R^{ss} - I`` for s == q (additions are the same for both).
+    ``eq11`` / ``self_in_eq10``: the ablations of :func:`propagate`."""
     Abar = event.head_averaged()
     if Abar is None:
         return {}
@@ -357,8 +366,11 @@ def _additions(state, event: AttentionEvent, normalize: bool) -> dict[tuple[str,
     s, q = event.query, event.key
     if event.is_self:  # eq. 6 (x = s: Abar · R^{ss} = Abar · Rhat^{ss} + Abar) and eq. 7 (every other x)
         return {(s, x): (Abar @ M + Abar if x == s else Abar @ M) for (row, x), M in state.items() if row == s}
-    return {(s, q): _eq10_from_added(state[s, s], state[q, q], Abar, normalize),  # eq. 10
-            (s, s): Abar @ state[q, s]}  # eq. 11
+    additions = {(s, q): _eq10_from_added(state[s, s], state[q, q], Abar, normalize) if self_in_eq10
+                 else Abar}  # eq. 10 (its ablation: Rbar^{ss} = Rbar^{qq} = I)
+    if eq11:
+        additions[s, s] = Abar @ state[q, s]  # eq. 11
+    return additions
 
 
 def _checked_sizes(sizes: Mapping[str, int]) -> dict[str, int]:

@@ -187,7 +187,8 @@ def _lxmert_forward(model, inputs, method: str, grad: bool, backbone: bool = Fal
     return rec, logits, kwargs
 
 
-def lxmert_relevance(model, inputs: dict, target=None, backbone: bool = False) -> BimodalMaps:
+def lxmert_relevance(model, inputs: dict, target=None, backbone: bool = False, *, eq11: bool = True,
+                     simultaneous: bool = True, self_in_eq10: bool = True) -> BimodalMaps:
     """Generic attention relevance of LXMERT's answer (Chefer, Gur & Wolf 2021, eq. 1-11).
 
     Image relevance ``R^{ti}[CLS]`` and text relevance ``R^{tt}[CLS]`` (its CLS entry set to
@@ -210,12 +211,33 @@ def lxmert_relevance(model, inputs: dict, target=None, backbone: bool = False) -
             model (``shapes-lxmert``; needs ``pixel_values``): its blocks are earlier
             self-attention layers of the image modality, whose tokens are the ViT's tokens
             (prefix tokens included, region k = patch k); ``image`` is then read on the patches.
+        eq11: an ablation, as are ``simultaneous`` and ``self_in_eq10`` (keyword-only; the
+            defaults are the paper's method, False leaves one rule out to show what it does).
+            False drops eq. 11 from every co-attention event: ``R^{tt}`` no longer gains
+            ``Abar^{ti} · R^{it}`` (nor ``R^{ii}`` gains ``Abar^{it} · R^{ti}``), so the text
+            tokens' self-relevance never takes in what the image tokens they attend to had
+            gathered from the text; eq. 10's ``R^{ti}`` / ``R^{it}`` updates stay. With
+            simultaneous steps it acts from the second cross-modality layer on (``R^{it}`` and
+            ``R^{ti}`` are 0 before the first one).
+        simultaneous: False applies the two co-attention directions of a cross-modality layer
+            one after the other, text <- image first (eq. 10-11 into ``R^{ti}``, ``R^{tt}``),
+            then image <- text reading the matrices that first direction just updated, where
+            LXMERT (and the reference code) compute both from the layer's inputs. It changes
+            ``R^{ii}`` / ``R^{it}`` of a layer, so the answer's maps from the next
+            cross-modality layer on.
+        self_in_eq10: False replaces eq. 10 by ``R^{sq} += Abar`` (the reference code's
+            ``apply_self_in_rule_10=False`` ablation): the normalised self-relevances
+            ``Rbar^{ss}``, ``Rbar^{qq}`` of eq. 8-9 become the identity, so the cross-attention
+            is added without the contextualisation of either modality's self-attention.
 
     Returns:
         :class:`BimodalMaps` (``image`` ``B x regions``, ``text`` ``B x tokens``).
     """
     method = "lxmert_relevance"
     _require_family(model, "lxmert", method)
+    for name, value in (("eq11", eq11), ("simultaneous", simultaneous), ("self_in_eq10", self_in_eq10)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{method}: {name} must be True or False, got {value!r}")
     batch = _checked_lxmert_inputs(model, inputs, method)[1]
     from vitlab.targets import check_target, resolve_target
 
@@ -229,7 +251,9 @@ def lxmert_relevance(model, inputs: dict, target=None, backbone: bool = False) -
     grad_output[torch.arange(batch, device=logits.device), t] = 1  # the score: sum over samples of each one's target logit
     grads = _attention_grads(logits, grad_output, captures, batched=False, method=method)
     steps = _events(captures, grads, "vision", prefix)
-    R = propagate(steps, _sizes(steps))
+    if not simultaneous:  # each (text <- image, image <- text) step as two steps, in that order
+        steps = [e for step in steps for e in (step if isinstance(step, tuple) else (step,))]
+    R = propagate(steps, _sizes(steps), eq11=eq11, self_in_eq10=self_in_eq10)
     image = R.rows("lang", "vision", 0)[..., prefix:]
     text = R.rows("lang", "lang", 0, drop_self=True)
     return BimodalMaps(image, text, t, logits.detach())
