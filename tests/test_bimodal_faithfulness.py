@@ -106,18 +106,20 @@ def test_curve_equals_the_plain_loop_and_batch_equals_items(family, modality, po
     maps = torch.rand(B, N if modality == "image" else T, generator=g)
     maps[0, 2] = maps[0, 3]                                         # a tie, broken by token order
     answers = torch.randint(0, 7, (B,), generator=g)
-    # VisualBERT as its reference: the answer token before [SEP] kept too, its own image steps
+    # VisualBERT as its reference: the answer token before [SEP] kept too (by default: keep_end
+    # follows the model), its own image steps
     keep_end = 2 if family == "visualbert" else 1
+    assert bf.keep_end_for(model) == keep_end
     steps = bf.VISUALBERT_IMAGE_STEPS if family == "visualbert" and modality == "image" else STEPS
     curve = bf.perturbation_curve(model, inputs, maps, modality, positive, answers=answers, batch_size=4,
-                                  keep_end=keep_end, steps=steps)
+                                  steps=steps)
     preds, kept = loop_predictions(model, inputs, maps, modality, positive, keep_end, steps)
     assert curve.predictions.numpy().tolist() == preds.tolist()
     assert curve.kept.numpy().tolist() == kept.tolist()
     assert torch.equal(curve.correct, curve.predictions == answers[:, None])
     for b in (0, 3):                                                # batch = items
         one = bf.perturbation_curve(model, {k: v[b : b + 1] for k, v in inputs.items()}, maps[b : b + 1], modality,
-                                    positive, answers=answers[b : b + 1], keep_end=keep_end, steps=steps)
+                                    positive, answers=answers[b : b + 1], steps=steps)
         assert torch.equal(one.predictions[0], curve.predictions[b])
     assert len(set(map(tuple, curve.predictions.tolist()))) > 1    # the model's answers do vary
 
@@ -195,15 +197,81 @@ def test_bad_input_is_refused_before_the_forward():
         bf.perturbation_curve(model, left, torch.rand(6, 7), "text")
 
 
+def shapes_questions(model):
+    return model.encode(["where is the star ?", "is there a ring ?", "which shape is on the left ?"])
+
+
+def test_shapes_visualbert_keeps_cls_the_question_mark_and_sep_and_equals_the_loop():
+    """shapes-visualbert reads its answer off the "?" before [SEP]: a text perturbation keeps
+    [CLS], "?" and [SEP] of every question without being told (keep_end follows the model), as a
+    loop that deletes the other words question by question and reruns the model; keep_end=1 is
+    refused."""
+    from vitlab.relevance import visualbert_relevance
+    from vitlab.shapes.data import make_scenes, scenes_to_tensor
+    from vitlab.shapes.visualbert import build_shapes_visualbert
+
+    torch.manual_seed(0)
+    model = build_shapes_visualbert(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2)).eval()
+    x = scenes_to_tensor(make_scenes(3, 5, 2).images, (3, 112, 112), (0.5,) * 3, (0.5,) * 3)
+    ids, mask = shapes_questions(model)
+    inputs = dict(input_ids=ids, attention_mask=mask, pixel_values=x)
+    tokens = bf.token_inputs(model, inputs)
+    maps = visualbert_relevance(model, inputs).text
+    question_mark = model.tokenizer.ids["?"]
+    for positive in (True, False):
+        curve = bf.perturbation_curve(model, inputs, maps, "text", positive)
+        preds, kept = loop_predictions(model, tokens, maps, "text", positive, keep_end=2)
+        assert curve.predictions.numpy().tolist() == preds.tolist() and curve.kept.numpy().tolist() == kept.tolist()
+        assert curve.kept[:, -1].eq(3).all()                            # [CLS], "?", [SEP] at step 1
+        if positive:  # deleting the "?" as well (keep_end=1) would change the answers
+            assert loop_predictions(model, tokens, maps, "text", positive, keep_end=1)[0].tolist() != preds.tolist()
+    n = mask.sum(1)
+    assert (ids[torch.arange(3), n - 2] == question_mark).all()         # the loop's kept end is the "?"
+    with pytest.raises(ValueError, match=r"keep_end=1 would delete the token .* keep_end >= 2"):
+        bf.perturbation_curve(model, inputs, maps, "text", keep_end=1)
+    with pytest.raises(ValueError, match=r"keep_end=1 would delete"):
+        bf.perturbation_test(model, inputs, visualbert_relevance, "text", keep_end=1)
+
+
+def test_shapes_visualbert_image_tokens_from_pixels_features_or_embeddings_equal_the_loop():
+    """The 49 patch tokens deleted with the cell and patch one-hot they carry, whichever input
+    gives them: pixel_values, visual_feats (the backbone's tokens) or visual_embeds."""
+    from vitlab.shapes.data import make_scenes, scenes_to_tensor
+    from vitlab.shapes.visualbert import build_shapes_visualbert
+
+    torch.manual_seed(0)
+    model = build_shapes_visualbert(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2)).eval()
+    x = scenes_to_tensor(make_scenes(3, 5, 2).images, (3, 112, 112), (0.5,) * 3, (0.5,) * 3)
+    ids, mask = shapes_questions(model)
+    feats = model.visual_inputs(x)[0]
+    embeds = model.visual_embeddings(feats)
+    tok = bf.token_inputs(model, dict(input_ids=ids, attention_mask=mask, visual_feats=feats))
+    assert torch.equal(tok["visual_embeds"], embeds) and "visual_feats" not in tok
+    maps = torch.rand(3, 49, generator=torch.Generator().manual_seed(5))
+    steps = bf.VISUALBERT_IMAGE_STEPS
+    plain = dict(input_ids=ids, attention_mask=mask, visual_embeds=embeds)
+    preds, kept = loop_predictions(model, plain, maps, "image", True, steps=steps)
+    for given in (dict(pixel_values=x), dict(visual_feats=feats), dict(visual_embeds=embeds)):
+        curve = bf.perturbation_curve(model, dict(input_ids=ids, attention_mask=mask, **given), maps, "image",
+                                      steps=steps, batch_size=2)
+        assert curve.predictions.numpy().tolist() == preds.tolist() and curve.kept.numpy().tolist() == kept.tolist()
+    assert kept[:, -1].tolist() == [0, 0, 0] and kept[:, 1].tolist() == [24] * 3
+    hidden = bf.hiding_effect(model, dict(input_ids=ids, attention_mask=mask, visual_feats=feats),
+                              torch.arange(49).expand(3, 49) < 5)
+    with torch.no_grad():
+        alone = model(input_ids=ids, attention_mask=mask, visual_embeds=embeds[:, 5:]).logits.argmax(-1)
+    assert torch.equal(hidden["answer_after"], alone)
+
+
 def test_shapes_lxmert_pixel_values_become_its_patch_tokens():
     from vitlab.shapes.bimodal import build_shapes_lxmert
     from vitlab.shapes.data import make_scenes, scenes_to_tensor
 
     torch.manual_seed(0)
-    model = build_shapes_lxmert(dict(hidden_size=32, intermediate_size=64, l_layers=1, r_layers=1, x_layers=1)).eval()
+    model = build_shapes_lxmert(dict(hidden_size=32, intermediate_size=64, l_layers=2, r_layers=2, x_layers=2)).eval()
     s = make_scenes(3, 5, 2)
     x = scenes_to_tensor(s.images, (3, 112, 112), (0.5,) * 3, (0.5,) * 3)
-    ids, mask = model.encode(["where is the star ?", "is there a ring ?", "which shape is on the left ?"])
+    ids, mask = shapes_questions(model)
     tok = bf.token_inputs(model, dict(input_ids=ids, attention_mask=mask, pixel_values=x))
     feats, pos = model.visual_inputs(x)
     assert torch.equal(tok["visual_feats"], feats) and tok["visual_feats"].shape[1] == 49 and "pixel_values" not in tok
@@ -212,6 +280,8 @@ def test_shapes_lxmert_pixel_values_become_its_patch_tokens():
     b = bf.perturbation_curve(model, dict(input_ids=ids, attention_mask=mask, visual_feats=feats, visual_pos=pos),
                               maps, "image")
     assert torch.equal(a.predictions, b.predictions)
+    preds, kept = loop_predictions(model, tok, maps, "image", True)          # question by question
+    assert a.predictions.numpy().tolist() == preds.tolist() and a.kept.numpy().tolist() == kept.tolist()
 
 
 # ------------------------------------------------------------------ what image tokens carry

@@ -17,9 +17,13 @@ perturbation.py``, ``perturbation_image`` / ``perturbation_text``):
   (so positions are renumbered), with their attention mask and token types;
 - ``[CLS]`` (first) and ``[SEP]`` (last real token) are always kept: the ``n`` text tokens
   that can be removed are the others, and the map is read on them only. VisualBERT reads its
-  answer off the token before ``[SEP]`` (``attention_mask.sum(1) - 2``); its reference
-  (``VisualBERT/mmf/trainers/core/evaluation_loop.py``) keeps that token too: ``keep_end=2``;
-  its image steps are :data:`VISUALBERT_IMAGE_STEPS`;
+  answer off the token before ``[SEP]`` (``attention_mask.sum(1) - 2``; the ``?`` of a shapes
+  question); its reference (``VisualBERT/mmf/trainers/core/evaluation_loop.py``) keeps that
+  token too (indices ``0, cls_index, cls_index + 1``): for a VisualBERT model (``model_type``
+  ``"visual_bert"``, as :mod:`vitlab.relevance.visualbert` tells the family) the last *two*
+  real tokens are always kept (``keep_end=2``, :func:`keep_end_for`; a smaller ``keep_end`` is
+  refused: the model would read its answer off another token); its image steps are
+  :data:`VISUALBERT_IMAGE_STEPS`;
 - image: every image token can be removed. At step 1 the reference keeps ``int(0 * n) = 0``
   regions; Hugging Face's LXMERT cannot run on zero regions (its attention cannot reshape an
   empty sequence), so a step that leaves no image token passes one *blank* token instead
@@ -37,8 +41,10 @@ Batched: every question of a batch is perturbed by its own map; text of differen
 re-packed and padded (the padding is masked), so a batch gives what its questions give one by
 one (the tests check against a plain loop). Models: LXMERT (``visual_feats`` / ``visual_pos``)
 and any model with the same calling shape whose image tokens are inputs of the forward
-(VisualBERT's ``visual_embeds``). For vitlab's shapes models ``pixel_values`` are turned into
-those token inputs first (:func:`token_inputs`): the patch tokens the model reads.
+(VisualBERT's ``visual_embeds``). For vitlab's shapes models ``pixel_values`` (and
+``shapes-visualbert``'s ``visual_feats``) are turned into those token inputs first
+(:func:`token_inputs`): the patch tokens the model reads, each carrying its own cell (and patch
+one-hot), so that a deleted token takes its position with it.
 
 - :func:`perturbation_curve` -- maps in, :class:`PerturbationCurve` out;
 - :func:`perturbation_test` -- the same, computing the maps with a method first
@@ -57,7 +63,7 @@ import torch
 
 __all__ = [
     "IMAGE_KEYS", "PERTURBATION_STEPS", "TEXT_KEYS", "VISUALBERT_IMAGE_STEPS", "PerturbationCurve",
-    "bootstrap_interval", "corner_tokens", "hiding_effect", "image_token_roles", "kept_indices",
+    "bootstrap_interval", "corner_tokens", "hiding_effect", "image_token_roles", "keep_end_for", "kept_indices",
     "perturbation_curve", "perturbation_test", "token_inputs",
 ]
 
@@ -145,15 +151,41 @@ def kept_indices(scores: torch.Tensor, step: float, positive: bool) -> torch.Ten
     return torch.sort(keep).values
 
 
+def keep_end_for(model) -> int:
+    """The final real tokens a text perturbation always keeps for ``model``: 2 for VisualBERT
+    (``config.model_type == "visual_bert"``: the answer token before ``[SEP]``, and ``[SEP]``),
+    1 (``[SEP]``) for every other model."""
+    return 2 if getattr(getattr(model, "config", None), "model_type", None) == "visual_bert" else 1
+
+
+def _keep_end(model, keep_end) -> int:
+    """``keep_end`` for ``model``: None -> :func:`keep_end_for`; fewer than VisualBERT needs refused."""
+    need = keep_end_for(model)
+    if keep_end is None:
+        return need
+    if isinstance(keep_end, int) and not isinstance(keep_end, bool) and keep_end < need:
+        raise ValueError(f"keep_end={keep_end} would delete the token {type(model).__name__} reads its answer off "
+                         f"(attention_mask.sum(1) - 2, the last question token before [SEP]): VisualBERT needs "
+                         f"keep_end >= {need}; leave keep_end=None")
+    return keep_end
+
+
 def token_inputs(model, inputs: dict) -> dict:
     """``inputs`` with ``pixel_values`` replaced by the image tokens the model reads.
 
     For vitlab's shapes models: LXMERT (``model.visual_inputs``) gets ``visual_feats`` and
-    ``visual_pos``; VisualBERT (``model.visual_embeddings``) gets ``visual_embeds``. Inputs
-    without ``pixel_values`` are returned as they are (a new dict).
+    ``visual_pos``; VisualBERT (``model.visual_embeddings``) gets ``visual_embeds``, also from
+    its ``visual_feats`` (the backbone's tokens; ``visual_embeds`` append each token's cell and
+    patch one-hot, which must travel with the token when tokens are deleted). Other inputs are
+    returned as they are (a new dict).
     """
     inputs = dict(inputs)
     if "pixel_values" not in inputs:
+        if "visual_feats" in inputs and hasattr(model, "visual_embeddings"):
+            if "visual_embeds" in inputs:
+                raise ValueError("give visual_feats or visual_embeds, not both")
+            with torch.no_grad():
+                inputs["visual_embeds"] = model.visual_embeddings(inputs.pop("visual_feats"))
         return inputs
     px = inputs.pop("pixel_values")
     if not hasattr(model, "visual_inputs"):
@@ -263,7 +295,8 @@ def _perturbed_batch(inputs: dict, maps: torch.Tensor, modality: str, step: floa
 
 
 def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool = True, answers=None,
-                       steps=PERTURBATION_STEPS, batch_size: int = 256, keep_end: int = 1) -> PerturbationCurve:
+                       steps=PERTURBATION_STEPS, batch_size: int = 256,
+                       keep_end: int | None = None) -> PerturbationCurve:
     """The perturbation test of Chefer et al. (2021, sec. 5) for one modality and given maps.
 
     Args:
@@ -281,14 +314,16 @@ def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool 
         answers: ``B`` true answer ids; None: the model's unperturbed predictions.
         steps: fractions removed (default :data:`PERTURBATION_STEPS`).
         batch_size: questions per forward.
-        keep_end: final real tokens always kept (1: ``[SEP]``, LXMERT; 2: the answer token
-            and ``[SEP]``, VisualBERT).
+        keep_end: final real tokens always kept; None (default): :func:`keep_end_for` the model
+            (1: ``[SEP]``, LXMERT; 2: the answer token and ``[SEP]``, VisualBERT, which refuses
+            fewer).
 
     Returns:
         :class:`PerturbationCurve` (accuracy per step, its AUC, per question).
     """
     if not isinstance(inputs, dict):
         raise TypeError(f"inputs must be a dict of the model's keyword inputs, got {type(inputs).__name__}")
+    keep_end = _keep_end(model, keep_end)
     inputs = token_inputs(model, inputs)
     maps = torch.as_tensor(maps).detach()
     answers = None if answers is None else torch.as_tensor(answers).detach().long()
@@ -318,15 +353,16 @@ def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool 
 
 
 def perturbation_test(model, inputs: dict, method, modality: str, positive: bool = True, answers=None,
-                      steps=PERTURBATION_STEPS, batch_size: int = 256, keep_end: int = 1,
+                      steps=PERTURBATION_STEPS, batch_size: int = 256, keep_end: int | None = None,
                       **method_kwargs) -> PerturbationCurve:
     """:func:`perturbation_curve` with the maps of ``method(model, inputs, **method_kwargs)``.
 
     ``method`` returns :class:`vitlab.relevance.BimodalMaps` (``.image``, ``.text``), e.g.
     ``lxmert_relevance`` (which explains the predicted answer, as the reference does),
-    ``lxmert_raw_attention``, ``lxmert_rollout``, ``lxmert_gradcam``. The maps are computed on
-    the unperturbed input once.
+    ``lxmert_raw_attention``, ``lxmert_rollout``, ``lxmert_gradcam``, ``visualbert_relevance``.
+    The maps are computed on the unperturbed input once.
     """
+    keep_end = _keep_end(model, keep_end)
     result = method(model, inputs, **method_kwargs)
     maps = getattr(result, modality, None)
     if not isinstance(maps, torch.Tensor):
