@@ -289,3 +289,30 @@ def test_resuming_refuses_other_weights(vit, tmp_path):
     with pytest.raises(ValueError, match="another configuration"):
         ev.leaderboard(other, data, **kw)
     assert ev.leaderboard(vit, data, **kw).chunks_loaded == 1
+
+
+def test_join_is_the_table_of_all_methods_run_together(vit):
+    data = FakeData(5)
+    kw = dict(ks=(4,), chunk=5, batch_size=16, progress=False)
+    whole = ev.leaderboard(vit, data, ["random", "rollout", "Chefer relevance"], **kw)
+    a = ev.leaderboard(vit, data, ["random", "rollout"], **kw)
+    b = ev.leaderboard(vit, data, ["Chefer relevance"], **dict(kw, chunk=2))
+    joint = ev.join(a, b)
+    assert joint.methods == whole.methods and joint.measures == whole.measures
+    np.testing.assert_allclose(joint.values, whole.values, atol=1e-5, equal_nan=True)
+    np.testing.assert_array_equal(joint.target, whole.target)
+    for got, want in zip(joint.table, whole.table):
+        assert got["method"] == want["method"] and got["n"] == want["n"]
+        assert got["mean"] == pytest.approx(want["mean"], abs=1e-5)
+    assert joint.config["methods"] == whole.config["methods"]
+    assert joint.chunks_computed == a.chunks_computed + b.chunks_computed == 4
+    with pytest.raises(ValueError, match="same samples"):
+        ev.join(a, ev.leaderboard(vit, FakeData(4), ["Chefer relevance"], **kw))
+    with pytest.raises(ValueError, match="same measures"):
+        ev.join(a, ev.leaderboard(vit, data, ["Chefer relevance"], **dict(kw, ks=(3,))))
+    with pytest.raises(ValueError, match="differ in: probability"):
+        ev.join(a, ev.leaderboard(vit, data, ["Chefer relevance"], probability="softmax", **kw))
+    with pytest.raises(ValueError, match="distinct methods"):
+        ev.join(a, a)
+    with pytest.raises(ValueError, match="at least one"):
+        ev.join()

@@ -694,6 +694,39 @@ def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[
                        config, seconds, computed, loaded)
 
 
+def join(*boards: Leaderboard) -> Leaderboard:
+    """One table from leaderboards of different methods on the same samples, rows in the
+    order given (e.g. a cheap set of methods and an expensive one, each run and resumed on
+    its own). Refused unless every board has the same samples, the same classes explained,
+    the same measures and the same data, model and settings, and no method twice. ``seconds``
+    and the chunk counts are the sums of the boards'; ``config`` is the first board's with
+    every board's methods."""
+    if not boards:
+        raise ValueError("join needs at least one leaderboard")
+    first = boards[0]
+    free = {"methods", "chunk"}                        # chunking does not change the values
+    for b in boards[1:]:
+        if not (np.array_equal(b.indices, first.indices) and np.array_equal(b.target, first.target)):
+            raise ValueError("join needs leaderboards of the same samples explained for the same classes; "
+                             f"got {len(first.indices)} and {len(b.indices)} samples (or other classes): "
+                             "run every board on the same data")
+        if b.measures != first.measures:
+            raise ValueError(f"join needs the same measures, got {first.measures} and {b.measures}")
+        other = [k for k in sorted((set(first.config) | set(b.config)) - free)
+                 if b.config.get(k) != first.config.get(k)]
+        if other:
+            raise ValueError(f"join needs leaderboards of the same run settings; they differ in: {', '.join(other)}")
+    methods = [m for b in boards for m in b.methods]
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"join needs distinct methods, got {methods}")
+    values = np.concatenate([b.values for b in boards], axis=1)
+    config = {**first.config, "methods": methods}
+    return Leaderboard(methods, list(first.measures), values, first.indices.copy(), first.target.copy(),
+                       summarize(values, methods, first.measures), config,
+                       sum(b.seconds for b in boards), sum(b.chunks_computed for b in boards),
+                       sum(b.chunks_loaded for b in boards))
+
+
 def write(board: Leaderboard, out) -> list[Path]:
     """Write ``leaderboard.csv`` (one row per cell), ``leaderboard.json`` (config, cells,
     timing) and ``per_sample.npz`` (values, targets, names) into ``out``."""
