@@ -1,8 +1,21 @@
 """Cost of the chapter-5 relevance (vitlab.relevance) over a plain forward + backward.
 
     python benchmarks/bench_relevance_multimodal.py [--repeats 5] [--threads 1] [--real-lxmert]
+                                                    [--only shapes|real] [--batch 64]
 
-Random-initialised, no download:
+Part 1, the chapter's models (``--only shapes``): ``shapes-lxmert`` (2/2/2 layers, random
+heads, ``build_shapes_lxmert(dict(l_layers=2, r_layers=2, x_layers=2))``) and
+``shapes-visualbert`` (``build_shapes_visualbert()``, 4 layers), both on the shipped frozen
+``shapes-vit-tiny``, a batch of 64 generated questions about 112 x 112 scenes. Relevance of a
+batch is one forward and one backward: printed are the forward calls of the model (a forward
+hook on the model, here only) and the ``torch.autograd.grad`` / ``backward`` calls of one
+``lxmert_relevance`` / ``visualbert_relevance`` call and of the per-question loop (each question
+alone, 64 calls), and their cost as the median over rounds of paired ratios
+(:func:`bench_methods.ratios_to_forward`: each call timed right after its reference on the
+same batch) to a plain forward (``torch.no_grad()``) and to a forward + ``backward()`` of the
+explained logits.
+
+Part 2 (``--only real``), random-initialised real configurations, no download:
 
 - DETR: ``DetrForObjectDetection(DetrConfig(use_pretrained_backbone=False))`` (ResNet-50,
   6 + 6 layers, 8 heads, 100 queries) on one 480 x 640 image (a 15 x 20 feature map, 300
@@ -25,6 +38,24 @@ are median times and the median over rounds of (time / that round's plain forwar
   backward vmapped over the 5 scores instead).
 
 Goal: relevance at most ~1x one forward + one backward per batch, plus the engine.
+
+Measured, part 1 (2026-12-01, torch 2.14 CPU, ``--threads 1 --repeats 7``, the 2-core shared
+machine at load 1.5-1.9; median of paired ratios)::
+
+    shapes-lxmert (2/2/2), batch 64: forward 393 ms, forward + backward 485 ms
+                                     forwards backwards  / forward  / fwd+bwd
+        relevance (batch)                   1         1      1.28x      1.02x
+        per-question loop (64 calls)       64        64      6.11x      4.49x
+        forward + backward                  1         1      1.26x      1.00x
+    shapes-visualbert (4 layers), batch 64: forward 355 ms, forward + backward 471 ms
+        relevance (batch)                   1         1      1.21x      0.90x
+        per-question loop (64 calls)       64        64      4.63x      3.72x
+        forward + backward                  1         1      1.18x      1.00x
+
+Reading: a batch's relevance is one forward and one backward, and costs what a plain forward +
+backward of the logits costs (0.90-1.02x); the frozen ViT backbone, which both run forward
+only, is most of the forward, hence only ~1.2-1.3x a plain forward. Explaining the 64
+questions one at a time costs 3.7-4.5x the batch's forward + backward (64 small forwards).
 
 Measured (2026-12-01, torch 2.14 CPU, ``--threads 1``, ``--repeats 5``, a 2-core machine
 shared with other jobs, load ~5; median ms and median ratio to the round's fwd+bwd)::
@@ -67,7 +98,11 @@ from vitlab.relevance import (  # noqa: E402
     lxmert_raw_attention,
     lxmert_relevance,
     propagate,
+    visualbert_relevance,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_methods import ratios_to_forward  # noqa: E402
 
 
 def _time(fn) -> float:
@@ -185,6 +220,90 @@ def bench_lxmert(repeats: int, real: bool) -> None:
     report(f"LXMERT ({name}, 9+5+5), batch {B}, 20+36", run_rounds(variants, repeats))
 
 
+def shapes_batch(model, batch: int) -> dict:
+    """``batch`` generated questions about two-object scenes (seeded), as the model's inputs."""
+    from vitlab.shapes.data import make_scenes, scenes_to_tensor
+    from vitlab.shapes.qa import make_questions
+
+    scenes = make_scenes(batch, 0, 2)
+    qs = make_questions(scenes, 0, per_scene=1)
+    x = scenes_to_tensor(scenes.images[qs.scene], (3, 112, 112), (0.5,) * 3, (0.5,) * 3)
+    ids, mask = model.encode(qs.text)
+    return dict(input_ids=ids, attention_mask=mask, pixel_values=x)
+
+
+def count_calls(model, fn) -> tuple[int, int]:
+    """``(forward calls of model, torch.autograd.grad / backward calls)`` during ``fn()``."""
+    forwards, backwards = [0], [0]
+    handle = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    grad, backward = torch.autograd.grad, torch.autograd.backward
+
+    def counted(f):
+        def call(*a, **k):
+            backwards[0] += 1
+            return f(*a, **k)
+        return call
+
+    torch.autograd.grad, torch.autograd.backward = counted(grad), counted(backward)
+    try:
+        fn()
+    finally:
+        torch.autograd.grad, torch.autograd.backward = grad, backward
+        handle.remove()
+    return forwards[0], backwards[0]
+
+
+def bench_shapes(repeats: int, batch: int) -> None:
+    from vitlab.shapes.bimodal import build_shapes_lxmert
+    from vitlab.shapes.visualbert import build_shapes_visualbert
+
+    torch.manual_seed(0)
+    models = {
+        "shapes-lxmert (2/2/2, random)": (build_shapes_lxmert(dict(l_layers=2, r_layers=2, x_layers=2)).eval(),
+                                          lxmert_relevance),
+        "shapes-visualbert (4 layers, random)": (build_shapes_visualbert().eval(), visualbert_relevance),
+    }
+    for label, (model, method) in models.items():
+        inputs = shapes_batch(model, batch)
+        B = inputs["input_ids"].shape[0]
+        with torch.no_grad():
+            out = model(**inputs)
+        logits_of = (lambda o: o.question_answering_score) if hasattr(out, "question_answering_score") \
+            else (lambda o: o.logits)
+        target = logits_of(out).argmax(-1)
+
+        def forward():
+            with torch.no_grad():
+                model(**inputs)
+
+        def forward_backward():
+            logits_of(model(**inputs)).gather(1, target[:, None]).sum().backward()
+            model.zero_grad(set_to_none=True)
+
+        def relevance():
+            method(model, inputs, target=target)
+
+        def per_question():
+            for b in range(B):
+                method(model, {k: v[b : b + 1] for k, v in inputs.items()}, target=target[b : b + 1])
+
+        calls = {"relevance (batch)": count_calls(model, relevance),
+                 f"per-question loop ({B} calls)": count_calls(model, per_question),
+                 "forward + backward": count_calls(model, forward_backward)}
+        methods = {"relevance (batch)": relevance, f"per-question loop ({B} calls)": per_question,
+                   "forward + backward": forward_backward}
+        to_forward, forward_times = ratios_to_forward(forward, methods, repeats, _time)
+        to_fwd_bwd, fwd_bwd_times = ratios_to_forward(forward_backward, {k: v for k, v in methods.items()
+                                                                         if k != "forward + backward"}, repeats, _time)
+        print(f"\n{label}, batch {B}: plain forward {statistics.median(forward_times) * 1e3:.1f} ms, "
+              f"forward + backward {statistics.median(fwd_bwd_times) * 1e3:.1f} ms (medians)")
+        print(f"    {'':<28}{'forwards':>9}{'backwards':>10}{'/ forward':>11}{'/ fwd+bwd':>11}")
+        for name in methods:
+            f, b = calls[name]
+            ratio_bwd = f"{statistics.median(to_fwd_bwd[name]):>10.2f}x" if name in to_fwd_bwd else f"{'1.00x':>11}"
+            print(f"    {name:<28}{f:>9}{b:>10}{statistics.median(to_forward[name]):>10.2f}x{ratio_bwd}")
+
+
 def report(label: str, r: dict[str, tuple[float, float]]) -> None:
     print(f"\n{label}")
     for name, (t, ratio) in r.items():
@@ -196,12 +315,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--real-lxmert", action="store_true", help="LxmertConfig() itself (hidden 768), slower to build")
+    ap.add_argument("--only", choices=("shapes", "real"), default=None, help="run one part only")
+    ap.add_argument("--batch", type=int, default=64, help="questions per batch for the shapes models")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} interleaved rounds; "
-          "ratio = time / plain forward + backward of the same round")
-    bench_lxmert(args.repeats, args.real_lxmert)
-    bench_detr(args.repeats)
+    if args.only != "real":
+        print(f"torch {torch.__version__}, {args.threads} threads, median of {args.repeats} rounds of paired "
+              "ratios (each call / its reference timed just before it)")
+        bench_shapes(args.repeats, args.batch)
+    if args.only != "shapes":
+        print(f"\ntorch {torch.__version__}, {args.threads} threads, median of {args.repeats} interleaved rounds; "
+              "ratio = time / plain forward + backward of the same round")
+        bench_lxmert(args.repeats, args.real_lxmert)
+        bench_detr(args.repeats)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ of q is to token i of s.
   subtraction never cancels in float32 (tested against float64 on a 2/2/3-layer LXMERT).
 - eq. 10-11, tokens of s attending to tokens of q (``Abar``: ``Ns x Nq``):
   ``R^{sq} += (Rbar^{ss})^T · Abar · Rbar^{qq}`` and ``R^{ss} += Abar · R^{qs}``
-  (:func:`bimodal_rule`).
+  (:func:`bimodal_rule`). Ablations of :func:`propagate`, to show each rule acting:
+  ``normalize=False`` (``R`` for ``Rbar`` in eq. 10), ``self_in_eq10=False`` (eq. 10 as
+  ``R^{sq} += Abar``) and ``eq11=False`` (no eq. 11).
 
 :func:`propagate` applies these to an ordered list of :class:`AttentionEvent` s (attention
 and gradient tensors, as :func:`vitlab.record` captures them; nothing here hooks or runs a
