@@ -101,28 +101,67 @@ class LRPState:
 
 # --- rules as autograd functions: the forward is the model's op, the backward the rule ------------
 class _Ruled(Function):
-    """``op(*inputs)`` in the forward; in the backward ``rule(grad, output, *inputs)`` (or the
-    op's own vector-Jacobian product when ``state.plain``). Non-tensor arguments and parameters
-    are bound into ``op`` and ``rule``: they get no gradient."""
+    """``op(*inputs)`` in the forward; in the backward ``rule(grad, output, *inputs)``, or when
+    ``state.plain`` the op's own vector-Jacobian product: ``vjp(grad, output, *inputs)`` where the
+    caller gives it (no recomputation), else autograd through ``op`` run again. Non-tensor
+    arguments and parameters are bound into ``op``, ``rule`` and ``vjp``: they get no gradient."""
 
     @staticmethod
-    def forward(ctx, state, op, rule, *inputs):
+    def forward(ctx, state, op, rule, vjp, *inputs):
         with torch.no_grad():
             out = op(*inputs)
-        ctx.state, ctx.op, ctx.rule = state, op, rule
+        ctx.state, ctx.op, ctx.rule, ctx.vjp = state, op, rule, vjp
         ctx.save_for_backward(*inputs, out)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         *inputs, out = ctx.saved_tensors
-        if ctx.state.plain:
+        if not ctx.state.plain:
+            grads = ctx.rule(grad, out, *inputs)
+        elif ctx.vjp is not None:
+            grads = ctx.vjp(grad, out, *inputs)
+        else:
             with torch.enable_grad():
                 leaves = [t.detach().requires_grad_(True) for t in inputs]
                 grads = torch.autograd.grad(ctx.op(*leaves), leaves, grad, allow_unused=True)
-        else:
-            grads = ctx.rule(grad, out, *inputs)
-        return (None, None, None, *grads)
+        return (None, None, None, None, *grads)
+
+
+class _HalfMatmul(Function):
+    """``a @ b`` (batched) in the forward; in an LRP backward the gradient x input rule with each
+    operand's share halved (the uniform rule): ``gbar_a = (gbar/2) b^T``, ``gbar_b = a^T (gbar/2)``,
+    the halving done on the smaller of the output gradient and the operand gradients. A plain
+    backward gives the matmul's own gradients."""
+
+    @staticmethod
+    def forward(ctx, state, func, a, b):
+        with torch.no_grad():
+            out = func(a, b)
+        ctx.state = state
+        ctx.save_for_backward(a, b)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        half_out = not ctx.state.plain and grad.numel() <= a.numel() * need_a + b.numel() * need_b
+        if half_out:
+            grad = grad * 0.5
+        ga = torch.matmul(grad, b.transpose(-2, -1)) if need_a else None
+        gb = torch.matmul(a.transpose(-2, -1), grad) if need_b else None
+        if not ctx.state.plain and not half_out:
+            ga = None if ga is None else ga.mul_(0.5)
+            gb = None if gb is None else gb.mul_(0.5)
+        # broadcast operands (a batch dim of 1 or a missing one) get their gradient summed back
+        ga = None if ga is None else _sum_to(ga, a.shape)
+        gb = None if gb is None else _sum_to(gb, b.shape)
+        return None, None, ga, gb
+
+
+def _sum_to(g: torch.Tensor, shape) -> torch.Tensor:
+    return g if g.shape == shape else g.sum_to_size(shape)
 
 
 class _ScaleGrad(Function):
@@ -141,7 +180,7 @@ class _ScaleGrad(Function):
 def identity_rule(grad: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor]:
     """Identity rule for an element-wise op ``out = f(x)``: ``R_x = R_out``, i.e.
     ``gbar_x = gbar_out ⊙ out / x`` (0 where ``x == 0``)."""
-    return (grad * safe_divide(out, x),)
+    return ((grad * out).div_(x).nan_to_num_(0.0, 0.0, 0.0),)  # a / 0 -> 0
 
 
 def layer_norm_rule(normalized_shape, weight, eps):
@@ -155,21 +194,70 @@ def layer_norm_rule(normalized_shape, weight, eps):
     return rule
 
 
+def _live_rows(grad: torch.Tensor) -> torch.Tensor | None:
+    """The index of the rows of ``grad`` (last dim = features) that are not all 0, when they are at
+    most half of them (the last block, where only the CLS token carries relevance); None when
+    more are live (then every row is computed). Rows with no gradient give none."""
+    rows = grad.reshape(-1, grad.shape[-1])
+    if rows.shape[0] < 2 or int(rows[:, 0].ne(0).sum()) * 2 > rows.shape[0]:
+        return None  # cheap screen: more than half the rows are live
+    live = rows.ne(0).any(1)
+    if int(live.sum()) * 2 > rows.shape[0]:
+        return None
+    return live.nonzero()[:, 0]
+
+
+def _by_rows(grad, x, index, compute, *row_tensors):
+    """``compute(grad rows, *row tensors' rows)`` scattered back into zeros shaped like ``x``."""
+    g = torch.zeros(grad[..., :1].numel(), x.shape[-1], dtype=grad.dtype, device=grad.device)
+    if index.numel():
+        picked = [t.reshape(-1, t.shape[-1])[index] for t in (grad, *row_tensors)]
+        g[index] = compute(*picked)
+    return g.reshape(x.shape)
+
+
 def alpha1_beta0_rule(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """Alpha-beta (alpha = 1, beta = 0) for ``y = x W^T + b``: ``R_x = x^+ ⊙ (S W^+) + x^- ⊙ (S W^-)``
     with ``S = R_y / (x^+ W^{+T} + x^- W^{-T})``, so ``gbar_x = S W^+`` where x > 0, ``S W^-`` where x < 0.
 
     Computed with three matmuls instead of four: ``(x_i w_ji)^+ = (|x_i| |w_ji| + x_i w_ji) / 2``,
-    so the denominator is ``(|x| |W|^T + y - b) / 2``, and ``W^± = (W ± |W|) / 2`` gives
-    ``gbar_x = (S W + sign(x) ⊙ S |W|) / 2``."""
+    so twice the denominator is ``Z = |x| |W|^T + (y - b)`` (the forward's ``y`` reused), and
+    ``W^± = (W ± |W|) / 2`` gives ``gbar_x = S' W + sign(x) ⊙ S' |W|`` with ``S' = R_y / Z`` (0
+    where ``Z = 0``: no positive contribution, nothing to share); the two products of ``S'`` are
+    one matmul with ``[W, |W|]``. Rows of ``gbar_y`` that are all 0 (the last block, where only the
+    CLS token carries relevance) are skipped: they give 0."""
     w_abs = weight.abs()
+    minus_b = None if bias is None else -bias
+    d = weight.shape[1]
+
+    def dense(grad, out, x):
+        z = F.linear(x.abs(), w_abs, minus_b).add_(out)  # 2 sum_i (x_i w_ji)^+ >= 0
+        s = (out * grad).div_(z).nan_to_num_(0.0, 0.0, 0.0)  # a / 0 -> 0
+        both = s @ torch.cat([weight, w_abs], 1)  # S' W and S' |W| side by side
+        return torch.addcmul(both[..., :d], torch.sign(x), both[..., d:])
 
     def rule(grad, out, x):
-        xw = out if bias is None else out - bias  # x W^T
-        z_pos = (x.abs() @ w_abs.T + xw) / 2  # sum_i (x_i w_ji)^+ >= 0
-        s = safe_divide(out * grad, z_pos)
-        return ((s @ weight + torch.sign(x) * (s @ w_abs)) / 2,)
+        index = _live_rows(grad)
+        return (dense(grad, out, x) if index is None else _by_rows(grad, x, index, dense, out, x),)
     return rule
+
+
+def linear_vjp(weight: torch.Tensor):
+    """The plain gradient of ``x W^T + b`` with respect to ``x``: ``gbar W`` (rows of 0 skipped)."""
+    def vjp(grad, out, x):
+        index = _live_rows(grad)
+        return (grad @ weight if index is None else _by_rows(grad, x, index, lambda g: g @ weight),)
+    return vjp
+
+
+def gelu_vjp(approximate: str = "none"):
+    """The plain gradient of GELU, from its input (no recomputation)."""
+    return lambda grad, out, x: (torch.ops.aten.gelu_backward(grad, x, approximate=approximate),)
+
+
+def softmax_vjp(dim: int):
+    """The plain gradient of a softmax, from its output: ``p ⊙ (gbar - sum(gbar ⊙ p))``."""
+    return lambda grad, out, x: (torch._softmax_backward_data(grad, out, dim, x.dtype),)
 
 
 def residual_add_rule(grad, out, a, b):
@@ -179,6 +267,11 @@ def residual_add_rule(grad, out, a, b):
     sa, sb = (a * grad).sum(dim=dims, keepdim=True), (b * grad).sum(dim=dims, keepdim=True)
     share = safe_divide(sa.abs(), sa.abs() + sb.abs())
     return grad * safe_divide(share * total, sa), grad * safe_divide((1 - share) * total, sb)
+
+
+def add_vjp(grad, out, a, b):
+    """The plain gradient of ``a + b``."""
+    return grad, grad
 
 
 # --- the mode: which operations get which rule -----------------------------------------------------
@@ -207,27 +300,31 @@ class _LRPMode(TorchFunctionMode):
             return self.softmax(func, args, kwargs)
         if func is F.gelu:
             x = args[0]
-            return _Ruled.apply(st, lambda t: F.gelu(t, *args[1:], **kwargs), identity_rule, x)
+            approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+            return _Ruled.apply(st, lambda t: F.gelu(t, *args[1:], **kwargs), identity_rule,
+                                gelu_vjp(approximate), x)
         if func is F.layer_norm:
             return self.layer_norm(*args, **kwargs)
         if func is F.linear and st.rules == "chefer":
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             w, b = weight.detach(), None if bias is None else bias.detach()
-            return _Ruled.apply(st, lambda t: F.linear(t, w, b), alpha1_beta0_rule(w, b), x)
+            return _Ruled.apply(st, lambda t: F.linear(t, w, b), alpha1_beta0_rule(w, b), linear_vjp(w), x)
         if func is F.scaled_dot_product_attention:
             return self.sdpa(*args, **kwargs)
         if (func in _ADDS and st.rules == "chefer" and st.stream is not None and len(args) == 2
                 and not kwargs and _tensor(args[0]) and _tensor(args[1])
                 and any(a is st.stream for a in args) and args[0].shape == args[1].shape):
             stream, branch = (args[0], args[1]) if args[0] is st.stream else (args[1], args[0])
-            out = _Ruled.apply(st, torch.add, residual_add_rule, stream, branch)
+            out = _Ruled.apply(st, torch.add, residual_add_rule, add_vjp, stream, branch)
             st.stream = out
             return out
         return func(*args, **kwargs)
 
     # each handler runs the op as the model asked, with the rule's backward
     def matmul(self, func, a, b):
+        if a.ndim >= 2 and b.ndim >= 2:
+            return _HalfMatmul.apply(self.state, func, a, b)
         half_a = _ScaleGrad.apply(self.state, a, 0.5)
         half_b = _ScaleGrad.apply(self.state, b, 0.5)
         return func(half_a, half_b)
@@ -236,7 +333,10 @@ class _LRPMode(TorchFunctionMode):
         if self.state.rules == "attnlrp":  # AttnLRP's softmax rule is the softmax's own gradient
             return func(*args, **kwargs)
         x = args[0]
-        return _Ruled.apply(self.state, lambda t: func(t, *args[1:], **kwargs), identity_rule, x)
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        # the plain gradient without recomputation where the output keeps the input's dtype
+        vjp = softmax_vjp(dim) if isinstance(dim, int) and len(args) <= 2 and kwargs.get("dtype") is None else None
+        return _Ruled.apply(self.state, lambda t: func(t, *args[1:], **kwargs), identity_rule, vjp, x)
 
     def layer_norm(self, x, normalized_shape, weight=None, bias=None, eps=1e-5):
         w = None if weight is None else weight.detach()
@@ -245,7 +345,7 @@ class _LRPMode(TorchFunctionMode):
         def op(t):
             return F.layer_norm(t, normalized_shape, w, b, eps)
         rule = layer_norm_rule(normalized_shape, w, eps) if self.state.rules == "attnlrp" else identity_rule
-        return _Ruled.apply(self.state, op, rule, x)
+        return _Ruled.apply(self.state, op, rule, None, x)
 
     def sdpa(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if is_causal or enable_gqa:
