@@ -223,18 +223,15 @@ def alpha1_beta0_rule(weight: torch.Tensor, bias: torch.Tensor | None = None):
     Computed with three matmuls instead of four: ``(x_i w_ji)^+ = (|x_i| |w_ji| + x_i w_ji) / 2``,
     so twice the denominator is ``Z = |x| |W|^T + (y - b)`` (the forward's ``y`` reused), and
     ``W^± = (W ± |W|) / 2`` gives ``gbar_x = S' W + sign(x) ⊙ S' |W|`` with ``S' = R_y / Z`` (0
-    where ``Z = 0``: no positive contribution, nothing to share); the two products of ``S'`` are
-    one matmul with ``[W, |W|]``. Rows of ``gbar_y`` that are all 0 (the last block, where only the
+    where ``Z = 0``: no positive contribution, nothing to share). Rows of ``gbar_y`` that are all 0 (the last block, where only the
     CLS token carries relevance) are skipped: they give 0."""
     w_abs = weight.abs()
     minus_b = None if bias is None else -bias
-    d = weight.shape[1]
 
     def dense(grad, out, x):
         z = F.linear(x.abs(), w_abs, minus_b).add_(out)  # 2 sum_i (x_i w_ji)^+ >= 0
         s = (out * grad).div_(z).nan_to_num_(0.0, 0.0, 0.0)  # a / 0 -> 0
-        both = s @ torch.cat([weight, w_abs], 1)  # S' W and S' |W| side by side
-        return torch.addcmul(both[..., :d], torch.sign(x), both[..., d:])
+        return torch.addcmul(s @ weight, torch.sign(x), s @ w_abs)
 
     def rule(grad, out, x):
         index = _live_rows(grad)

@@ -1,0 +1,90 @@
+"""The fast forms of the LRP rules (vitlab.record.lrp) against their plain definitions in float64:
+alpha-beta (alpha 1, beta 0) from explicit positive contributions, the skipped all-zero rows, the
+plain vector-Jacobian products against autograd, the halved attention matmul."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vitlab.record.lrp import (
+    LRPState, _HalfMatmul, add_vjp, alpha1_beta0_rule, gelu_vjp, identity_rule, linear_vjp, softmax_vjp,
+)
+
+G = torch.Generator().manual_seed(11)
+
+
+def _rand(*shape):
+    return torch.randn(*shape, generator=G, dtype=torch.float64)
+
+
+def _alpha1_beta0_by_definition(x, W, b, R_y):
+    """R_x[i] = sum_j (x_i W_ji)^+ / sum_i' (x_i' W_ji')^+ * R_y[j] (0 where the sum is 0)."""
+    c = (x.unsqueeze(-2) * W).clamp(min=0)  # ... x out x in
+    z = c.sum(-1, keepdim=True)
+    share = torch.where(z > 0, c / torch.where(z > 0, z, 1.0), 0.0)
+    return (share * R_y.unsqueeze(-1)).sum(-2)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("zero_rows", [0, 5])  # 5 of 6 rows without gradient: the skipped path
+def test_alpha1_beta0_fast_equals_definition(bias, zero_rows):
+    x, W = _rand(2, 3, 7), _rand(4, 7)
+    x[0, 1, 2] = 0.0
+    x[1, 2] = -x[1, 2].abs()  # a row of negative inputs
+    W[3] = W[3].abs()  # with it, unit 3 of that row has no positive contribution
+    b = _rand(4) if bias else None
+    y = F.linear(x, W, b)
+    grad = _rand(2, 3, 4)
+    if zero_rows:
+        grad.view(-1, 4)[1:] = 0.0
+    (g,) = alpha1_beta0_rule(W, b)(grad, y, x)
+    want = _alpha1_beta0_by_definition(x, W, b, y * grad)
+    torch.testing.assert_close(x * g, want, atol=1e-12, rtol=1e-10)
+    assert torch.isfinite(g).all()
+    # conservation where every output unit has a positive contribution: R_x sums to R_y
+    has_pos = (x.unsqueeze(-2) * W).clamp(min=0).sum(-1) > 0
+    torch.testing.assert_close((x * g).sum(-1), (y * grad * has_pos).sum(-1), atol=1e-12, rtol=1e-10)
+
+
+def test_plain_vjps_equal_autograd():
+    x, W, grad = _rand(2, 5, 6), _rand(3, 6), _rand(2, 5, 3)
+    grad[0, 1:] = 0.0
+    xr = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(F.linear(xr, W), xr, grad)
+    (got,) = linear_vjp(W)(grad, F.linear(x, W), x)
+    torch.testing.assert_close(got, want, atol=1e-13, rtol=1e-12)
+    for approximate in ("none", "tanh"):
+        g = _rand(2, 5, 6)
+        (want,) = torch.autograd.grad(F.gelu(xr, approximate=approximate), xr, g)
+        (got,) = gelu_vjp(approximate)(g, F.gelu(x, approximate=approximate), x)
+        torch.testing.assert_close(got, want, atol=1e-13, rtol=1e-12)
+    g = _rand(2, 5, 6)
+    (want,) = torch.autograd.grad(xr.softmax(-1), xr, g)
+    (got,) = softmax_vjp(-1)(g, x.softmax(-1), x)
+    torch.testing.assert_close(got, want, atol=1e-13, rtol=1e-12)
+    assert all(t is g for t in add_vjp(g, None, x, x))
+
+
+def test_identity_rule_fast_equals_definition():
+    x = _rand(4, 5)
+    x[1, 2] = 0.0
+    out, grad = F.gelu(x), _rand(4, 5)
+    (g,) = identity_rule(grad, out, x)
+    want = torch.where(x != 0, out * grad / torch.where(x != 0, x, 1.0), 0.0)
+    torch.testing.assert_close(g, want, atol=1e-13, rtol=1e-12)
+
+
+@pytest.mark.parametrize("shapes", [((2, 3, 4, 5), (2, 3, 5, 6)), ((2, 3, 4, 5), (5, 6)), ((4, 5), (2, 5, 6))])
+def test_half_matmul(shapes):
+    """LRP backward: each operand's gradient x input share halved; plain backward: the matmul's own."""
+    a, b = _rand(*shapes[0]).requires_grad_(True), _rand(*shapes[1]).requires_grad_(True)
+    grad = _rand(*torch.broadcast_shapes(shapes[0][:-1] + (1,), shapes[1][:-2] + (1, 1))[:-1],
+                 shapes[1][-1])
+    want = torch.autograd.grad(a @ b, [a, b], grad)
+    state = LRPState("chefer")
+    out = _HalfMatmul.apply(state, torch.matmul, a, b)
+    torch.testing.assert_close(out, a.detach() @ b.detach())
+    for got, ref in zip(torch.autograd.grad(out, [a, b], grad), want):
+        torch.testing.assert_close(got, ref / 2, atol=1e-13, rtol=1e-12)
+    with state.plain_gradients():
+        for got, ref in zip(torch.autograd.grad(_HalfMatmul.apply(state, torch.matmul, a, b), [a, b], grad), want):
+            torch.testing.assert_close(got, ref, atol=1e-13, rtol=1e-12)
