@@ -409,39 +409,22 @@ class QuestionGrades(NamedTuple):
 
 
 def grade_lxmert(model, x: torch.Tensor, masks, questions, methods=BIMODAL_METHODS, batch_size: int = 100,
-                 min_coverage: float = 0.5) -> QuestionGrades:
+                 min_coverage: float = 0.5, features=None) -> QuestionGrades:
     """Grade every method's LXMERT maps against the objects of two-object scenes.
 
     ``masks``: ``S x 2 x H x W`` (the two objects of each scene in ``x``); the target object
     of question q is ``questions.target[q]`` (-1: none, e.g. "is there a star? no"), the other
     object is the scene's other one. The top patch lies "on" an object when it covers at least
     ``min_coverage`` of the patch (:func:`pointing_game`). Text: is the named class word the
-    highest of the text map (``[CLS]`` is 0 there, padding never counts)?
+    highest of the text map (``[CLS]`` is 0 there, padding never counts)? ``features``: the
+    scenes' visual inputs from :func:`lxmert_scene_features`, if already computed.
     """
     masks = _as_tensor(masks)
     if masks.ndim != 4 or masks.shape[:2] != (x.shape[0], 2):
         raise ValueError(f"masks must be S x 2 x H x W for the {x.shape[0]} scenes of x, got {tuple(masks.shape)}")
-    maps = lxmert_method_maps(model, x, questions, methods, batch_size)
-    methods = tuple(maps)
-    scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
-    target = torch.as_tensor(np.asarray(questions.target), dtype=torch.long)
-    has_target = target >= 0
-    t = target.clamp(min=0)
-    m_target, m_other = masks[scene, t], masks[scene, 1 - t]
-    grid = tuple(next(iter(maps.values())).image.shape[1:])
-    pos = named_word_positions(model.tokenizer, questions)
+    maps = lxmert_method_maps(model, x, questions, methods, batch_size, features)
     _, attn_mask = model.encode(list(questions.text))
-    on_target, on_other, named_top = [], [], []
-    for name in methods:
-        image = maps[name].image
-        on_target.append((pointing_game(image, m_target, min_coverage) & has_target).numpy())
-        on_other.append((pointing_game(image, m_other, min_coverage) & has_target).numpy())
-        named_top.append(top_token_is(maps[name].text, pos, valid=attn_mask == 1))
-    correct = np.concatenate([(maps[methods[0]].logits.argmax(-1) == torch.as_tensor(questions.answer_id)).numpy()])
-    from vitlab.localization import chance_pointing
-
-    return QuestionGrades(methods, correct, has_target.numpy(), np.stack(on_target), np.stack(on_other),
-                          chance_pointing(m_target, grid, min_coverage).numpy(), pos, np.stack(named_top), maps)
+    return _grade_question_maps(model, maps, masks, questions, min_coverage, attn_mask == 1)
 
 
 def detr_detections(model, x: torch.Tensor, threshold: float = 0.9, batch_size: int = 100) -> list[dict]:
@@ -674,3 +657,339 @@ def lxmert_answers_without(model, x: torch.Tensor, questions, drop, batch_size: 
                            visual_pos=boxes[scene[s]], visual_attention_mask=(~drop[s]).to(feats.dtype))
             out.append(logits.question_answering_score.argmax(-1))
     return torch.cat(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 5: the single-stream model (VisualBERT), graded as LXMERT
+# ---------------------------------------------------------------------------------------------
+
+
+def _visualbert_methods() -> dict:
+    from vitlab import relevance as rv
+
+    return {
+        "relevance": rv.visualbert_relevance,
+        "raw attention": rv.visualbert_raw_attention,
+        "rollout": rv.visualbert_rollout,
+        "GradCAM": rv.visualbert_gradcam,
+    }
+
+
+#: The chapter-5 methods for ``shapes-visualbert``, in table order (no backbone variant: the
+#: single-stream relevance stops at VisualBERT's input tokens).
+VISUALBERT_METHODS: tuple[str, ...] = ("relevance", "raw attention", "rollout", "GradCAM")
+
+
+def visualbert_method_maps(model, x: torch.Tensor, questions, methods=VISUALBERT_METHODS, batch_size: int = 100,
+                           features=None) -> dict:
+    """Image and text maps of every method for every question, for ``shapes-visualbert``.
+
+    As :func:`lxmert_method_maps` (same arguments and returns; ``features`` the frozen ViT's
+    tokens of :func:`lxmert_scene_features`, which ``shapes-visualbert`` reads too, as
+    ``visual_feats``). The maps are the row of the token VisualBERT answers from
+    (``attention_mask.sum(1) - 2``, the ``?``), its own text entry 0
+    (:mod:`vitlab.relevance.visualbert`). One forward (and one backward) per batch and method.
+    """
+    from vitlab.relevance import BimodalMaps
+
+    methods = tuple(methods)
+    unknown = [m for m in methods if m not in VISUALBERT_METHODS]
+    if not methods or unknown:
+        raise ValueError(f"methods must be names from {VISUALBERT_METHODS}, got {methods!r}")
+    table = _visualbert_methods()
+    ids, mask, scene = _encoded_questions(model, x.shape[0], questions, "visualbert_method_maps")
+    grid = tuple(int(g) for g in model.backbone.patch_embed.grid_size)
+    feats = (lxmert_scene_features(model, x, batch_size) if features is None else features)[0]
+    out = {}
+    for name in methods:
+        parts = [table[name](model, dict(input_ids=ids[s], attention_mask=mask[s], visual_feats=feats[scene[s]]))
+                 for s in _batches(len(questions), batch_size)]
+        image = torch.cat([p.image for p in parts]).reshape(len(questions), *grid)
+        out[name] = BimodalMaps(image, torch.cat([p.text for p in parts]),
+                                torch.cat([p.target for p in parts]), torch.cat([p.logits for p in parts]))
+    return out
+
+
+def _grade_question_maps(model, maps: dict, masks, questions, min_coverage: float, text_valid) -> QuestionGrades:
+    """Pointing (image maps) and the named word (text maps) of every method's maps, per question."""
+    from vitlab.localization import chance_pointing
+
+    methods = tuple(maps)
+    scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
+    target = torch.as_tensor(np.asarray(questions.target), dtype=torch.long)
+    has_target = target >= 0
+    t = target.clamp(min=0)
+    m_target, m_other = masks[scene, t], masks[scene, 1 - t]
+    grid = tuple(next(iter(maps.values())).image.shape[1:])
+    pos = named_word_positions(model.tokenizer, questions)
+    on_target, on_other, named_top = [], [], []
+    for name in methods:
+        image = maps[name].image
+        on_target.append((pointing_game(image, m_target, min_coverage) & has_target).numpy())
+        on_other.append((pointing_game(image, m_other, min_coverage) & has_target).numpy())
+        named_top.append(top_token_is(maps[name].text, pos, valid=text_valid))
+    correct = (maps[methods[0]].logits.argmax(-1) == torch.as_tensor(questions.answer_id)).numpy()
+    return QuestionGrades(methods, correct, has_target.numpy(), np.stack(on_target), np.stack(on_other),
+                          chance_pointing(m_target, grid, min_coverage).numpy(), pos, np.stack(named_top), maps)
+
+
+def grade_visualbert(model, x: torch.Tensor, masks, questions, methods=VISUALBERT_METHODS, batch_size: int = 100,
+                     min_coverage: float = 0.5, features=None) -> QuestionGrades:
+    """Grade every method's ``shapes-visualbert`` maps against the objects, as :func:`grade_lxmert`.
+
+    Same measures and arguments. Text: the named class word must be the highest of the word
+    tokens; ``[CLS]`` and ``[SEP]`` do not count (VisualBERT's answer row is the ``?``, whose
+    own entry is 0, and its ``[CLS]`` is a token like any other, not the answer's own).
+    """
+    masks = _as_tensor(masks)
+    if masks.ndim != 4 or masks.shape[:2] != (x.shape[0], 2):
+        raise ValueError(f"masks must be S x 2 x H x W for the {x.shape[0]} scenes of x, got {tuple(masks.shape)}")
+    maps = visualbert_method_maps(model, x, questions, methods, batch_size, features)
+    _, mask = model.encode(list(questions.text))
+    positions = torch.arange(mask.shape[1])
+    words = (mask == 1) & (positions > 0) & (positions < mask.sum(1, keepdim=True) - 1)
+    return _grade_question_maps(model, maps, masks, questions, min_coverage, words)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 5: the paper's perturbation tests for many maps at once
+# ---------------------------------------------------------------------------------------------
+
+#: The four tests of each model: (modality, positive).
+PERTURBATION_TESTS: tuple[tuple[str, bool], ...] = (("image", True), ("image", False), ("text", True),
+                                                    ("text", False))
+
+
+def _kept_sets(maps: torch.Tensor, mask: torch.Tensor, modality: str, positive: bool, steps, keep_end: int):
+    """Per question and step, the token indices kept (ascending), as :func:`bimodal_faithfulness
+    .perturbation_curve` keeps them: image all tokens, text ``[CLS]``, the kept words, the last
+    ``keep_end`` real tokens."""
+    from vitlab.bimodal_faithfulness import kept_indices
+
+    out = []
+    for b in range(maps.shape[0]):
+        if modality == "image":
+            out.append([tuple(kept_indices(maps[b], s, positive).tolist()) for s in steps])
+            continue
+        n = int(mask[b].sum())
+        rows = []
+        for s in steps:
+            inner = (kept_indices(maps[b, 1 : n - keep_end], s, positive) + 1).tolist()
+            rows.append(tuple([0] + inner + list(range(n - keep_end, n))))
+        out.append(rows)
+    return out
+
+
+def _run_kept(model, inputs: dict, modality: str, items: list, batch_size: int) -> list[int]:
+    """The model's top-1 answer for each ``(question, kept token indices)`` of ``items``: the
+    kept tokens alone, in their order (no kept image token: one blank token, as
+    :mod:`vitlab.bimodal_faithfulness` does); one forward per batch of items that keep as many
+    tokens."""
+    from vitlab.bimodal_faithfulness import IMAGE_KEYS, TEXT_KEYS, _logits
+
+    keys = IMAGE_KEYS if modality == "image" else TEXT_KEYS
+    preds = [0] * len(items)
+    by_count: dict[int, list[int]] = {}
+    for i, (_, kept) in enumerate(items):
+        by_count.setdefault(len(kept), []).append(i)
+    for count, idx in by_count.items():
+        for s in _batches(len(idx), batch_size):
+            chosen = idx[s]
+            rows = torch.as_tensor([items[i][0] for i in chosen])
+            batch = {}
+            for k, v in inputs.items():
+                v = v[rows.to(v.device)]
+                if k in keys and count == 0:
+                    v = torch.zeros(len(chosen), 1, *v.shape[2:], dtype=v.dtype, device=v.device)
+                    if k == "visual_attention_mask":
+                        v += 1
+                elif k in keys:
+                    sel = torch.as_tensor([items[i][1] for i in chosen], device=v.device)
+                    v = v.gather(1, sel.reshape(*sel.shape, *([1] * (v.ndim - 2))).expand(-1, -1, *v.shape[2:]))
+                batch[k] = v
+            for i, p in zip(chosen, _logits(model(**batch)).argmax(-1).tolist()):
+                preds[i] = int(p)
+    return preds
+
+
+def perturbation_grid(model, inputs: dict, maps: dict, answers, tests=PERTURBATION_TESTS, steps=None,
+                      keep_end: int = 1, batch_size: int = 256) -> dict:
+    """The perturbation tests of Chefer et al. (2021, sec. 5) for many maps at once.
+
+    ``maps``: method -> ``{"image": B x N, "text": B x T}`` (the maps of ``B`` questions);
+    ``tests``: ``(modality, positive)`` pairs. Returns ``(method, modality, positive)`` ->
+    :class:`vitlab.bimodal_faithfulness.PerturbationCurve`, each equal to
+    ``perturbation_curve(model, inputs, maps[method][modality], modality, positive, answers,
+    steps, keep_end=keep_end)``. Faster: an input that several curves perturb the same way
+    (every curve's step 0; the same words kept from a short question by several steps or
+    methods) runs once. Questions never share a forward's result, so a batch gives what its
+    questions give one by one. ``steps``: default
+    :data:`vitlab.bimodal_faithfulness.PERTURBATION_STEPS`; ``answers``: ``B`` true answer ids.
+    The model runs in eval mode without gradients and is left as it was.
+    """
+    from vitlab import bimodal_faithfulness as bf
+
+    steps = tuple(float(s) for s in (bf.PERTURBATION_STEPS if steps is None else steps))
+    if not isinstance(inputs, dict):
+        raise TypeError(f"inputs must be a dict of the model's keyword inputs, got {type(inputs).__name__}")
+    if not maps or not tests:
+        raise ValueError("perturbation_grid needs at least one method's maps and one (modality, positive) test")
+    inputs = bf.token_inputs(model, inputs)
+    answers = torch.as_tensor(answers).detach().long().cpu()
+    checked = {}
+    for name, per in maps.items():
+        for modality, positive in tests:
+            if modality not in per:
+                raise ValueError(f"maps[{name!r}] has no {modality!r} map (keys {tuple(per)})")
+            m = torch.as_tensor(per[modality]).detach().cpu()
+            bf._check(inputs, m, modality, answers, steps, keep_end)
+            checked[name, modality] = m
+    mask = inputs["attention_mask"].cpu()
+    B = mask.shape[0]
+    kept = {(name, modality, positive): _kept_sets(checked[name, modality], mask, modality, positive, steps, keep_end)
+            for name in maps for modality, positive in tests}
+    was_training = model.training
+    model.eval()
+    out = {}
+    try:
+        with torch.no_grad():
+            for modality in dict.fromkeys(m for m, _ in tests):
+                slot: dict[tuple, int] = {}
+                for key, sets in kept.items():
+                    if key[1] == modality:
+                        for b in range(B):
+                            for k in sets[b]:
+                                slot.setdefault((b, k), len(slot))
+                preds = _run_kept(model, inputs, modality, list(slot), batch_size)
+                for key, sets in kept.items():
+                    if key[1] != modality:
+                        continue
+                    p = torch.tensor([[preds[slot[b, k]] for k in sets[b]] for b in range(B)], dtype=torch.long)
+                    n_kept = torch.tensor([[len(k) for k in sets[b]] for b in range(B)], dtype=torch.long)
+                    out[key] = bf.PerturbationCurve(modality, key[2], steps, p == answers[:, None], n_kept, p)
+    finally:
+        model.train(was_training)
+    return {key: out[key] for key in kept}
+
+
+def perturbation_rows(curves: dict, tests=PERTURBATION_TESTS, seed: int = 0) -> list[dict]:
+    """One table row per method: each test's AUC with its 95% bootstrap interval over questions
+    (:func:`vitlab.bimodal_faithfulness.bootstrap_interval`), e.g. ``0.487 [0.465, 0.507]``."""
+    from vitlab.bimodal_faithfulness import bootstrap_interval
+
+    rows = []
+    for name in dict.fromkeys(k[0] for k in curves):
+        row = {"method": name}
+        for modality, positive in tests:
+            c = curves[name, modality, positive]
+            lo, hi = bootstrap_interval(c.question_auc, seed=seed)
+            row[f"{modality} {'pos ↓' if positive else 'neg ↑'}"] = f"{c.auc:.3f} [{lo:.3f}, {hi:.3f}]"
+        rows.append(row)
+    return rows
+
+
+class Verdict(NamedTuple):
+    """The paper's ordering on one test (from :func:`perturbation_verdicts`).
+
+    Attributes:
+        modality, positive: the test.
+        auc: the reference method's AUC; best_other / best_auc: the best other method and its AUC
+            (lowest for positive, highest for negative).
+        low, high: 95% bootstrap interval of the per-question AUC difference reference - best other.
+        holds: the interval lies on the reference's side of 0 (below for positive, above for
+            negative); ``tie``: it contains 0.
+    """
+
+    modality: str
+    positive: bool
+    auc: float
+    best_other: str
+    best_auc: float
+    low: float
+    high: float
+    holds: bool
+    tie: bool
+
+
+def perturbation_verdicts(curves: dict, reference: str = "relevance", tests=PERTURBATION_TESTS,
+                          seed: int = 0) -> list[Verdict]:
+    """Per test: is ``reference`` better than every other method (lowest AUC on positive,
+    highest on negative, as Chefer et al. 2021 claim for their relevance), beyond a 95%
+    interval? Paired: the interval is the bootstrap of the per-question AUC difference between
+    ``reference`` and the best of the others (:func:`vitlab.bimodal_faithfulness.bootstrap_interval`)."""
+    from vitlab.bimodal_faithfulness import bootstrap_interval
+
+    out = []
+    for modality, positive in tests:
+        ref = curves[reference, modality, positive]
+        others = {k[0]: c for k, c in curves.items() if k[1:] == (modality, positive) and k[0] != reference}
+        if not others:
+            raise ValueError(f"no other method than {reference!r} to compare on {modality}, "
+                             f"{'positive' if positive else 'negative'}")
+        best = (min if positive else max)(others, key=lambda m: others[m].auc)
+        lo, hi = bootstrap_interval(ref.question_auc - others[best].question_auc, seed=seed)
+        holds = hi < 0 if positive else lo > 0
+        out.append(Verdict(modality, positive, ref.auc, best, others[best].auc, lo, hi, holds, lo <= 0 <= hi))
+    return out
+
+
+def paired_difference(a, b, seed: int = 0) -> tuple[float, float, float]:
+    """``(mean, low, high)``: the mean of ``a - b`` over questions (per-question values, e.g.
+    two curves' ``question_auc``) and its 95% bootstrap interval."""
+    from vitlab.bimodal_faithfulness import bootstrap_interval
+
+    d = torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)
+    lo, hi = bootstrap_interval(d, seed=seed)
+    return float(d.mean()), lo, hi
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 5: eq. 10's self-relevance, eq. 11 and simultaneous co-attention, left out one at a time
+# ---------------------------------------------------------------------------------------------
+
+#: The variants of :func:`lxmert_relevance_variants`: name -> ``lxmert_relevance`` keywords.
+LXMERT_ABLATIONS: dict = {
+    "relevance": {},
+    "without eq. 11": {"eq11": False},
+    "sequential co-attention": {"simultaneous": False},
+    "without self-relevance in eq. 10": {"self_in_eq10": False},
+}
+
+
+def lxmert_relevance_variants(model, x: torch.Tensor, questions, variants=None, batch_size: int = 100,
+                              features=None) -> dict:
+    """``lxmert_relevance`` of every question with each rule left out: variant -> BimodalMaps.
+
+    ``variants``: name -> keyword arguments of :func:`vitlab.relevance.lxmert_relevance`
+    (default :data:`LXMERT_ABLATIONS`). As :func:`lxmert_method_maps` otherwise (image maps
+    ``Q x gh x gw``); each variant explains the model's own answer.
+    """
+    from vitlab.relevance import BimodalMaps, lxmert_relevance
+
+    variants = dict(LXMERT_ABLATIONS if variants is None else variants)
+    if not variants:
+        raise ValueError("variants must name at least one set of lxmert_relevance keywords")
+    ids, mask, scene = _encoded_questions(model, x.shape[0], questions, "lxmert_relevance_variants")
+    grid = tuple(int(g) for g in model.backbone.patch_embed.grid_size)
+    feats, pos = lxmert_scene_features(model, x, batch_size) if features is None else features
+    out = {}
+    for name, kwargs in variants.items():
+        parts = [lxmert_relevance(model, dict(input_ids=ids[s], attention_mask=mask[s], visual_feats=feats[scene[s]],
+                                              visual_pos=pos[scene[s]]), **kwargs)
+                 for s in _batches(len(questions), batch_size)]
+        out[name] = BimodalMaps(torch.cat([p.image for p in parts]).reshape(len(questions), *grid),
+                                torch.cat([p.text for p in parts]), torch.cat([p.target for p in parts]),
+                                torch.cat([p.logits for p in parts]))
+    return out
+
+
+def map_change(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """How much map ``b`` differs from map ``a``, per question (``Q x ...`` each): ``"top_moved"``
+    (bool, the highest entry is elsewhere), ``"l1"`` (the L1 distance of the two maps each
+    divided by its sum, in [0, 2]; 0 where both maps are 0)."""
+    a, b = a.flatten(1).double(), b.flatten(1).double()
+    if a.shape != b.shape:
+        raise ValueError(f"the maps must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    na = a / a.sum(1, keepdim=True).clamp_min(1e-300)
+    nb = b / b.sum(1, keepdim=True).clamp_min(1e-300)
+    return {"top_moved": (a.argmax(1) != b.argmax(1)).numpy(), "l1": (na - nb).abs().sum(1).numpy()}

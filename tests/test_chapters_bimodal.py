@@ -1,0 +1,240 @@
+"""vitlab.chapters' chapter-5 helpers for VisualBERT, the perturbation grid and the rule ablations.
+
+The grid is checked against vitlab.bimodal_faithfulness.perturbation_curve (one curve at a time)
+and against a plain loop that deletes the tokens and reruns the model question by question;
+VisualBERT's grading against each question run alone and the pointing game written out.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LxmertConfig, LxmertForQuestionAnswering, VisualBertConfig, VisualBertForQuestionAnswering
+
+import vitlab
+from vitlab import bimodal_faithfulness as bf
+from vitlab import chapters as ch
+from vitlab.localization import TOUCH, mask_to_grid
+from vitlab.relevance import lxmert_relevance, visualbert_gradcam, visualbert_relevance
+from vitlab.shapes import make_scenes, scenes_to_tensor
+from vitlab.shapes.model import MEAN, STD
+from vitlab.shapes.qa import make_questions
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def random_lxmert():
+    torch.manual_seed(0)
+    cfg = LxmertConfig(vocab_size=40, hidden_size=32, num_attention_heads=4, intermediate_size=64, l_layers=1,
+                       r_layers=1, x_layers=2, visual_feat_dim=16, visual_pos_dim=4, num_qa_labels=6,
+                       num_object_labels=5, num_attr_labels=5, initializer_range=0.3)
+    return LxmertForQuestionAnswering(cfg).eval()
+
+
+def random_visualbert():
+    torch.manual_seed(0)
+    cfg = VisualBertConfig(vocab_size=40, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                           num_hidden_layers=2, visual_embedding_dim=12, num_labels=6, initializer_range=0.3)
+    return VisualBertForQuestionAnswering(cfg).eval()
+
+
+def random_inputs(family, B=7, T=8, N=9, seed=1):
+    """Right-padded questions of different lengths ([CLS] = 1, [SEP] = 2), random image tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [T, 4, T - 2, 5, T, 3, T - 1][:B]
+    ids, mask = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = torch.cat([torch.tensor([1]), torch.randint(3, 40, (n - 2,), generator=g), torch.tensor([2])])
+        mask[b, :n] = 1
+    if family == "lxmert":
+        return dict(input_ids=ids, attention_mask=mask, visual_feats=torch.randn(B, N, 16, generator=g),
+                    visual_pos=torch.rand(B, N, 4, generator=g))
+    return dict(input_ids=ids, attention_mask=mask, visual_embeds=torch.randn(B, N, 12, generator=g))
+
+
+def random_maps(inputs, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    B, T = inputs["input_ids"].shape
+    N = next(v for k, v in inputs.items() if k in ("visual_feats", "visual_embeds")).shape[1]
+    a = {"image": torch.rand(B, N, generator=g), "text": torch.rand(B, T, generator=g)}
+    a["image"][0, 3] = a["image"][0, 5]                              # a tie, broken by token order
+    b = {"image": torch.rand(B, N, generator=g), "text": a["text"].clone()}   # b's text = a's: shared inputs
+    b["text"][1] = torch.rand(T, generator=g)
+    return {"a": a, "b": b, "flat": {"image": torch.zeros(B, N), "text": torch.zeros(B, T)}}
+
+
+def logits_of(out):
+    return out.question_answering_score if hasattr(out, "question_answering_score") else out.logits
+
+
+def loop_curve(model, inputs, scores, modality, positive, keep_end, steps=bf.PERTURBATION_STEPS):
+    """Question by question, unpadded: rank with a plain sort (ties: the earlier token first), delete
+    the tokens, rerun; B x S predictions."""
+    B = inputs["input_ids"].shape[0]
+    out = np.zeros((B, len(steps)), dtype=np.int64)
+    for b in range(B):
+        n = int(inputs["attention_mask"][b].sum())
+        one = {k: v[b:b + 1, :n] if k in bf.TEXT_KEYS else v[b:b + 1] for k, v in inputs.items()}
+        cand = list(range(scores.shape[1])) if modality == "image" else list(range(1, n - keep_end))
+        ranked = sorted(cand, key=lambda i: (-float(scores[b, i]), i))
+        for j, step in enumerate(steps):
+            k = int((1 - step) * len(cand))
+            keep = sorted(ranked[len(ranked) - k:] if positive else ranked[:k])
+            x = dict(one)
+            if modality == "image":
+                for key in bf.IMAGE_KEYS:
+                    if key in x:
+                        x[key] = x[key][:, keep] if keep else torch.zeros_like(x[key][:, :1])
+            else:
+                keep = [0] + keep + list(range(n - keep_end, n))
+                for key in bf.TEXT_KEYS:
+                    if key in x:
+                        x[key] = x[key][:, keep]
+            with torch.no_grad():
+                out[b, j] = int(logits_of(model(**x)).argmax(-1))
+    return out
+
+
+@pytest.mark.parametrize("family", ["lxmert", "visualbert"])
+def test_the_grid_equals_each_curve_the_plain_loop_and_its_questions_alone(family):
+    model = random_lxmert() if family == "lxmert" else random_visualbert()
+    inputs = random_inputs(family)
+    maps = random_maps(inputs)
+    keep_end = 1 if family == "lxmert" else 2
+    answers = torch.randint(0, 6, (inputs["input_ids"].shape[0],), generator=torch.Generator().manual_seed(5))
+    grid = ch.perturbation_grid(model, inputs, maps, answers, keep_end=keep_end, batch_size=5)
+    assert set(grid) == {(m, mod, pos) for m in maps for mod, pos in ch.PERTURBATION_TESTS}
+    checked = [(m, mod, pos) for m, mod, pos in grid if m == "a" or (m == "b" and mod == "text")]
+    for name, modality, positive in checked + [("flat", "image", True)]:
+        curve = grid[name, modality, positive]
+        one = bf.perturbation_curve(model, inputs, maps[name][modality], modality, positive, answers,
+                                    keep_end=keep_end)
+        assert torch.equal(curve.predictions, one.predictions), (name, modality, positive)
+        assert torch.equal(curve.kept, one.kept) and torch.equal(curve.correct, one.correct)
+        assert curve.auc == pytest.approx(one.auc) and curve.steps == one.steps
+    for name, modality, positive in (("a", "image", True), ("b", "text", False), ("flat", "text", True)):
+        loop = loop_curve(model, inputs, maps[name][modality], modality, positive, keep_end)
+        assert grid[name, modality, positive].predictions.numpy().tolist() == loop.tolist()
+    assert len(set(grid["a", "image", True].predictions.flatten().tolist())) > 1   # the answers do vary
+    rows = [1, 4]                                                      # batch = items
+    sub = ch.perturbation_grid(model, {k: v[rows] for k, v in inputs.items()},
+                               {m: {k: v[rows] for k, v in d.items()} for m, d in maps.items()}, answers[rows],
+                               keep_end=keep_end)
+    for key, curve in sub.items():
+        assert torch.equal(curve.predictions, grid[key].predictions[rows])
+
+
+def test_the_grid_leaves_the_model_as_it_was_and_refuses_bad_maps():
+    model, inputs = random_lxmert(), random_inputs("lxmert")
+    maps = random_maps(inputs)
+    model.train()
+    answers = torch.zeros(7, dtype=torch.long)
+    ch.perturbation_grid(model, inputs, {"a": maps["a"]}, answers, tests=[("image", True)])
+    assert model.training
+    model.eval()
+    with pytest.raises(ValueError, match="has no 'text' map"):
+        ch.perturbation_grid(model, inputs, {"a": {"image": maps["a"]["image"]}}, answers)
+    bad = {"image": maps["a"]["image"].clone(), "text": maps["a"]["text"]}
+    bad["image"][2, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        ch.perturbation_grid(model, inputs, {"bad": bad}, answers)
+    with pytest.raises(ValueError, match="at least one"):
+        ch.perturbation_grid(model, inputs, {}, answers)
+
+
+def curve(correct, positive=True):
+    c = torch.tensor(correct, dtype=torch.bool)
+    z = torch.zeros(c.shape, dtype=torch.long)
+    return bf.PerturbationCurve("image", positive, (0.0, 0.5, 1.0), c, z, z)
+
+
+def test_verdicts_rows_and_paired_differences_are_the_bootstrap_of_the_right_values():
+    # per question AUCs (trapezoid over 0, .5, 1): [1,1,1] -> 1, [1,0,0] -> .25, [1,1,0] -> .75
+    rel = curve([[1, 0, 0]] * 6 + [[1, 1, 0]] * 2)                      # mean .375
+    roll = curve([[1, 1, 0]] * 8)                                       # .75
+    rand = curve([[1, 1, 1]] * 8)                                       # 1
+    curves = {("relevance", "image", True): rel, ("rollout", "image", True): roll, ("random", "image", True): rand}
+    (v,) = ch.perturbation_verdicts(curves, tests=[("image", True)])
+    assert v.best_other == "rollout" and v.auc == pytest.approx(0.375) and v.best_auc == pytest.approx(0.75)
+    lo, hi = bf.bootstrap_interval(rel.question_auc - roll.question_auc)
+    assert (v.low, v.high) == (lo, hi) and v.holds and not v.tie and hi < 0
+    mean, lo2, hi2 = ch.paired_difference(rel.question_auc, roll.question_auc)
+    assert mean == pytest.approx(-0.375) and (lo2, hi2) == (lo, hi)
+    # on negative the best other is the highest AUC, and relevance is worse: does not hold
+    neg = {(k[0], "image", False): bf.PerturbationCurve("image", False, c.steps, c.correct, c.kept, c.predictions)
+           for k, c in curves.items()}
+    (w,) = ch.perturbation_verdicts(neg, tests=[("image", False)])
+    assert w.best_other == "random" and not w.holds and w.high < 0
+    (row,) = [r for r in ch.perturbation_rows(curves, tests=[("image", True)]) if r["method"] == "rollout"]
+    lo3, hi3 = bf.bootstrap_interval(roll.question_auc)
+    assert row["image pos ↓"] == f"0.750 [{lo3:.3f}, {hi3:.3f}]"
+    with pytest.raises(ValueError, match="no other method"):
+        ch.perturbation_verdicts({("relevance", "image", True): rel}, tests=[("image", True)])
+
+
+def test_map_change():
+    a = torch.tensor([[0.0, 1.0, 3.0], [2.0, 2.0, 0.0]])
+    b = torch.tensor([[0.0, 3.0, 1.0], [1.0, 1.0, 0.0]])
+    c = ch.map_change(a, b)
+    assert c["top_moved"].tolist() == [True, False]
+    assert c["l1"] == pytest.approx([1.0, 0.0])                          # |.25-.75| + |.75-.25|; same shares
+    with pytest.raises(ValueError, match="same shape"):
+        ch.map_change(a, b[:, :2])
+
+
+# ---------------------------------------------------------------- the shipped models
+@pytest.fixture(scope="module")
+def scenes():
+    return make_scenes(5, 60_321, 2)
+
+
+@pytest.fixture(scope="module")
+def x(scenes):
+    return scenes_to_tensor(scenes.images, (3, 112, 112), MEAN, STD)
+
+
+def on_object(grid_map, mask, min_coverage):
+    cover = mask_to_grid(torch.as_tensor(mask[None], dtype=torch.float32), tuple(grid_map.shape))[0]
+    top = grid_map == grid_map.max()
+    return bool((cover[top] >= min_coverage - 1e-9).all())
+
+
+def test_grade_visualbert_equals_each_question_on_its_own(scenes, x):
+    vb = vitlab.load_model("shapes-visualbert")
+    qs = make_questions(scenes, seed=4, per_scene=2)
+    g = ch.grade_visualbert(vb, x, scenes.masks, qs, methods=("relevance", "GradCAM"), batch_size=4,
+                            min_coverage=TOUCH)
+    assert g.methods == ("relevance", "GradCAM") and g.on_target.shape == (2, len(qs))
+    ids, mask = vb.encode(list(qs.text))
+    for q in range(len(qs)):
+        s, n = int(qs.scene[q]), int(mask[q].sum())
+        alone_in = dict(pixel_values=x[s:s + 1], input_ids=ids[q:q + 1, :n], attention_mask=mask[q:q + 1, :n])
+        for row, fn in enumerate((visualbert_relevance, visualbert_gradcam)):
+            alone = fn(vb, alone_in)
+            image = alone.image[0].reshape(7, 7)
+            torch.testing.assert_close(g.maps[g.methods[row]].image[q], image, atol=1e-6, rtol=1e-4)
+            torch.testing.assert_close(g.maps[g.methods[row]].text[q, :n], alone.text[0], atol=1e-6, rtol=1e-4)
+            assert (g.maps[g.methods[row]].text[q, n:] == 0).all()
+            t = int(qs.target[q])
+            if t >= 0:
+                assert g.on_target[row, q] == on_object(image, scenes.masks[s, t], TOUCH)
+                assert g.on_other[row, q] == on_object(image, scenes.masks[s, 1 - t], TOUCH)
+            else:
+                assert not g.on_target[row, q] and not g.on_other[row, q]
+            words = alone.text[0, 1:n - 1]                             # [CLS] and [SEP] never count
+            named = int(g.named_position[q])
+            assert g.named_top[row, q] == (named > 0 and int(words.argmax()) + 1 == named)
+        assert g.correct[q] == (int(g.maps["relevance"].logits[q].argmax()) == int(qs.answer_id[q]))
+
+
+def test_relevance_variants_are_lxmert_relevance_with_each_switch(scenes, x):
+    lx = vitlab.load_model("shapes-lxmert")
+    qs = make_questions(scenes, seed=4, per_scene=1)
+    variants = ch.lxmert_relevance_variants(lx, x, qs, batch_size=3)
+    assert list(variants) == list(ch.LXMERT_ABLATIONS)
+    ids, mask = lx.encode(list(qs.text))
+    xq = x[torch.as_tensor(qs.scene)]
+    for name, kwargs in ch.LXMERT_ABLATIONS.items():
+        ref = lxmert_relevance(lx, dict(pixel_values=xq, input_ids=ids, attention_mask=mask), **kwargs)
+        torch.testing.assert_close(variants[name].image.flatten(1), ref.image, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(variants[name].text, ref.text, atol=1e-6, rtol=1e-4)
