@@ -67,7 +67,7 @@ DETR_PATH = _MODELS_DIR / "shapes-detr.safetensors"
 #: the pilots, the answers stayed at their prior for 750+ steps (see the model card).
 LXMERT_ARCH: dict = dict(
     hidden_size=64, num_attention_heads=4, intermediate_size=256,
-    l_layers=1, x_layers=1, r_layers=1, max_position_embeddings=16,
+    l_layers=2, x_layers=2, r_layers=2, max_position_embeddings=16,
     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, initializer_range=0.2,
 )
 

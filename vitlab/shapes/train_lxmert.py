@@ -32,7 +32,7 @@ from vitlab.shapes.train_loop import fit, lr_schedule, optimizer_step, parse, pa
 
 __all__ = [
     "EVAL_SEED", "VAL_SEED", "batch_loss", "evaluate_lxmert", "feature_chunks", "lr_schedule", "main", "parse_args", "parse_kinds",
-    "question_batches", "scene_features", "train", "train_step",
+    "question_batches", "scene_features", "train", "train_step", "zero_residual_branches",
 ]
 
 #: Seed of the validation scenes logged during training.
@@ -138,6 +138,29 @@ def evaluate_lxmert(model, n: int = 1000, seed: int = EVAL_SEED, per_scene: int 
     return res
 
 
+@torch.no_grad()
+def zero_residual_branches(model) -> int:
+    """Zero the last linear layer of every residual branch (attention output and feed-forward
+    output, weights and biases) of a BERT-style encoder: each ``*.output.dense`` of LXMERT's or
+    VisualBERT's layers (``lang_output`` / ``visn_output`` included), so that at the first step
+    every layer passes its input through (up to its LayerNorm) and training deepens the model from
+    there, as in the zero-initialised residual branches of Goyal et al. (2017), Fixup (Zhang et
+    al. 2019) and SkipInit (De & Smith 2020). Without it, in the ``where``-only pilots of
+    ``shapes-lxmert`` with 2 / 2 / 2 layers the answers stayed at their prior for 400+ steps
+    (see the model card). Returns the number of layers zeroed; the backbone is not touched."""
+    n = 0
+    for name, module in model.named_modules():
+        if name.startswith("backbone") or not name.endswith("output.dense"):
+            continue
+        module.weight.zero_()
+        if module.bias is not None:
+            module.bias.zero_()
+        n += 1
+    if n == 0:
+        raise ValueError(f"{type(model).__name__} has no '*.output.dense' residual-branch layers to zero")
+    return n
+
+
 def parse_kinds(text: str) -> tuple[tuple[str, ...], list[float]]:
     """``"where:2,exists:1,which"`` -> ``(("where", "exists", "which"), [2.0, 1.0, 1.0])``."""
     kinds, weights = [], []
@@ -172,7 +195,10 @@ def fit_questions(model, args, *, name: str, loss_fn, evaluate, arch: dict, save
         val = evaluate(m, n=args.val_n, seed=VAL_SEED)
         return {k: round(v, 4) for k, v in val.items() if k.startswith("accuracy")}
 
+    if args.init_residual == "zero":
+        zero_residual_branches(model)
     info = {"per_scene": args.per_scene, "kinds": dict(zip(kinds, weights)), "first_kinds": args.first_kinds,
+            "init_residual": args.init_residual,
             "first_frac": args.first_frac, "questions_seen": args.steps * args.batch}
     extra = {} if save is None else {"save": save}
     return fit(model, args, name=name, batches=batches, loss_fn=loss_fn, validate=validate,
@@ -188,6 +214,9 @@ def add_question_options(p, *, per_scene: int, first_frac: float) -> None:
     p.add_argument("--first-kinds", default="where", help="curriculum: the kinds asked alone at first ('' for none)")
     p.add_argument("--first-frac", type=float, default=first_frac,
                    help="curriculum: the fraction of the steps (rounded up to whole chunks) that ask only --first-kinds")
+    p.add_argument("--init-residual", choices=("zero", "random"), default="zero",
+                   help="start every residual branch's last linear layer at zero (zero_residual_branches) "
+                        "or keep the random initialisation")
 
 
 def parse_question_args(p, argv):
@@ -216,11 +245,11 @@ def train(args) -> dict:
 
 
 def parse_args(argv=None):
-    p = parser("python -m vitlab.shapes.train_lxmert", __doc__, out=LXMERT_PATH, steps=4000, batch=64, lr=1e-3,
+    p = parser("python -m vitlab.shapes.train_lxmert", __doc__, out=LXMERT_PATH, steps=3000, batch=64, lr=1e-3,
                weight_decay=0.01, val_n=200, eval_n=1000, batch_help="questions per step",
                arch_example='{"x_layers": 3}', val_help="validation scenes (3 questions each)",
                quick_help="smoke test: 20 steps of 16 questions, nothing written (explicit options win)")
-    add_question_options(p, per_scene=4, first_frac=0.2)
+    add_question_options(p, per_scene=8, first_frac=0.2)
     return parse_question_args(p, argv)
 
 

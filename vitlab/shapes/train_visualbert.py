@@ -81,12 +81,11 @@ def train(args) -> dict:
 
 
 def parse_args(argv=None):
-    p = parser("python -m vitlab.shapes.train_visualbert", __doc__, out=VISUALBERT_PATH, steps=1000, batch=64,
+    p = parser("python -m vitlab.shapes.train_visualbert", __doc__, out=VISUALBERT_PATH, steps=3000, batch=64,
                lr=1e-3, weight_decay=0.01, val_n=200, eval_n=1000, batch_help="questions per step",
                arch_example='{"num_hidden_layers": 6}', val_help="validation scenes (3 questions each)",
                quick_help="smoke test: 20 steps of 16 questions, nothing written (explicit options win)")
-    p.set_defaults(val_every=200)
-    add_question_options(p, per_scene=8, first_frac=0.3)
+    add_question_options(p, per_scene=8, first_frac=0.2)
     return parse_question_args(p, argv)
 
 

@@ -9,7 +9,9 @@ self-attention layers, where every token attends to every other, text or image.
 whose visual embeddings (``visual_embeds``) are, per image, the 49 last-block patch tokens of
 the frozen ``shapes-vit-tiny`` (192-d, after its final LayerNorm; :func:`vitlab.shapes.bimodal.backbone_tokens`),
 each with its grid cell ``(x0, y0, x1, y1)`` in [0, 1] and (``config.patch_onehot``, the shipped
-model) its patch index as a one-hot vector appended (192 + 4 + 49 = 245-d): VisualBERT gives its
+model) its patch index as a one-hot vector appended (192 + 4 + 49 = 245-d), both multiplied by
+``config.position_scale`` (8 for the shipped model, so that a token's position weighs about as
+much as its 192 unit-scale features): VisualBERT gives its
 visual tokens no position of their own (its visual position ids are all 0 without a text
 alignment), so these play the part of LXMERT's ``visual_pos``. Given ``pixel_values`` it
 computes them itself; ``visual_feats`` (the 192-d tokens) get them appended; given
@@ -53,7 +55,7 @@ _RETRAIN = "python -m vitlab.shapes.train_visualbert"
 VISUALBERT_ARCH: dict = dict(
     hidden_size=64, num_attention_heads=4, intermediate_size=256, num_hidden_layers=4,
     max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    initializer_range=0.2, patch_onehot=True,
+    initializer_range=0.2, patch_onehot=True, position_scale=8.0,
 )
 
 
@@ -94,11 +96,13 @@ class ShapesVisualBertForQuestionAnswering(VisualBertForQuestionAnswering):
 
     def visual_embeddings(self, feats: torch.Tensor) -> torch.Tensor:
         """``visual_embeds`` for backbone tokens ``B x N x C``: each token with its cell (4) and, with
-        ``config.patch_onehot``, its patch index one-hot (N): ``B x N x (C + 4 [+ N])``."""
+        ``config.patch_onehot``, its patch index one-hot (N), both times ``config.position_scale``
+        (1 when absent): ``B x N x (C + 4 [+ N])``."""
         B, N, _ = feats.shape
-        parts = [feats, self.patch_boxes.to(feats.dtype).expand(B, -1, -1)]
+        scale = float(getattr(self.config, "position_scale", 1.0))
+        parts = [feats, scale * self.patch_boxes.to(feats.dtype).expand(B, -1, -1)]
         if getattr(self.config, "patch_onehot", False):
-            parts.append(torch.eye(N, dtype=feats.dtype, device=feats.device).expand(B, -1, -1))
+            parts.append(scale * torch.eye(N, dtype=feats.dtype, device=feats.device).expand(B, -1, -1))
         return torch.cat(parts, dim=-1)
 
     def forward(self, input_ids=None, attention_mask=None, *args, pixel_values: torch.Tensor | None = None,
