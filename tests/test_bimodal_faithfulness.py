@@ -211,7 +211,10 @@ def test_shapes_visualbert_keeps_cls_the_question_mark_and_sep_and_equals_the_lo
     from vitlab.shapes.visualbert import build_shapes_visualbert
 
     torch.manual_seed(0)
-    model = build_shapes_visualbert(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2)).eval()
+    # position_scale=1: with the shipped scale (8) this random model gives every question and
+    # every step the same answer, so deleting the "?" could not be seen changing one
+    model = build_shapes_visualbert(dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         position_scale=1.0)).eval()
     x = scenes_to_tensor(make_scenes(3, 5, 2).images, (3, 112, 112), (0.5,) * 3, (0.5,) * 3)
     ids, mask = shapes_questions(model)
     inputs = dict(input_ids=ids, attention_mask=mask, pixel_values=x)
