@@ -67,7 +67,7 @@ from vitlab.record._session import (  # noqa: F401  (the public names, and the e
     check_capture,
 )
 from vitlab.record.detr import DETR_STREAMS, _attach_detr, _detr_core
-from vitlab.record.lrp import LRP_RULES, attach_lrp  # noqa: F401
+from vitlab.record.lrp import BERT_LIKE, LRP_RULES, attach_lrp  # noqa: F401
 from vitlab.record.lxmert import LXMERT_STREAMS, _attach_lxmert, _lxmert_encoder
 from vitlab.record.visualbert import (
     VILT_STREAMS, VISUALBERT_STREAMS, _attach_vilt, _attach_visualbert, _vilt_encoder, _visualbert_encoder,
@@ -232,7 +232,7 @@ def record(
                 "come from the model itself: call it with output_hidden_states=True"
             )
         unsupported = [arg for arg, on in (("mlp", mlp), ("residual", residual), ("attention_edit", attention_edit),
-                                           ("lrp", lrp is not None)) if on]
+                                           ("lrp", lrp is not None and family[0] not in BERT_LIKE)) if on]
         if unsupported:
             raise ValueError(f"record({', '.join(unsupported)}=...) is defined for ViTs, not for {name}")
     rec = Recording(layout=None, captured=captured)

@@ -59,6 +59,7 @@ backward and one plain backward.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 
 import torch
@@ -266,6 +267,11 @@ def residual_add_rule(grad, out, a, b):
     return grad * safe_divide(share * total, sa), grad * safe_divide((1 - share) * total, sb)
 
 
+def tanh_vjp(grad, out, x):
+    """The plain gradient of tanh, from its output: ``gbar (1 - tanh^2)``."""
+    return (grad * (1 - out * out),)
+
+
 def add_vjp(grad, out, a, b):
     """The plain gradient of ``a + b``."""
     return grad, grad
@@ -275,6 +281,7 @@ def add_vjp(grad, out, a, b):
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
 _SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax}
 _ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
+_TANHS = {torch.tanh, torch.Tensor.tanh, F.tanh}
 
 
 def _tensor(t) -> bool:
@@ -302,6 +309,8 @@ class _LRPMode(TorchFunctionMode):
                                 gelu_vjp(approximate), x)
         if func is F.layer_norm:
             return self.layer_norm(*args, **kwargs)
+        if func in _TANHS and len(args) == 1 and not kwargs:  # a pooler's tanh: the identity rule
+            return _Ruled.apply(st, torch.tanh, identity_rule, tanh_vjp, args[0])
         if func is F.linear and st.rules == "chefer":
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -367,25 +376,18 @@ def _patch_embedding(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def attach_lrp(model: nn.Module, session, rules: str, blocks) -> LRPState:
-    """Put the rules of ``rules`` on the backward of ``model``'s forwards in the recording's
-    thread until ``session.close()``; ``blocks``: the ``(name, block, attention)`` list of the
-    ViT adapter. Fills ``session.rec.patch_tokens``."""
-    state = LRPState(rules)
+#: Hugging Face models whose residual additions are found by their ``*Output`` modules
+#: (``LayerNorm(dense(h) + input_tensor)``, BERT's post-LN layers): VisualBERT and LXMERT.
+BERT_LIKE = ("visual_bert", "lxmert")
+
+
+def _attach_vit_stream(model: nn.Module, session, state: LRPState, blocks) -> None:
+    """ViT: the patch embedding's tokens kept, each block's input is the residual stream."""
     rec = session.rec
     embed = _patch_embedding(model)
     if embed is None:
         raise TypeError(f"{type(model).__name__} has no patch embedding (patch_embed / patch_embeddings) "
                         "whose tokens LRP could explain")
-
-    def enter(mod, args, kwargs):
-        state.depth += 1
-
-    def leave(mod, args, out):
-        state.depth -= 1
-
-    session.hook(model, enter, pre=True, with_kwargs=True)
-    session.hook(model, leave)
 
     def keep_tokens(mod, args, out):
         tokens = out[0] if isinstance(out, tuple) else out
@@ -406,6 +408,56 @@ def attach_lrp(model: nn.Module, session, rules: str, blocks) -> LRPState:
 
         session.hook(block, block_in, pre=True, with_kwargs=True)
         session.hook(block, block_out)
+
+
+def _attach_bert_stream(model: nn.Module, session, state: LRPState) -> None:
+    """BERT-style post-LN layers (VisualBERT, LXMERT): in every ``*Output`` module (``dense``,
+    ``LayerNorm``, ``forward(hidden_states, input_tensor)``) the addition of ``input_tensor`` is
+    the residual one."""
+    found = 0
+    for m in model.modules():
+        if not (isinstance(getattr(m, "dense", None), nn.Module) and isinstance(getattr(m, "LayerNorm", None), nn.Module)):
+            continue
+        names = list(inspect.signature(m.forward).parameters)
+        if "input_tensor" not in names:
+            continue
+        where = names.index("input_tensor")
+
+        def output_in(mod, args, kwargs, where=where):
+            x = args[where] if len(args) > where else kwargs.get("input_tensor")
+            state.stream = x if isinstance(x, torch.Tensor) else None
+
+        def output_out(mod, args, out):
+            state.stream = None
+
+        session.hook(m, output_in, pre=True, with_kwargs=True)
+        session.hook(m, output_out)
+        found += 1
+    if not found:
+        raise TypeError(f"{type(model).__name__} has no BERT output modules (dense, LayerNorm, input_tensor) "
+                        "whose residual additions the rules could find")
+
+
+def attach_lrp(model: nn.Module, session, rules: str, found) -> LRPState:
+    """Put the rules of ``rules`` on the backward of ``model``'s forwards in the recording's
+    thread until ``session.close()``. ``found``: what the family's adapter attached to (a ViT's
+    ``(name, block, attention)`` list; VisualBERT's and LXMERT's encoder). For a ViT fills
+    ``session.rec.patch_tokens`` and ``first_block_inputs``; for VisualBERT and LXMERT
+    (:data:`BERT_LIKE`) the relevance of the attention maps is what is read."""
+    state = LRPState(rules)
+    if getattr(getattr(model, "config", None), "model_type", None) in BERT_LIKE:
+        _attach_bert_stream(model, session, state)
+    else:
+        _attach_vit_stream(model, session, state, found)
+
+    def enter(mod, args, kwargs):
+        state.depth += 1
+
+    def leave(mod, args, out):
+        state.depth -= 1
+
+    session.hook(model, enter, pre=True, with_kwargs=True)
+    session.hook(model, leave)
     mode = _LRPMode(state)
     mode.__enter__()
 
@@ -413,5 +465,5 @@ def attach_lrp(model: nn.Module, session, rules: str, blocks) -> LRPState:
         state.depth = 0
         mode.__exit__(None, None, None)
     session._undo.append(close)
-    rec._lrp_state = state
+    session.rec._lrp_state = state
     return state
