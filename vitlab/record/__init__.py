@@ -196,7 +196,8 @@ def record(
             backwards inside it. The forward's values are the model's; the rules go with the
             recording (a thread-local torch function mode, active only inside the model's
             forward in the recording's thread).
-        (``mlp``, ``residual``, ``attention_edit`` and ``lrp`` are for ViTs: LXMERT and DETR refuse them.)
+        (``mlp``, ``residual``, ``attention_edit`` and ``lrp`` are for ViTs: LXMERT and DETR refuse them;
+        ``lrp`` also works on VisualBERT and LXMERT, :data:`vitlab.record.lrp.BERT_LIKE`.)
 
     Recordings of one model may overlap (nested, or closed in any order): each removes its
     own hooks, and a flag gets its original value back when the last of them closes.

@@ -51,6 +51,12 @@ attached): its relevance, ``e ⊙ gbar_e``, is "LRP to the patch tokens";
 ``rec.first_block_inputs`` the tokens entering the first block (all of them, position
 embedding added).
 
+Hugging Face VisualBERT and LXMERT (:data:`BERT_LIKE`, post-LN BERT layers) take the same
+rules: there the residual addition of each block is the one inside its ``*Output`` module
+(``LayerNorm(dense(h) + input_tensor)``), a pooler's tanh gets the identity rule, and what is
+read is the relevance of the attention maps (:mod:`vitlab.bimodal_lrp`); there is no patch
+embedding to keep.
+
 For Transformer attribution (eq. 13 of Chefer et al., CVPR 2021), which weighs each
 attention's relevance by the attention's *ordinary* gradient, ``with rec.plain_gradients():``
 makes every backward inside the block use the model's own derivatives: one forward, one LRP
