@@ -380,6 +380,8 @@ def test_lxmert_refusals(lx):
         bad["visual_feats"][1, 0, 0] = float("inf")
         with pytest.raises(ValueError, match="NaN or infinite"):
             method(lx, bad)
+        with pytest.raises(ValueError, match="empty batch"):
+            method(lx, {k: v[:0] for k, v in inputs.items()})
         with pytest.raises(ValueError, match="target"):
             method(lx, inputs, target=[0, 1])
         with pytest.raises(TypeError, match="LXMERT"):
