@@ -17,10 +17,14 @@ backward (``|x| |W|^T`` for the denominator, ``S W`` and ``S |W|`` for the two s
 ordinary gradient (eq. 13's ``grad A``) 1 more. The attention matmuls cost 2 in the forward
 and 4 per backward. So the linear layers alone put full LRP at >= 0.73 x 4 = 2.9x and
 Transformer attribution at >= 0.73 x 5 = 3.7x before attention, GELU and the element-wise
-rule steps (about a fifth of the LRP backward) are counted. Measured on the shared 2-core
-machine (load 2-5, 1 thread, CPU clock): full LRP 4.70x -> ~4.4x, Transformer attribution
-7.03x -> ~5.5x after the rules were made cheaper (no recomputation in the plain backward, the
-forward's output reused, rows without gradient skipped, fewer element-wise passes).
+rule steps (about a sixth of the LRP pass after the changes below) are counted. Measured on
+the shared 2-core machine (1 thread, CPU clock, load 1-7 before / 5-7 after), this script
+before -> after the rules were made cheaper: full LRP 4.70x -> 4.23x, Transformer attribution
+7.03x -> 5.66x, partial LRP 1.37x -> 1.24x, AttnLRP 2.77x -> 2.65x (no recomputation in the
+plain backward, the forward's output reused, rows without gradient skipped, fewer
+element-wise passes). After them full LRP's pass spends ~79% in matmuls (the 4 per linear
+layer above, 6 per attention matmul), so what is left above the floor is the eager attention
+(the plain forward's is fused) and the element-wise steps of the rules.
 
     python benchmarks/bench_lrp.py [--batch 16] [--rounds 3] [--threads N] [--clock wall|cpu]
 
