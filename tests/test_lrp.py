@@ -153,7 +153,7 @@ def _matmul_relprop(a, b, R):
     return share.sum(-1), share.sum(-3)
 
 
-def scratch(model, x, rules, target=None):
+def scratch(model, x, rules, target=None, unit=False):
     """LRP of a timm ViT in float64, propagating relevance layer by layer (no autograd for the
     relevance), plus the ordinary attention gradients from an autograd forward of the same copy."""
     m = copy.deepcopy(model).double()
@@ -192,7 +192,8 @@ def scratch(model, x, rules, target=None):
     grads = [s["A"].grad for s in saved]
     with torch.no_grad():
         absorbed = torch.zeros(B, dtype=torch.float64)
-        R = torch.zeros_like(logits).scatter(1, t[:, None], y[:, None])
+        # relevance y_t on the target (conserved), or 1 (unit: as the reference's relprop starts)
+        R = torch.zeros_like(logits).scatter(1, t[:, None], torch.ones_like(y[:, None]) if unit else y[:, None])
         R_cls = _linear_relprop(nf[:, 0], m.head.weight, m.head.bias, R, rules, absorbed)
         R_nf = torch.zeros_like(nf)
         R_nf[:, 0] = R_cls
@@ -266,7 +267,9 @@ def test_methods_equal_scratch(vit, vit64, x):
     torch.testing.assert_close(L.attn_lrp(vit64, x.double()), at["patches"].reshape(grid), atol=1e-9, rtol=1e-8)
     partial = ch["attention"][-1].clamp(min=0).mean(1)[:, 0, 1:]
     torch.testing.assert_close(L.partial_lrp(vit64, x.double()), partial.reshape(grid), atol=1e-10, rtol=1e-8)
-    # eq. 13 as the reference's compute_rollout_attention: joint = M_L ... M_start, M_b = I + Abar_b
+    # eq. 13 as the reference's compute_rollout_attention: joint = M_L ... M_start, M_b = I + Abar_b,
+    # R^A from relprop started at relevance 1 on the target (its one_hot_vector), not at y_t
+    ch = scratch(vit, x, "chefer", unit=True)
     for start in (0, 1):
         N = ch["attention"][0].shape[-1]
         joint = torch.eye(N, dtype=torch.float64).expand(3, N, N)

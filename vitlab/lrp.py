@@ -165,7 +165,9 @@ def transformer_attribution(model, x: torch.Tensor, target=None, start_layer: in
     """Transformer attribution (Chefer, Gur & Wolf, CVPR 2021, "Transformer Interpretability
     Beyond Attention Visualization", eq. 13): per block ``Abar_b = E_h[(grad A_b ⊙ R^{A_b})^+]``,
     with ``grad A_b`` the ordinary gradient of the target logit and ``R^{A_b}`` the attention
-    map's LRP relevance (the reference's relprop rules, ``lrp="chefer"``); then
+    map's LRP relevance (the reference's relprop rules, ``lrp="chefer"``), propagated as the
+    reference does from relevance 1 on the target class (not from the logit's value: eq. 13's
+    product is not invariant to that scale); then
     ``C = (I + Abar_1) · ... · (I + Abar_B)`` (eq. 13's product, no row normalisation, as in
     ``ViT_LRP.compute_rollout_attention``), map = ``C[CLS, patches]``. ``B x gh x gw``.
 
@@ -183,7 +185,10 @@ def transformer_attribution(model, x: torch.Tensor, target=None, start_layer: in
         L = len(p.attention_relevance)
         if isinstance(start_layer, bool) or not isinstance(start_layer, int) or not 0 <= start_layer < L:
             raise ValueError(f"start_layer must be an int in [0, {L}), got {start_layer!r}")
-        R_A, G = p.attention_relevance, p.attention_grads
+        # the reference's relprop starts from relevance 1 on the target (its one-hot vector), not
+        # from y_t: the rules are linear in the starting relevance, so R^A / y_t per sample
+        R_A = [a / p.logit.to(a.dtype)[:, None, None, None] for a in p.attention_relevance]
+        G = p.attention_grads
         r = torch.zeros(R_A[0].shape[0], R_A[0].shape[-1], dtype=R_A[0].dtype, device=R_A[0].device)
         r[:, 0] = 1  # e_CLS (I + Abar_B) ... (I + Abar_start), from the last block down
         for b in range(L - 1, start_layer - 1, -1):
