@@ -813,7 +813,7 @@ def _run_kept(model, inputs: dict, modality: str, items: list, batch_size: int) 
 
 
 def perturbation_grid(model, inputs: dict, maps: dict, answers, tests=PERTURBATION_TESTS, steps=None,
-                      keep_end: int = 1, batch_size: int = 256) -> dict:
+                      keep_end: int | None = None, batch_size: int = 256) -> dict:
     """The perturbation tests of Chefer et al. (2021, sec. 5) for many maps at once.
 
     ``maps``: method -> ``{"image": B x N, "text": B x T}`` (the maps of ``B`` questions);
@@ -824,8 +824,9 @@ def perturbation_grid(model, inputs: dict, maps: dict, answers, tests=PERTURBATI
     (every curve's step 0; the same words kept from a short question by several steps or
     methods) runs once. Questions never share a forward's result, so a batch gives what its
     questions give one by one. ``steps``: default
-    :data:`vitlab.bimodal_faithfulness.PERTURBATION_STEPS`; ``answers``: ``B`` true answer ids.
-    The model runs in eval mode without gradients and is left as it was.
+    :data:`vitlab.bimodal_faithfulness.PERTURBATION_STEPS`; ``answers``: ``B`` true answer ids;
+    ``keep_end``: None follows the model (:func:`vitlab.bimodal_faithfulness.keep_end_for`: 2 for
+    VisualBERT, whose answer token before ``[SEP]`` stays, 1 otherwise). The model runs in eval mode without gradients and is left as it was.
     """
     from vitlab import bimodal_faithfulness as bf
 
@@ -835,6 +836,7 @@ def perturbation_grid(model, inputs: dict, maps: dict, answers, tests=PERTURBATI
     if not maps or not tests:
         raise ValueError("perturbation_grid needs at least one method's maps and one (modality, positive) test")
     inputs = bf.token_inputs(model, inputs)
+    keep_end = bf.keep_end_for(model) if keep_end is None else keep_end
     answers = torch.as_tensor(answers).detach().long().cpu()
     checked = {}
     for name, per in maps.items():
