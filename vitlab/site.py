@@ -106,10 +106,14 @@ CHAPTERS: tuple[Chapter, ...] = (
             "what the reference code gets wrong, and what a class's logit must mean for its map",
             (_BLOG, _CHEFER_GENERIC), "solutions/04_gradient_rollout_solutions.ipynb"),
     Chapter("05_bimodal_relevance",
-            "relevance for a model that reads text and image (LXMERT) and for a decoder (DETR): the "
-            "update rules on a toy graph, maps per question and per detected object, graded by "
-            "pointing and by hiding what a map points at",
+            "relevance for models that read text and image (VisualBERT's one stream, LXMERT's "
+            "co-attention) and for a decoder (DETR): the update rules on a toy graph and each one "
+            "switched off, maps per question and per detected object, graded by pointing, by the "
+            "paper's per-modality perturbation tests against attention and LRP baselines, and as "
+            "segmentations",
             (_CHEFER_GENERIC,
+             Paper("Liunian Harold Li et al. (2019), *VisualBERT: A Simple and Performant Baseline for "
+                   "Vision and Language*", "https://arxiv.org/abs/1908.03557", "Li"),
              Paper("Hao Tan & Mohit Bansal (EMNLP 2019), *LXMERT: Learning Cross-Modality Encoder "
                    "Representations from Transformers*", "https://arxiv.org/abs/1908.07490", "Tan & Bansal"),
              Paper("Nicolas Carion et al. (ECCV 2020), *End-to-End Object Detection with Transformers* "
