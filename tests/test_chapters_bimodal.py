@@ -20,6 +20,8 @@ from vitlab.shapes import make_scenes, scenes_to_tensor
 from vitlab.shapes.model import MEAN, STD
 from vitlab.shapes.qa import make_questions
 
+from test_bimodal_faithfulness import loop_predictions
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -63,38 +65,6 @@ def random_maps(inputs, seed=2):
     return {"a": a, "b": b, "flat": {"image": torch.zeros(B, N), "text": torch.zeros(B, T)}}
 
 
-def logits_of(out):
-    return out.question_answering_score if hasattr(out, "question_answering_score") else out.logits
-
-
-def loop_curve(model, inputs, scores, modality, positive, keep_end, steps=bf.PERTURBATION_STEPS):
-    """Question by question, unpadded: rank with a plain sort (ties: the earlier token first), delete
-    the tokens, rerun; B x S predictions."""
-    B = inputs["input_ids"].shape[0]
-    out = np.zeros((B, len(steps)), dtype=np.int64)
-    for b in range(B):
-        n = int(inputs["attention_mask"][b].sum())
-        one = {k: v[b:b + 1, :n] if k in bf.TEXT_KEYS else v[b:b + 1] for k, v in inputs.items()}
-        cand = list(range(scores.shape[1])) if modality == "image" else list(range(1, n - keep_end))
-        ranked = sorted(cand, key=lambda i: (-float(scores[b, i]), i))
-        for j, step in enumerate(steps):
-            k = int((1 - step) * len(cand))
-            keep = sorted(ranked[len(ranked) - k:] if positive else ranked[:k])
-            x = dict(one)
-            if modality == "image":
-                for key in bf.IMAGE_KEYS:
-                    if key in x:
-                        x[key] = x[key][:, keep] if keep else torch.zeros_like(x[key][:, :1])
-            else:
-                keep = [0] + keep + list(range(n - keep_end, n))
-                for key in bf.TEXT_KEYS:
-                    if key in x:
-                        x[key] = x[key][:, keep]
-            with torch.no_grad():
-                out[b, j] = int(logits_of(model(**x)).argmax(-1))
-    return out
-
-
 @pytest.mark.parametrize("family", ["lxmert", "visualbert"])
 def test_the_grid_equals_each_curve_the_plain_loop_and_its_questions_alone(family):
     model = random_lxmert() if family == "lxmert" else random_visualbert()
@@ -113,7 +83,7 @@ def test_the_grid_equals_each_curve_the_plain_loop_and_its_questions_alone(famil
         assert torch.equal(curve.kept, one.kept) and torch.equal(curve.correct, one.correct)
         assert curve.auc == pytest.approx(one.auc) and curve.steps == one.steps
     for name, modality, positive in (("a", "image", True), ("b", "text", False), ("flat", "text", True)):
-        loop = loop_curve(model, inputs, maps[name][modality], modality, positive, keep_end)
+        loop = loop_predictions(model, inputs, maps[name][modality], modality, positive, keep_end)[0]
         assert grid[name, modality, positive].predictions.numpy().tolist() == loop.tolist()
     assert len(set(grid["a", "image", True].predictions.flatten().tolist())) > 1   # the answers do vary
     rows = [1, 4]                                                      # batch = items
