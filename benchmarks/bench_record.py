@@ -16,7 +16,7 @@ rounds of (recorded time / that round's plain time), next to the median times. G
 materialises the matrix they keep) and keep one ``B x heads x N x N`` tensor per block, so the
 floor is that of a plain eager forward that keeps its attention: printed as ``eager+keep``.
 
-``--multimodal`` also times the real configurations of chapter 5, random-initialised (no
+``--multimodal`` also times the real configurations of chapter 9, random-initialised (no
 download): ``DetrForObjectDetection(DetrConfig(use_pretrained_backbone=False))`` (ResNet-50,
 6 + 6 layers, 100 queries) on one 480 x 640 image, and
 ``LxmertForQuestionAnswering(LxmertConfig())`` (9 + 5 + 5 layers) on a 20-token question

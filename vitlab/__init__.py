@@ -7,7 +7,7 @@ The public API (names are fixed; the notebooks and chapters use them):
 - :func:`record` — the true attention (and its gradient), queries, keys, values and
   hidden states of every block, without changing the model
 - :func:`project` — every token's state after every block read as class logits through the
-  model's own norm and head (:mod:`vitlab.projection`, chapter 6)
+  model's own norm and head (:mod:`vitlab.projection`, chapter 7)
 - :mod:`vitlab.plot` — overlays and grids of maps
 
 Attributes are imported on first use, so ``import vitlab`` stays quick.
@@ -38,7 +38,7 @@ _EXPORTS = {
     "load_image": "vitlab.images",
     "is_multi_label": "vitlab.targets",        # how a classifier's logits are read: sigmoids or one softmax
     "class_probabilities": "vitlab.targets",
-    "project": "vitlab.projection",            # every token, block by block, as class logits (chapter 6)
+    "project": "vitlab.projection",            # every token, block by block, as class logits (chapter 7)
 }
 _SUBMODULES = {"plot", "images", "shapes", "imgfocus", "localization", "chapters", "faithfulness", "actmax", "widgets",
                "projection", "evaluate", "gradients"}

@@ -258,7 +258,7 @@ def shift_masks(masks, down: int, right: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 5: relevance of LXMERT's answers and DETR's detections, graded against the masks
+# Chapter 9: relevance of LXMERT's answers and DETR's detections, graded against the masks
 # ---------------------------------------------------------------------------------------------
 
 
@@ -660,7 +660,7 @@ def lxmert_answers_without(model, x: torch.Tensor, questions, drop, batch_size: 
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 5: the single-stream model (VisualBERT), graded as LXMERT
+# Chapter 9: the single-stream model (VisualBERT), graded as LXMERT
 # ---------------------------------------------------------------------------------------------
 
 
@@ -752,7 +752,7 @@ def grade_visualbert(model, x: torch.Tensor, masks, questions, methods=VISUALBER
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 5: the paper's perturbation tests for many maps at once
+# Chapter 9: the paper's perturbation tests for many maps at once
 # ---------------------------------------------------------------------------------------------
 
 #: The four tests of each model: (modality, positive).
@@ -946,7 +946,7 @@ def paired_difference(a, b, seed: int = 0) -> tuple[float, float, float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Chapter 5: eq. 10's self-relevance, eq. 11 and simultaneous co-attention, left out one at a time
+# Chapter 9: eq. 10's self-relevance, eq. 11 and simultaneous co-attention, left out one at a time
 # ---------------------------------------------------------------------------------------------
 
 #: The variants of :func:`lxmert_relevance_variants`: name -> ``lxmert_relevance`` keywords.

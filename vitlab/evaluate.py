@@ -5,7 +5,7 @@
     torchrun --nproc_per_node=4 -m vitlab.evaluate ...      # the same table, 4 processes
 
 Rows are methods (:data:`METHODS`: a random map, attention read directly, rollout,
-gradient-weighted attention, Chefer's relevance, the class-embedding map of chapter 6 and
+gradient-weighted attention, Chefer's relevance, the class-embedding map of chapter 7 and
 input x gradient); columns are measures (:func:`measure_names`):
 
 - faithfulness (:mod:`vitlab.faithfulness`): SaCo for each K, and the area under the

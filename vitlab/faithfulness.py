@@ -65,8 +65,8 @@ def pixel_saliency(saliency, x: torch.Tensor) -> torch.Tensor:
 
 #: Model families that are not image classifiers, with where the tutorial grades them.
 _NOT_CLASSIFIERS = {
-    "lxmert": "LXMERT answers questions; chapter 5 grades its maps (vitlab.chapters.grade_lxmert)",
-    "detr": "DETR detects objects; chapter 5 grades its maps (vitlab.chapters.grade_detr)",
+    "lxmert": "LXMERT answers questions; chapter 9 grades its maps (vitlab.chapters.grade_lxmert)",
+    "detr": "DETR detects objects; chapter 9 grades its maps (vitlab.chapters.grade_detr)",
     "visual_bert": "VisualBERT answers questions about an image",
 }
 

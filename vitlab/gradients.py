@@ -1,7 +1,7 @@
 """Baselines that do not read attention: input x gradient and Integrated Gradients, from Captum,
 pooled to the patch grid.
 
-Chapter 7 grades the attention-based maps beside ones that only use the model's input
+Chapter 5 grades the attention-based maps beside ones that only use the model's input
 gradient, so a reader can see what attention adds. Both come from Captum
 (``captum.attr.InputXGradient``, ``captum.attr.IntegratedGradients``), the attribution
 library of the PyTorch ecosystem; vitlab adds the batch checks, the target handling, eval

@@ -1,5 +1,5 @@
 """Load a ViT by name — timm, Hugging Face, or one of vitlab's embedded offline models —
-and turn an image into that model's input. The bi-modal transformers of chapter 5 load the
+and turn an image into that model's input. The bi-modal transformers of chapter 9 load the
 same way: Hugging Face DETR (``facebook/detr-resnet-50``) and LXMERT
 (``unc-nlp/lxmert-vqa-uncased``), with their task heads.
 
@@ -54,7 +54,7 @@ _HF_KNOWN: dict[str, dict[str, Any]] = {
         data=dict(input_size=(3, 224, 224), mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
                   interpolation="bicubic", crop_pct=0.875, crop_mode="center"),
     ),
-    # DETR (Carion et al. 2020), the detector chapter 5 explains: a ResNet-50 (timm's, its weights part of
+    # DETR (Carion et al. 2020), the detector chapter 9 explains: a ResNet-50 (timm's, its weights part of
     # the checkpoint), 6 encoder + 6 decoder layers of width 256 with 8 heads, 100 object queries, the 91
     # COCO category ids (id2label filled from torchvision's COCO table, see _coco_detection_labels). Its
     # processor keeps the aspect ratio: shortest edge 800, longest at most 1333, ImageNet mean / std.
@@ -375,7 +375,7 @@ def load_model(name: str, pretrained: bool = True, **kwargs) -> nn.Module:
         name: an embedded vitlab model (``"shapes-vit-tiny"``, ``"dinov2_small_imgfocus"``),
             any timm ViT name (``"deit_tiny_patch16_224"``, ``"vit_small_patch14_reg4_dinov2"``,
             ...), or a Hugging Face id (``"google/vit-base-patch16-224"``,
-            ``"facebook/dinov2-small"``, ...). The bi-modal models of chapter 5 get their task
+            ``"facebook/dinov2-small"``, ...). The bi-modal models of chapter 9 get their task
             heads (:data:`HF_TASK_CLASSES`, by the config's ``model_type``, for any repo):
             ``"facebook/detr-resnet-50"`` gives a ``DetrForObjectDetection`` (ResNet-50 backbone
             included in the checkpoint: no separately pretrained backbone is fetched; images via

@@ -101,11 +101,37 @@ CHAPTERS: tuple[Chapter, ...] = (
             (Paper("Tete Xiao et al. (NeurIPS 2021), *Early Convolutions Help Transformers See Better*",
                    "https://arxiv.org/abs/2106.14881", "Early Convolutions Help Transformers"),),
             None),
-    Chapter("04_gradient_rollout",
+    Chapter("04_class_specific_maps",
             "class-specific maps: the blog's gradient rollout and Chefer et al.'s relevance (eq. 5-6), "
             "what the reference code gets wrong, and what a class's logit must mean for its map",
-            (_BLOG, _CHEFER_GENERIC), "solutions/04_gradient_rollout_solutions.ipynb"),
-    Chapter("05_bimodal_relevance",
+            (_BLOG, _CHEFER_GENERIC), "solutions/04_class_specific_maps_solutions.ipynb"),
+    Chapter("05_faithfulness_saco",
+            "plausible against faithful maps: cumulative perturbation curves, SaCo computed by hand "
+            "and with vitlab, and a leaderboard of every method of the series with confidence intervals",
+            (Paper("Junyi Wu, Weitai Kang, Hao Tang, Yuan Hong & Yan Yan (CVPR 2024), *On the "
+                   "Faithfulness of Vision Transformer Explanations*", "https://arxiv.org/abs/2404.01415",
+                   "On the Faithfulness of Vision Transformer Explanations"),
+             Paper("Hila Chefer, Shir Gur & Lior Wolf (CVPR 2021), *Transformer Interpretability "
+                   "Beyond Attention Visualization*", "https://arxiv.org/abs/2012.09838",
+                   "Transformer Interpretability Beyond Attention Visualization")),
+            "solutions/05_faithfulness_saco_solutions.ipynb"),
+    Chapter("07_class_embedding_projection",
+            "every token's hidden state, block by block, read as class scores through the model's "
+            "own norm and head: identifiability, attention against MLP, key-value memories, context "
+            "interventions, and the projection as an explanation map",
+            (Paper("Martina G. Vilas, Timothy Schaumlöffel & Gemma Roig (NeurIPS 2023), *Analyzing "
+                   "Vision Transformers for Image Classification in Class Embedding Space*",
+                   "https://arxiv.org/abs/2310.18969", "Vilas"),),
+            "solutions/07_class_embedding_projection_solutions.ipynb"),
+    Chapter("08_activation_maximisation",
+            "images optimised to make one unit or class fire, why they come out patchy, how to "
+            "measure the patch seams, and what a continuity constraint between patches costs",
+            (Paper("Amin Ghiasi et al. (2022), *What do Vision Transformers Learn? A Visual Exploration*",
+                   "https://arxiv.org/abs/2212.06727", "Ghiasi"),
+             Paper("Chris Olah, Alexander Mordvintsev & Ludwig Schubert (Distill 2017), *Feature "
+                   "Visualization*", "https://distill.pub/2017/feature-visualization/", "Olah")),
+            "solutions/08_activation_maximisation_solutions.ipynb"),
+    Chapter("09_bimodal_relevance",
             "relevance for models that read text and image (VisualBERT's one stream, LXMERT's "
             "co-attention) and for a decoder (DETR): the update rules on a toy graph and each one "
             "switched off, maps per question and per detected object, graded by pointing, by the "
@@ -118,33 +144,7 @@ CHAPTERS: tuple[Chapter, ...] = (
                    "Representations from Transformers*", "https://arxiv.org/abs/1908.07490", "Tan & Bansal"),
              Paper("Nicolas Carion et al. (ECCV 2020), *End-to-End Object Detection with Transformers* "
                    "(DETR)", "https://arxiv.org/abs/2005.12872", "Carion")),
-            "solutions/05_bimodal_relevance_solutions.ipynb"),
-    Chapter("06_class_embedding_projection",
-            "every token's hidden state, block by block, read as class scores through the model's "
-            "own norm and head: identifiability, attention against MLP, key-value memories, context "
-            "interventions, and the projection as an explanation map",
-            (Paper("Martina G. Vilas, Timothy Schaumlöffel & Gemma Roig (NeurIPS 2023), *Analyzing "
-                   "Vision Transformers for Image Classification in Class Embedding Space*",
-                   "https://arxiv.org/abs/2310.18969", "Vilas"),),
-            "solutions/06_class_embedding_projection_solutions.ipynb"),
-    Chapter("07_faithfulness_saco",
-            "plausible against faithful maps: cumulative perturbation curves, SaCo computed by hand "
-            "and with vitlab, and a leaderboard of every method of the series with confidence intervals",
-            (Paper("Junyi Wu, Weitai Kang, Hao Tang, Yuan Hong & Yan Yan (CVPR 2024), *On the "
-                   "Faithfulness of Vision Transformer Explanations*", "https://arxiv.org/abs/2404.01415",
-                   "On the Faithfulness of Vision Transformer Explanations"),
-             Paper("Hila Chefer, Shir Gur & Lior Wolf (CVPR 2021), *Transformer Interpretability "
-                   "Beyond Attention Visualization*", "https://arxiv.org/abs/2012.09838",
-                   "Transformer Interpretability Beyond Attention Visualization")),
-            "solutions/07_faithfulness_saco_solutions.ipynb"),
-    Chapter("08_activation_maximisation",
-            "images optimised to make one unit or class fire, why they come out patchy, how to "
-            "measure the patch seams, and what a continuity constraint between patches costs",
-            (Paper("Amin Ghiasi et al. (2022), *What do Vision Transformers Learn? A Visual Exploration*",
-                   "https://arxiv.org/abs/2212.06727", "Ghiasi"),
-             Paper("Chris Olah, Alexander Mordvintsev & Ludwig Schubert (Distill 2017), *Feature "
-                   "Visualization*", "https://distill.pub/2017/feature-visualization/", "Olah")),
-            "solutions/08_activation_maximisation_solutions.ipynb"),
+            "solutions/09_bimodal_relevance_solutions.ipynb"),
 )
 
 

@@ -33,7 +33,7 @@ materialised). Reading a field that was not captured raises :class:`NotRecordedE
 which says how to ask for it.
 
 Each attention module feeds one *stream* of captures. ViTs have a single stream,
-``"self"``. Hugging Face LXMERT and DETR (chapter 5) have several, named for a reader
+``"self"``. Hugging Face LXMERT and DETR (chapter 9) have several, named for a reader
 (:data:`LXMERT_STREAMS`: ``lang``, ``vision``, ``lang->vision``, ``vision->lang``,
 ``cross.lang``, ``cross.vision``; :data:`DETR_STREAMS`: ``encoder``, ``decoder``, ``cross``),
 and ``rec.events`` lists every capture of every stream in the order the model computed

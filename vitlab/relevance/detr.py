@@ -1,4 +1,4 @@
-"""Relevance and the paper's baselines for Hugging Face DETR (encoder-decoder; chapter 5)."""
+"""Relevance and the paper's baselines for Hugging Face DETR (encoder-decoder; chapter 9)."""
 from __future__ import annotations
 
 import numbers

@@ -1,4 +1,4 @@
-"""Relevance and the paper's baselines for Hugging Face LXMERT (co-attention; chapter 5)."""
+"""Relevance and the paper's baselines for Hugging Face LXMERT (co-attention; chapter 9)."""
 from __future__ import annotations
 
 import inspect
