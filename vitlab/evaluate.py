@@ -411,6 +411,11 @@ class Leaderboard:
         table: :func:`summarize` of ``values``.
         config: what was run (data, model, K's, probability, chunking).
         seconds: wall time of the computation in this call (cached chunks excluded).
+        fingerprints: the ``n`` samples' identities (:func:`sample_fingerprints`: a hash of each
+            sample's input, label and masks), computed from the data whichever chunk or process
+            held the sample; :func:`join` compares them, so boards of other samples are refused
+            even when the data has no ``describe()``. None for a board not made by
+            :func:`leaderboard` (which :func:`join` then refuses).
     """
 
     methods: list[str]
@@ -423,6 +428,7 @@ class Leaderboard:
     seconds: float = 0.0
     chunks_computed: int = 0
     chunks_loaded: int = 0
+    fingerprints: np.ndarray | None = None
 
     def cell(self, method: str, measure: str) -> dict:
         for row in self.table:
@@ -499,6 +505,32 @@ def batch_fingerprint(batch: Batch) -> str:
         add(masks)
         add(labels)
     return h.hexdigest()[:16]
+
+
+def _array_bytes(a) -> tuple[bytes, bytes]:
+    a = np.ascontiguousarray(a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a))
+    return f"{a.dtype.str}{a.shape}".encode(), a.tobytes()
+
+
+def sample_fingerprints(batch: Batch) -> np.ndarray:
+    """One short hash per sample of ``batch`` (its input row, its label, its object masks and
+    their classes): ``B`` strings. A sample's fingerprint does not depend on the batch it came
+    in, so boards computed with other chunkings carry the same ones; :func:`join` compares
+    them to refuse boards of other samples (other images of the same count, changed files)."""
+    B = batch.x.shape[0]
+    out = []
+    for i in range(B):
+        h = hashlib.sha256()
+        parts = [batch.x[i]]
+        if batch.labels is not None:
+            parts.append(torch.as_tensor(batch.labels)[i])
+        if batch.object_masks is not None:
+            parts += list(batch.object_masks[i])
+        for part in parts:
+            for chunk in _array_bytes(part):
+                h.update(chunk)
+        out.append(h.hexdigest()[:16])
+    return np.array(out)
 
 
 #: What a chunk file holds: the chunk's ``values`` and ``target`` and what they were computed
@@ -663,12 +695,13 @@ def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[
                              f"chunks of {chunk}): {', '.join(stray[:5])}{', ...' if len(stray) > 5 else ''}; "
                              "remove them, or use another --out folder")
     mine = [c for i, c in enumerate(_chunks(n, chunk)) if i % world == rank]
-    results, computed, loaded = {}, 0, 0
+    results, fingerprints, computed, loaded = {}, {}, 0, 0
     t0 = time.perf_counter()
     for start, stop in tqdm(mine, desc="leaderboard", unit="chunk", disable=not progress or rank != 0):
         path = None if out is None else out / "chunks" / chunk_name(start, stop)
         idx = list(range(start, stop))
         batch = data.batch(idx)
+        fingerprints[start] = sample_fingerprints(batch)
         if path is not None and path.exists():
             results[start] = _load_chunk(path, config, measures, start, stop, len(methods), batch)
             loaded += 1
@@ -682,34 +715,50 @@ def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[
     if world > 1:
         import torch.distributed as dist
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, (results, computed, loaded, seconds))
+        dist.all_gather_object(gathered, (results, fingerprints, computed, loaded, seconds))
         results = {k: v for part in gathered for k, v in part[0].items()}
-        computed = sum(p[1] for p in gathered)
-        loaded = sum(p[2] for p in gathered)
-        seconds = max(p[3] for p in gathered)
+        fingerprints = {k: v for part in gathered for k, v in part[1].items()}
+        computed = sum(p[2] for p in gathered)
+        loaded = sum(p[3] for p in gathered)
+        seconds = max(p[4] for p in gathered)
     starts = sorted(results)
     values = np.concatenate([results[s][0] for s in starts])
     explained = np.concatenate([results[s][1] for s in starts])
     return Leaderboard(methods, measures, values, np.arange(n), explained, summarize(values, methods, measures),
-                       config, seconds, computed, loaded)
+                       config, seconds, computed, loaded, np.concatenate([fingerprints[s] for s in starts]))
 
 
 def join(*boards: Leaderboard) -> Leaderboard:
     """One table from leaderboards of different methods on the same samples, rows in the
     order given (e.g. a cheap set of methods and an expensive one, each run and resumed on
-    its own). Refused unless every board has the same samples, the same classes explained,
-    the same measures and the same data, model and settings, and no method twice. ``seconds``
-    and the chunk counts are the sums of the boards'; ``config`` is the first board's with
-    every board's methods."""
+    its own). Refused unless every board has the same samples (the same sample fingerprints,
+    :func:`sample_fingerprints`: the same inputs, labels and masks, whatever ``describe()``
+    says or whether the data has one), the same classes explained, the same measures and the
+    same data, model and settings, and no method twice. ``seconds`` and the chunk counts are
+    the sums of the boards'; ``config`` is the first board's with every board's methods."""
     if not boards:
         raise ValueError("join needs at least one leaderboard")
     first = boards[0]
     free = {"methods", "chunk"}                        # chunking does not change the values
+    for k, b in enumerate(boards):
+        if b.fingerprints is None or len(b.fingerprints) != len(b.indices):
+            raise ValueError(f"join needs leaderboards that carry their samples' fingerprints, and board {k + 1} "
+                             "does not (it was not made by vitlab.evaluate.leaderboard): compute it with "
+                             "leaderboard() so its samples can be checked")
     for b in boards[1:]:
-        if not (np.array_equal(b.indices, first.indices) and np.array_equal(b.target, first.target)):
+        if not np.array_equal(b.indices, first.indices):
             raise ValueError("join needs leaderboards of the same samples explained for the same classes; "
-                             f"got {len(first.indices)} and {len(b.indices)} samples (or other classes): "
-                             "run every board on the same data")
+                             f"got {len(first.indices)} and {len(b.indices)} samples: run every board on the same data")
+        differ = np.flatnonzero(np.asarray(b.fingerprints) != np.asarray(first.fingerprints))
+        if differ.size:
+            raise ValueError(f"join needs leaderboards of the same samples, and {differ.size} of {len(first.indices)} "
+                             f"differ (sample {', '.join(str(i) for i in differ[:5])}{', ...' if differ.size > 5 else ''}"
+                             ": other inputs, labels or masks, e.g. other images of the same count or changed "
+                             "files); run every board on the same data")
+        if not np.array_equal(b.target, first.target):
+            raise ValueError("join needs leaderboards of the same samples explained for the same classes; "
+                             f"{int((b.target != first.target).sum())} of {len(first.indices)} samples are explained "
+                             "for other classes (another --target?): run every board with the same target")
         if b.measures != first.measures:
             raise ValueError(f"join needs the same measures, got {first.measures} and {b.measures}")
         other = [k for k in sorted((set(first.config) | set(b.config)) - free)
@@ -724,12 +773,12 @@ def join(*boards: Leaderboard) -> Leaderboard:
     return Leaderboard(methods, list(first.measures), values, first.indices.copy(), first.target.copy(),
                        summarize(values, methods, first.measures), config,
                        sum(b.seconds for b in boards), sum(b.chunks_computed for b in boards),
-                       sum(b.chunks_loaded for b in boards))
+                       sum(b.chunks_loaded for b in boards), np.array(first.fingerprints).copy())
 
 
 def write(board: Leaderboard, out) -> list[Path]:
     """Write ``leaderboard.csv`` (one row per cell), ``leaderboard.json`` (config, cells,
-    timing) and ``per_sample.npz`` (values, targets, names) into ``out``."""
+    timing) and ``per_sample.npz`` (values, targets, names, the samples' fingerprints) into ``out``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "leaderboard.csv", out / "leaderboard.json", out / "per_sample.npz"]
@@ -740,8 +789,9 @@ def write(board: Leaderboard, out) -> list[Path]:
     paths[1].write_text(json.dumps({"config": board.config, "cells": board.table, "seconds": board.seconds,
                                     "chunks_computed": board.chunks_computed, "chunks_loaded": board.chunks_loaded},
                                    indent=1) + "\n")
+    extra = {} if board.fingerprints is None else {"fingerprints": np.asarray(board.fingerprints)}
     np.savez(paths[2], values=board.values, target=board.target, indices=board.indices,
-             methods=np.array(board.methods), measures=np.array(board.measures))
+             methods=np.array(board.methods), measures=np.array(board.measures), **extra)
     return paths
 
 
