@@ -369,19 +369,91 @@ def stage(repo: Path, dest: Path) -> Path:
     return dest
 
 
+#: The file a build writes into its output folder: it lists every path the build wrote there,
+#: so that a later build replaces the folder only when it holds nothing else.
+BUILD_MARK = ".vitlab-site-build"
+_MARK_WRITER = "python -m vitlab.site build"
+
+
+def _listing(out: Path) -> list[str]:
+    return sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.name != BUILD_MARK or p.parent != out)
+
+
+def _write_mark(out: Path, listed: bool) -> None:
+    """Mark ``out`` as this command's: before Sphinx runs (``listed=False``: the folder was just
+    emptied, whatever is in it is the build's) and after (every path it holds, listed)."""
+    import json
+
+    (out / BUILD_MARK).write_text(json.dumps({"written_by": _MARK_WRITER, "listed": listed,
+                                              "paths": _listing(out) if listed else []}, indent=0) + "\n")
+
+
+def check_out_folder(out: Path) -> None:
+    """Refuse (``ValueError``, saying what to do) an output folder a build may not replace.
+
+    A build writes only into a folder that does not exist yet, an empty folder, or a folder
+    holding a previous build of this command (its :data:`BUILD_MARK` file lists what it
+    wrote) and nothing added since; anything else -- a folder of your own files, a file, a
+    link -- is refused before anything is fetched, staged or deleted.
+    """
+    import json
+
+    remedy = "nothing was changed; give --out a new or empty folder (or remove that one yourself, if nothing in it is needed)"
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ValueError(f"the site's output folder {out} is {'a link' if out.is_symlink() else 'a file'}, not a "
+                         f"folder: {remedy}")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    mark = out / BUILD_MARK
+    if not mark.is_file():
+        found = sorted(p.name for p in out.iterdir())
+        raise ValueError(f"the site's output folder {out} already holds files no site build wrote "
+                         f"({', '.join(found[:5])}{', ...' if len(found) > 5 else ''}), and a build replaces "
+                         f"everything in it: {remedy}")
+    try:
+        record = json.loads(mark.read_text())
+        ok = record.get("written_by") == _MARK_WRITER and isinstance(record.get("paths"), list)
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{mark} is not the record a site build writes (damaged, or not ours), so what else "
+                         f"{out} holds is unknown: {remedy}")
+    if not record.get("listed"):       # a build interrupted while Sphinx ran, into the folder it had emptied
+        return
+    added = sorted(set(_listing(out)) - set(record["paths"]))
+    if added:
+        raise ValueError(f"the site's output folder {out} holds a previous build and files added to it since "
+                         f"({', '.join(added[:5])}{', ...' if len(added) > 5 else ''}), which a build would delete: "
+                         f"move them out of it first, or {remedy.split('; ', 1)[1]}")
+
+
 def build(repo: Path, out: Path, work: Path | None = None, quiet: bool = True) -> Path:
     """Build the site of ``repo`` into ``out`` (``out/index.html``); returns ``out``. Raises
-    ``RuntimeError`` with Sphinx's messages when the build fails or warns."""
+    ``RuntimeError`` with Sphinx's messages when the build fails or warns.
+
+    ``out`` must be new, empty, or a previous build of this function (marked by its
+    :data:`BUILD_MARK` file), whose contents are replaced; any other folder is refused with a
+    ``ValueError`` before anything is done (:func:`check_out_folder`), so no file of yours is
+    ever deleted."""
+    out = Path(out)
+    check_out_folder(out)
     work = work or repo / "build"
     static = fetch_assets(work / "site-assets")
     src = stage(repo, work / "site-src")
-    shutil.rmtree(out, ignore_errors=True)
+    check_out_folder(out)                # still ours after the (possibly long) fetch and staging
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in out.iterdir():          # the previous build's files; the folder itself stays
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    _write_mark(out, listed=False)
     env = dict(os.environ, VITLAB_SITE_ASSETS=str(static))
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-c", str(repo / "site"),
            "-W", "--keep-going", "-j", "1", "-d", str(work / "site-doctrees"), str(src), str(out)]
     if quiet:
         cmd.insert(3, "-q")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    finally:
+        _write_mark(out, listed=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the site's Sphinx build failed (exit {proc.returncode}):\n"
                            + (proc.stderr or proc.stdout).strip()[-4000:])
@@ -393,8 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     h = sub.add_parser("headers", help="write/refresh each chapter's header cell")
     h.add_argument("--notebooks", type=Path, default=runner._repo_root() / "notebooks")
-    b = sub.add_parser("build", help="build the static site from the stored notebooks")
-    b.add_argument("--out", type=Path, default=runner._repo_root() / "build" / "site")
+    b = sub.add_parser("build", help="build the static site from the stored notebooks",
+                       description="Build the static site from the stored notebooks (nothing re-runs).")
+    b.add_argument("--out", type=Path, default=runner._repo_root() / "build" / "site",
+                   help="folder the site is written into (default: build/site of the repository). It must be "
+                        f"new, empty, or a previous build of this command (it holds a {BUILD_MARK} file listing "
+                        "what the build wrote), whose files are replaced; any other folder is refused and left "
+                        "as it is, so nothing of yours is deleted")
     args = ap.parse_args(argv)
     try:
         if args.command == "headers":
@@ -407,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             out = build(runner._repo_root(), args.out)
             pages = len(list(out.rglob("*.html")))
             print(f"site: {pages} pages in {time.perf_counter() - t0:.0f} s -> {out / 'index.html'}")
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, OSError) as e:
         print(e, file=sys.stderr)
         return 1
     return 0
