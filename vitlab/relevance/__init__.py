@@ -6,7 +6,8 @@ model family.
   tensors, attention events and :func:`propagate` (nothing there hooks or runs a model; its
   docstring lists every choice made where the paper or its reference code leaves room);
 - :mod:`vitlab.relevance.vit`: a ViT (one modality): :func:`chefer_relevance`,
-  :func:`relevance_matrix`, :func:`relevance_row`;
+  :func:`relevance_matrix`, :func:`relevance_row`, and the same rule on the last block alone,
+  :func:`last_block_relevance`;
 - :mod:`vitlab.relevance.lxmert`: LXMERT's image and text relevance and the paper's baselines
   (raw attention, rollout, GradCAM);
 - :mod:`vitlab.relevance.detr`: DETR's map per detected object and the same baselines;
@@ -24,7 +25,7 @@ from vitlab.relevance.engine import (
 from vitlab.relevance.lxmert import (
     LXMERT_INPUTS, lxmert_gradcam, lxmert_raw_attention, lxmert_relevance, lxmert_rollout,
 )
-from vitlab.relevance.vit import chefer_relevance, relevance_matrix, relevance_row
+from vitlab.relevance.vit import chefer_relevance, last_block_relevance, relevance_matrix, relevance_row
 from vitlab.relevance.visualbert import (
     VILT_INPUTS, VISUALBERT_INPUTS, answer_rows, vilt_gradcam, vilt_raw_attention, vilt_relevance, vilt_rollout,
     visualbert_gradcam, visualbert_raw_attention, visualbert_relevance, visualbert_rollout,
@@ -33,7 +34,7 @@ from vitlab.relevance.visualbert import (
 __all__ = [
     "AttentionEvent", "BimodalMaps", "DetectionMaps", "LXMERT_INPUTS", "Relevances", "Step",
     "attention_matrix_gradcam", "bimodal_rule", "chefer_relevance", "detr_gradcam", "detr_raw_attention",
-    "detr_relevance", "detr_rollout", "head_averaged_relevance", "initial_relevances", "lxmert_gradcam",
+    "detr_relevance", "detr_rollout", "head_averaged_relevance", "initial_relevances", "last_block_relevance", "lxmert_gradcam",
     "lxmert_raw_attention", "lxmert_relevance", "lxmert_rollout", "normalized_self_relevance", "propagate",
     "read_rows", "relevance_matrix", "relevance_row", "self_attention_events", "self_attention_rule",
     "VILT_INPUTS", "VISUALBERT_INPUTS", "answer_rows", "vilt_gradcam", "vilt_raw_attention", "vilt_relevance",

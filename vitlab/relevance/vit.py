@@ -1,5 +1,7 @@
 """Chefer et al. (2021) relevance for a ViT: the engine of :mod:`vitlab.relevance.engine` with one
-modality (eq. 6 over every block), read at the CLS row."""
+modality (eq. 6 over every block), read at the CLS row; and the same rule on the last block alone
+(:func:`last_block_relevance`), the single-block baseline that isolates what aggregating the
+blocks adds."""
 from __future__ import annotations
 
 
@@ -57,3 +59,37 @@ def chefer_relevance(model, x: torch.Tensor, target=None, score: str = "logit") 
     ag = _attention_gradients(model, x, target, layers=None, score=score, method="chefer_relevance")
     row = relevance_row(ag.attentions, ag.gradients, index=0)  # R[CLS, :], B x N
     return ag.layout.patches_to_grid(row)  # B x gh x gw
+
+
+def last_block_relevance(model, x: torch.Tensor, target=None, score: str = "logit") -> torch.Tensor:
+    """Chefer et al.'s rule on the last block only: ``mean_h (dy_t/dA_L ⊙ A_L)^+``, CLS row: ``B x gh x gw``.
+
+    Eq. 5 of Chefer, Gur & Wolf (ICCV 2021, "Generic Attention-model Explainability") on the
+    last block's attention ``A_L`` (each head clamped at 0 before the mean over heads), read at
+    the CLS row over the patch columns. It is :func:`chefer_relevance` with every block but
+    the last left out (``R = I + Abar_L``: the CLS row of R over the patches is
+    ``Abar_L[CLS, patches]``), so it differs from that method in one thing only, the number of
+    blocks, and from :func:`vitlab.attention.raw_attention` (``mean_h A_L``) in one thing only,
+    the gradient weighting. :func:`vitlab.attention.attention_gradcam` also weights the last
+    block by its gradient, but with one mean gradient per head (GradCAM's weighting). Not
+    rescaled (relevance units, like :func:`chefer_relevance`); a patch whose every head has
+    ``grad * A <= 0`` is 0. One forward and one backward through the last block for the whole
+    batch (per chunk of a batch over :data:`vitlab.attention.MEMORY_BUDGET`).
+
+    Args:
+        model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
+        x: ``B x 3 x H x W`` input batch (non-empty, finite).
+        target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
+        score: differentiate the target's ``"logit"`` (the paper) or its ``"log_probability"``.
+
+    Raises:
+        ValueError: a bad input or target, a model without a class head, or one whose head
+            does not read a CLS token -- all before the forward.
+    """
+    layout = checked_layout(model, x, "last_block_relevance")
+    chunked = _in_chunks(last_block_relevance, model, x, layout, gradients=True, target=target, score=score)
+    if chunked is not None:  # a batch larger than vitlab.attention.MEMORY_BUDGET allows
+        return chunked
+    ag = _attention_gradients(model, x, target, layers=[-1], score=score, method="last_block_relevance")
+    abar = head_averaged_relevance(ag.attentions[-1], ag.gradients[-1])  # B x N x N
+    return ag.layout.patches_to_grid(abar[:, 0, :])  # CLS row, patch columns: B x gh x gw
