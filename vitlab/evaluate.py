@@ -94,6 +94,11 @@ def _gradcam(model, x, target, indices):
     return attention_gradcam(model, x, target)
 
 
+def _last_block_relevance(model, x, target, indices):
+    from vitlab.relevance import last_block_relevance
+    return last_block_relevance(model, x, target)
+
+
 def _grad_rollout(model, x, target, indices):
     from vitlab.rollout import grad_rollout
     return grad_rollout(model, x, target)
@@ -134,6 +139,7 @@ METHODS: dict[str, Callable] = {
     "rollout": _rollout,
     "rollout (max, discard 0.9)": _rollout_max,
     "attention GradCAM": _gradcam,
+    "gradient x attention (last block)": _last_block_relevance,
     "gradient rollout": _grad_rollout,
     "Chefer relevance": _chefer,
     "class-embedding map": _projection,
