@@ -178,3 +178,43 @@ def test_site_build_help_says_what_out_does(capsys):
         site.main(["build", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "--out" in text and "refused" in text and "nothing of yours is deleted" in text
+
+
+# --------------------------------------------------------------------------------------------
+# 8. top_token_is on rows with nothing to count; an empty list of rows
+# --------------------------------------------------------------------------------------------
+
+def test_top_token_is_gives_false_for_a_row_where_nothing_counts():
+    from vitlab import chapters as ch
+
+    nan = float("nan")
+    s = torch.tensor([[nan, nan, nan], [nan, 1.0, 3.0], [2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    valid = torch.tensor([[True] * 3, [True] * 3, [False, False, False], [True] * 3])
+    # row 0: all NaN, row 2: nothing valid -> no top token, whatever the position asked
+    assert ch.top_token_is(s, [0, 2, 0, 0], valid).tolist() == [False, True, False, True]
+    assert ch.top_token_is(s, [0, 2, 0, -1]).tolist() == [False, True, True, False]
+    # the answer of a row does not depend on the other rows
+    for r in range(4):
+        assert ch.top_token_is(s[r:r + 1], [0], valid[r:r + 1]).tolist() == \
+            [ch.top_token_is(s, [0, 0, 0, 0], valid).tolist()[r]]
+    with pytest.raises(ValueError, match="scores hold inf"):
+        ch.top_token_is(torch.tensor([[float("inf"), 0.0]]), [0])
+    with pytest.raises(ValueError, match="one position per row"):
+        ch.top_token_is(s, [0, 1])
+
+
+def test_rows_of_an_empty_list_is_refused_clearly():
+    from vitlab.relevance.engine import AttentionEvent, propagate, read_rows
+
+    sizes = {"text": 2, "image": 3}
+    g = torch.Generator().manual_seed(0)
+    A = torch.softmax(torch.randn(2, 1, 2, 5, generator=g), -1)
+    events = [AttentionEvent("text", "text", A[..., :2], torch.randn(2, 1, 2, 2, generator=g)),
+              AttentionEvent("text", "image", A[..., 2:], torch.randn(2, 1, 2, 3, generator=g))]
+    R = propagate(events, sizes)
+    assert R.rows("text", "image", [1, 0]).shape == (2, 3)
+    for empty in ([], (), torch.zeros(0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"no rows asked for"):
+            R.rows("text", "image", empty)
+    with pytest.raises(ValueError, match=r"no rows asked for"):
+        read_rows(torch.zeros(3, 4, 5), [])

@@ -621,15 +621,28 @@ def text_occlusion(model, x: torch.Tensor, questions, batch_size: int = 100, fea
 
 
 def top_token_is(scores: torch.Tensor, positions, valid=None) -> np.ndarray:
-    """Per row: is the highest score at ``positions[row]``? ``scores``: ``Q x L`` (NaN never
-    counts); ``valid``: optional ``Q x L`` bool of the positions that may count. Rows with
-    ``positions`` < 0 give False."""
-    s = torch.as_tensor(scores, dtype=torch.float32).clone()
-    s[torch.isnan(s)] = float("-inf")
-    if valid is not None:
-        s[~torch.as_tensor(valid, dtype=torch.bool)] = float("-inf")
+    """Per row: is the highest score at ``positions[row]``? ``scores``: ``Q x L`` (NaN marks a
+    position that does not count, e.g. a token :func:`text_occlusion` does not occlude);
+    ``valid``: optional ``Q x L`` bool of the positions that may count. A row has a top token
+    only if some position counts: rows with none (all NaN or none valid) give False, as do rows
+    with ``positions`` < 0. Infinite scores are refused (``ValueError``)."""
+    s = torch.as_tensor(scores, dtype=torch.float64).clone()
+    if s.ndim != 2:
+        raise ValueError(f"scores must be Q x L (one row per question), got shape {tuple(s.shape)}")
+    if bool(torch.isinf(s).any()):
+        raise ValueError("scores hold inf: a top token is undefined there; mark positions that do not count "
+                         "with NaN or with valid=False")
     pos = np.asarray(positions)
-    return (s.argmax(-1).numpy() == pos) & (pos >= 0)
+    if pos.shape != (s.shape[0],):
+        raise ValueError(f"positions must hold one position per row ({s.shape[0]}), got shape {pos.shape}")
+    counts = ~torch.isnan(s)
+    if valid is not None:
+        valid = torch.as_tensor(valid, dtype=torch.bool)
+        if tuple(valid.shape) != tuple(s.shape):
+            raise ValueError(f"valid must be Q x L like scores, {tuple(s.shape)}, got {tuple(valid.shape)}")
+        counts &= valid
+    top = s.masked_fill(~counts, float("-inf")).argmax(-1).numpy()
+    return (top == pos) & (pos >= 0) & counts.any(-1).numpy()
 
 
 def lxmert_answers_without(model, x: torch.Tensor, questions, drop, batch_size: int = 100,

@@ -222,10 +222,11 @@ def read_rows(R: torch.Tensor, index, drop_self: bool = False) -> torch.Tensor:
     """Rows of a batched relevance matrix ``R`` (``*batch x Ns x Nq``).
 
     ``index``: an int (the same row of every item: ``*batch x Nq``); one row per item (a
-    sequence or integer tensor of the batch shape: ``*batch x Nq``); or K rows per item (an
-    integer tensor ``*batch x K``: ``*batch x K x Nq``), e.g. every detected query of a DETR
-    image. ``drop_self`` (for a square ``R^{ss}``) sets each row's entry of its own token to 0,
-    as the reference code does with ``R^{tt}[CLS, CLS]``: that entry holds eq. 1's identity.
+    sequence or integer tensor of the batch shape: ``*batch x Nq``); or K >= 1 rows per item
+    (an integer tensor ``*batch x K``: ``*batch x K x Nq``), e.g. every detected query of a
+    DETR image. An empty index (no rows asked for) is refused. ``drop_self`` (for a square
+    ``R^{ss}``) sets each row's entry of its own token to 0, as the reference code does with
+    ``R^{tt}[CLS, CLS]``: that entry holds eq. 1's identity.
     """
     *batch, Ns, Nq = R.shape
     batch = tuple(batch)
@@ -235,9 +236,12 @@ def read_rows(R: torch.Tensor, index, drop_self: bool = False) -> torch.Tensor:
         raise TypeError(f"index must be an int, a sequence of ints or an integer tensor, got {type(index).__name__}")
     single = isinstance(index, int)
     idx = torch.as_tensor(index, device=R.device)
+    if idx.numel() == 0:  # checked first: torch reads an empty list as float32
+        raise ValueError(f"no rows asked for: index is empty (shape {tuple(idx.shape)}); give an int, one row per "
+                         f"item (shape {batch}) or K >= 1 rows per item (shape {batch} x K)")
     if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
         raise TypeError(f"index must hold integers, got dtype {idx.dtype}")
-    if idx.numel() and (idx.min() < 0 or idx.max() >= Ns):
+    if idx.min() < 0 or idx.max() >= Ns:
         raise ValueError(f"row index {idx.min().item() if idx.min() < 0 else idx.max().item()} is outside "
                          f"0 .. {Ns - 1} ({Ns} tokens)")
     if single:
