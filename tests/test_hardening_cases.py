@@ -218,3 +218,27 @@ def test_rows_of_an_empty_list_is_refused_clearly():
             R.rows("text", "image", empty)
     with pytest.raises(ValueError, match=r"no rows asked for"):
         read_rows(torch.zeros(3, 4, 5), [])
+
+
+# --------------------------------------------------------------------------------------------
+# The notebook runner's --timeout: a clear FAIL line and no kernel traceback
+# --------------------------------------------------------------------------------------------
+
+def test_a_cell_past_the_timeout_fails_clearly_without_a_kernel_traceback(tmp_path, capfd):
+    from vitlab import notebooks as runner
+
+    slow = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# slow"),
+                                           nbformat.v4.new_code_cell("x = 1"),
+                                           nbformat.v4.new_code_cell("import time\ntime.sleep(60)")])
+    # ignores the interrupt, and its errors are allowed: the timeout must still end it
+    stubborn = nbformat.v4.new_code_cell("import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
+                                         "    time.sleep(60)")
+    stubborn.metadata["tags"] = ["raises-exception"]
+    after = nbformat.v4.new_code_cell("print('never')")
+    nbformat.write(slow, tmp_path / "01_slow.ipynb")
+    nbformat.write(nbformat.v4.new_notebook(cells=[stubborn, after]), tmp_path / "02_stubborn.ipynb")
+    for name, cell in (("01_slow", r"code cell 2 \('import time'\)"), ("02_stubborn", r"code cell 1 \('import time'\)")):
+        with pytest.raises(runner.NotebookFailed, match=cell + r": ran past --timeout 2 s"):
+            runner.run_notebook(tmp_path / f"{name}.ipynb", tmp_path / "figs", timeout=2)
+        out = capfd.readouterr()
+        assert "Traceback" not in out.out + out.err and "ZMQError" not in out.out + out.err, out.err

@@ -200,6 +200,15 @@ class NotebookFailed(RuntimeError):
     """A cell of a notebook raised (or ran past ``--timeout``): says which cell and why."""
 
 
+#: The error a cell past ``--timeout`` is answered with (nbclient's ``error_on_timeout``).
+_TIMEOUT_ERROR = {"ename": "VitlabCellTimeout", "evalue": "the cell ran past --timeout", "traceback": []}
+
+
+class _CellTimedOut(Exception):
+    """Raised from nbclient's ``on_cell_error`` hook when a cell ran past the timeout; its
+    argument is the cell's index in the notebook."""
+
+
 def _failing_cell(nb) -> tuple[int, str] | None:
     """(code-cell number from 1, first source line) of the cell that holds an error output."""
     number = 0
@@ -222,20 +231,37 @@ def run_notebook(path: Path, figures_root: Path, timeout: int | None = None, sto
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
     nb = nbformat.read(path, as_version=4)
+
+    def timed_out(cell, cell_index, execute_reply):
+        # A cell past the timeout is interrupted and answered with _TIMEOUT_ERROR at once; the
+        # kernel is then killed, not asked to shut down: a graceful shutdown of a kernel still
+        # busy (a cell that ignores the interrupt) makes it log a ZMQError traceback when the
+        # cell's reply meets its closed socket. Raised here, the timeout also stops a cell
+        # tagged raises-exception, whose errors nbclient would let pass.
+        if execute_reply["content"].get("ename") == _TIMEOUT_ERROR["ename"]:
+            client.shutdown_kernel = "immediate"
+            raise _CellTimedOut(cell_index)
+
     # the kernel's own log: errors only (it otherwise warns, for every notebook, that its
     # local TCP sockets are unencrypted; they listen on 127.0.0.1 only)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True,
                             extra_arguments=["--IPKernelApp.log_level=ERROR"],
-                            resources={"metadata": {"path": str(path.parent)}})
+                            interrupt_on_timeout=timeout is not None, error_on_timeout=dict(_TIMEOUT_ERROR),
+                            on_cell_error=timed_out, resources={"metadata": {"path": str(path.parent)}})
     try:
         client.execute()
-    except (CellExecutionError, CellTimeoutError) as e:
+    except (CellExecutionError, CellTimeoutError, _CellTimedOut) as e:
         where = _failing_cell(nb)
-        if isinstance(e, CellTimeoutError):
+        if isinstance(e, (CellTimeoutError, _CellTimedOut)):
             what = f"ran past --timeout {timeout} s"
-            running = [i for i, c in enumerate(c for c in nb.cells if c.get("cell_type") == "code")
-                       if c.get("execution_count") is None]
-            where = where or (running[0] + 1 if running else 0, "")
+            code = [i for i, c in enumerate(nb.cells) if c.get("cell_type") == "code"]
+            if isinstance(e, _CellTimedOut) and e.args[0] in code:
+                index = e.args[0]
+            else:
+                running = [i for i in code if nb.cells[i].get("execution_count") is None]
+                index = running[0] if running else None
+            where = (None if index is None else
+                     (code.index(index) + 1, (nb.cells[index].get("source", "").strip().splitlines() or [""])[0]))
         else:
             lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
             what = getattr(e, "ename", "") + (f": {e.evalue}" if getattr(e, "evalue", "") else "")
