@@ -242,3 +242,37 @@ def test_a_cell_past_the_timeout_fails_clearly_without_a_kernel_traceback(tmp_pa
             runner.run_notebook(tmp_path / f"{name}.ipynb", tmp_path / "figs", timeout=2)
         out = capfd.readouterr()
         assert "Traceback" not in out.out + out.err and "ZMQError" not in out.out + out.err, out.err
+
+
+# --------------------------------------------------------------------------------------------
+# fractions / steps that are not numbers are named as given
+# --------------------------------------------------------------------------------------------
+
+def test_fractions_and_steps_that_are_not_numbers_are_named_as_given(vit):
+    from transformers import LxmertConfig, LxmertForQuestionAnswering
+
+    from vitlab import bimodal_faithfulness as bf
+    from vitlab import faithfulness as fa
+
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    maps = torch.rand(2, 4, 4, generator=torch.Generator().manual_seed(5))
+    for bad, shown in ((None, "None"), ("0.5", "'0.5'"), ([0.0, None], r"\[0.0, None\]")):
+        with pytest.raises(ValueError, match=r"fractions must be increasing numbers in \[0, 1\] .*got " + shown + "$"):
+            fa.perturbation_curve(vit, x, maps, fractions=bad)
+    with pytest.raises(ValueError, match=r"got \[0.0, nan\]"):                  # a real NaN is still shown as one
+        fa.perturbation_curve(vit, x, maps, fractions=[0.0, float("nan")])
+    curve = fa.perturbation_curve(vit, x, maps, fractions=np.array([0, 0.5]))   # numbers of any kind still work
+    assert curve.probability.shape == (2, 2) and curve.fractions.tolist() == [0.0, 0.5]
+
+    torch.manual_seed(0)
+    cfg = LxmertConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64, l_layers=1,
+                       r_layers=1, x_layers=1, visual_feat_dim=16, visual_pos_dim=4, num_qa_labels=7,
+                       num_object_labels=5, num_attr_labels=5)
+    model = LxmertForQuestionAnswering(cfg).eval()
+    ids = torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0]])
+    inputs = dict(input_ids=ids, attention_mask=(ids > 0).long(), visual_feats=torch.randn(2, 3, 16),
+                  visual_pos=torch.rand(2, 3, 4))
+    for bad, shown in ((None, "None"), ("01", "'01'"), ((0.0, "a"), r"\(0.0, 'a'\)")):
+        with pytest.raises(ValueError, match=r"steps must be increasing fractions in \[0, 1\] .*got " + shown + "$"):
+            bf.perturbation_curve(model, inputs, torch.rand(2, 3), "image", steps=bad)
+    assert bf.perturbation_curve(model, inputs, torch.rand(2, 3), "image", steps=np.array([0, 0.5])).steps == (0.0, 0.5)

@@ -252,7 +252,13 @@ def _check(inputs: dict, maps: torch.Tensor, modality: str, answers, steps, keep
         raise ValueError(f"the {modality} maps hold NaN or inf: fix the explanation before testing it")
     if answers is not None and tuple(answers.shape) != (B,):
         raise ValueError(f"answers must hold one answer id per question ({B}), got shape {tuple(answers.shape)}")
-    s = list(steps)
+    try:  # numbers only (None, strings and the like are named as given)
+        s = [float(x) for x in steps if not isinstance(x, (str, bytes, bool))]
+        if len(s) != len(steps):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise ValueError("steps must be increasing fractions in [0, 1] (e.g. PERTURBATION_STEPS), "
+                         f"got {steps!r}") from None
     if not s or any(not 0 <= x <= 1 for x in s) or sorted(s) != s:
         raise ValueError(f"steps must be increasing fractions in [0, 1], got {steps}")
     return B, T, N

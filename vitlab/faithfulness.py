@@ -347,10 +347,14 @@ def perturbation_curve(model, x: torch.Tensor, saliency, target=None, positive: 
     _check_probability(probability)
     if replacement not in REPLACEMENTS:
         raise ValueError(f"replacement must be one of {REPLACEMENTS}, got {replacement!r}")
-    try:
-        fr = torch.as_tensor(np.asarray(fractions, dtype=np.float64))
+    try:  # numbers only: np.asarray(None, dtype=float) would read None as NaN
+        numbers = np.asarray(fractions)
+        if numbers.dtype.kind not in "iuf":
+            raise TypeError
+        fr = torch.as_tensor(numbers.astype(np.float64))
     except (TypeError, ValueError):
-        raise ValueError(f"fractions must be increasing numbers in [0, 1], got {fractions!r}") from None
+        raise ValueError("fractions must be increasing numbers in [0, 1] (e.g. vitlab.faithfulness.CHEFER_FRACTIONS), "
+                         f"got {fractions!r}") from None
     if (fr.ndim != 1 or fr.numel() < 1 or not bool(torch.isfinite(fr).all()) or bool(((fr < 0) | (fr > 1)).any())
             or bool((fr[1:] <= fr[:-1]).any())):
         raise ValueError(f"fractions must be increasing values in [0, 1] (finite), got "
