@@ -1,3 +1,6 @@
+from __future__ import annotations
+
+import math
 import os
 
 # Tests never touch the network: hub lookups fail fast instead of retrying.
@@ -14,6 +17,79 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# --- float32 tolerances (how they are chosen: tests/README.md) ---------------------------------
+EPS32 = float(torch.finfo(torch.float32).eps)  # 2**-23 ~ 1.19e-7: one rounding of a float32 number
+EPS64 = float(torch.finfo(torch.float64).eps)  # 2**-52 ~ 2.2e-16
+
+
+def f32_tol(values, depth: float) -> dict:
+    """``rtol`` and ``atol`` (keyword arguments for ``assert_close`` / ``allclose``) for float32
+    results that may have been rounded differently: a batch against its items, the library against
+    a re-implementation or a float64 reference, one CPU's kernels against another's.
+
+    A sum of n float32 terms, added in any order, is within n * eps * sum|terms| of the exact sum
+    (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., sec. 4.2). Along a chain of
+    operations these errors add, so each of two computations is within about ``depth * eps * scale``
+    of the exact value and they differ by at most twice that: the allowance, the same for every
+    entry. ``depth`` is the summed length of the reductions (dot products, sums, softmax
+    denominators) on an output's path (:func:`module_depth` counts a model's); ``scale`` is the
+    largest finite magnitude in ``values`` (a tensor, array, number, or a sequence of them; pass
+    both sides): the terms of a cancellation are as large as the largest result, so an entry near
+    zero gets the same absolute allowance as the largest one.
+    """
+    return _tol(values, depth, EPS32)
+
+
+def f64_tol(values, depth: float) -> dict:
+    """:func:`f32_tol` for float64 results. Where exactness is the point (a batch against its items,
+    a method against its from-scratch reference), tests run model and inputs in float64: the
+    allowance ``2 * depth * 2**-52 * scale`` is then ~1e-12 of the scale, far below any real
+    difference."""
+    return _tol(values, depth, EPS64)
+
+
+def _tol(values, depth: float, eps: float) -> dict:
+    items = values if isinstance(values, (list, tuple)) else [values]
+    scale = 0.0
+    for v in items:
+        t = torch.as_tensor(v).detach().cpu().double()
+        t = t[torch.isfinite(t)]
+        if t.numel():
+            scale = max(scale, float(t.abs().max()))
+    return dict(rtol=0.0, atol=2.0 * float(depth) * eps * scale)
+
+
+def module_depth(*modules: torch.nn.Module, tokens: int = 0, grad: bool = False) -> int:
+    """``depth`` for :func:`f32_tol`: the summed reduction length of every layer in ``modules``.
+
+    Linear: ``in_features``; convolution: ``in_channels / groups * kernel area``; LayerNorm and
+    GroupNorm: mean and variance (2 * the normalised size); an attention module (timm's and Hugging
+    Face's, with a head count and a head size; ``nn.MultiheadAttention``) over ``tokens`` tokens:
+    q . k (head size), the softmax sum and attention @ v (2 * tokens), plus the input projection it
+    holds as a bare weight. Summing every layer counts parallel branches (q, k and v; text and image
+    streams) as if chained, so it bounds one output's path from above. ``grad``: doubled, as the
+    backward pass runs the same reductions transposed."""
+    depth = 0
+    for root in modules:
+        for m in root.modules():
+            if isinstance(m, torch.nn.Linear):
+                depth += m.in_features
+            elif isinstance(m, torch.nn.modules.conv._ConvNd):
+                depth += m.in_channels // m.groups * math.prod(m.kernel_size)
+            elif isinstance(m, torch.nn.LayerNorm):
+                depth += 2 * math.prod(m.normalized_shape)
+            elif isinstance(m, torch.nn.GroupNorm):
+                depth += 2 * m.num_channels // m.num_groups
+            if isinstance(m, torch.nn.MultiheadAttention):
+                depth += m.embed_dim + m.head_dim + 2 * tokens
+                continue
+            heads = getattr(m, "num_heads", None) or getattr(m, "num_attention_heads", None)
+            size = getattr(m, "head_dim", None) or getattr(m, "attention_head_size", None)
+            if isinstance(heads, int) and isinstance(size, int):
+                depth += size + 2 * tokens
+    return 2 * depth if grad else depth
 
 
 # Tiny random ViTs shared by the method tests: fast, with attention peaked enough to matter.

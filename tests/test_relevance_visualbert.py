@@ -17,6 +17,7 @@ from vitlab.relevance import (
     visualbert_raw_attention, visualbert_relevance, visualbert_rollout,
 )
 
+from conftest import f32_tol, f64_tol, module_depth
 from test_record_visualbert import tiny_vilt, tiny_visualbert
 from test_relevance_multimodal import state
 
@@ -56,16 +57,17 @@ def one_visualbert(model, ids, mask, feats, target):
     return [a[0].detach() for a in out.attentions], [g[0] for g in grads], row, out.logits.detach()
 
 
-def vb_items(words=(6, 4, 5), regions=(5, 3, 4), seed=1):
+def vb_items(words=(6, 4, 5), regions=(5, 3, 4), seed=1, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(1, 40, (1, w), generator=g), torch.randn(1, r, 10, generator=g)) for w, r in zip(words, regions)]
+    return [(torch.randint(1, 40, (1, w), generator=g), torch.randn(1, r, 10, generator=g).to(dtype))
+            for w, r in zip(words, regions)]
 
 
 def vb_batch(items):
     W, R = max(i.shape[1] for i, _ in items), max(f.shape[1] for _, f in items)
     ids = torch.zeros(len(items), W, dtype=torch.long)
     mask = torch.zeros(len(items), W, dtype=torch.long)
-    feats = torch.zeros(len(items), R, 10)
+    feats = torch.zeros(len(items), R, 10, dtype=items[0][1].dtype)
     vmask = torch.zeros(len(items), R, dtype=torch.long)
     for b, (i, f) in enumerate(items):
         ids[b, : i.shape[1]], mask[b, : i.shape[1]] = i[0], 1
@@ -78,30 +80,56 @@ def vb():
     return tiny_visualbert()
 
 
+@pytest.fixture(scope="module")
+def vb64():
+    """The same model in float64: batch = items and method = reference are exact claims, checked to
+    ~1e-12 (in float32 a padded batch rounds differently from its items, CPU by CPU)."""
+    return tiny_visualbert().double()
+
+
+# summed reductions of a forward and backward (11 tokens at most), then the relevance's L products
+VB_DEPTH = module_depth(tiny_visualbert(), tokens=11, grad=True) + 3 * 11
+
+
 @pytest.mark.parametrize("method", sorted(VB))
-def test_visualbert_equals_the_reference_per_item_and_batch_equals_items(vb, method):
-    items = vb_items()
+def test_visualbert_equals_the_reference_per_item_and_batch_equals_items(vb64, method):
+    vb = vb64
+    items = vb_items(dtype=torch.float64)
     inputs = vb_batch(items)
     before = state(vb)
     maps = VB[method](vb, inputs)
     assert state(vb) == before
     assert isinstance(maps, BimodalMaps) and maps.image.shape == (3, 5) and maps.text.shape == (3, 6)
+    assert maps.image.dtype == maps.text.dtype == torch.float64
     for b, (ids, feats) in enumerate(items):
         mask = torch.ones_like(ids)
         A, G, row, logits = one_visualbert(vb, ids, mask, feats, int(maps.target[b]))
-        torch.testing.assert_close(maps.logits[b], logits[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(maps.logits[b], logits[0], **f64_tol(logits, VB_DEPTH))
         if method in ("raw", "rollout"):
             assert int(maps.target[b]) == int(logits.argmax())
-        ref = reference_row(method, A, G, row).float()
+        ref = reference_row(method, A, G, row)
         nt = ids.shape[1]
-        torch.testing.assert_close(maps.text[b, :nt], ref[:nt], rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(maps.image[b, : feats.shape[1]], ref[nt:], rtol=1e-4, atol=1e-6)
+        tol = f64_tol(ref, VB_DEPTH)
+        torch.testing.assert_close(maps.text[b, :nt], ref[:nt], **tol)
+        torch.testing.assert_close(maps.image[b, : feats.shape[1]], ref[nt:], **tol)
         assert (maps.text[b, nt:] == 0).all() and (maps.image[b, feats.shape[1]:] == 0).all()  # padding
         single = VB[method](vb, dict(input_ids=ids, attention_mask=mask, visual_embeds=feats))
-        torch.testing.assert_close(single.image[0], maps.image[b, : feats.shape[1]], rtol=1e-4, atol=1e-7)
-        torch.testing.assert_close(single.text[0], maps.text[b, :nt], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(single.image[0], maps.image[b, : feats.shape[1]], **tol)
+        torch.testing.assert_close(single.text[0], maps.text[b, :nt], **tol)
         if method == "relevance":
             assert ref[nt:].abs().sum() > 0 and ref[:nt].abs().sum() > 0
+
+
+@pytest.mark.parametrize("method", sorted(VB))
+def test_visualbert_in_float32_is_float64_to_rounding(vb, vb64, method):
+    """The float32 path a user runs: within the rounding of its reductions of the float64 maps."""
+    items = vb_items()
+    got = VB[method](vb, vb_batch(items))
+    exact = VB[method](vb64, vb_batch([(i, f.double()) for i, f in items]))
+    assert got.image.dtype == torch.float32 and torch.equal(got.target, exact.target)
+    torch.testing.assert_close(got.logits.double(), exact.logits, **f32_tol(exact.logits, VB_DEPTH))
+    torch.testing.assert_close(got.image.double(), exact.image, **f32_tol([exact.image, exact.text], VB_DEPTH))
+    torch.testing.assert_close(got.text.double(), exact.text, **f32_tol([exact.image, exact.text], VB_DEPTH))
 
 
 def test_visualbert_target_and_one_forward_one_backward(vb):
@@ -119,7 +147,9 @@ def test_visualbert_target_and_one_forward_one_backward(vb):
         h2.remove()
     assert maps.target.tolist() == [1, 2, 3]
     other = visualbert_relevance(vb, inputs, target=[0, 2, 3])
-    assert not torch.allclose(other.image[0], maps.image[0]) and torch.allclose(other.image[1:], maps.image[1:])
+    tol = f32_tol(maps.image, VB_DEPTH)  # items 1, 2 unchanged up to rounding; item 0 far from it
+    assert not torch.allclose(other.image[0], maps.image[0], **tol)
+    assert torch.allclose(other.image[1:], maps.image[1:], **tol)
 
 
 def test_visualbert_refuses_bad_inputs_before_the_forward(vb):
@@ -159,11 +189,21 @@ def vilt():
     return tiny_vilt()
 
 
-def vilt_items(seed=2):
+@pytest.fixture(scope="module")
+def vilt64():
+    return tiny_vilt().double()
+
+
+# 6 words + the image [CLS] + 16 patches; forward and backward, then the relevance's L products
+VILT_DEPTH = module_depth(tiny_vilt(), tokens=23, grad=True) + 3 * 23
+
+
+def vilt_items(seed=2, dtype=torch.float32):
     """(ids, pixels) of three samples of different question lengths and image sizes (patch 16)."""
     g = torch.Generator().manual_seed(seed)
     shapes = [(6, 64, 64), (4, 48, 64), (5, 64, 32)]
-    return [(torch.randint(1, 40, (1, w), generator=g), torch.randn(1, 3, h, wd, generator=g)) for w, h, wd in shapes]
+    return [(torch.randint(1, 40, (1, w), generator=g), torch.randn(1, 3, h, wd, generator=g).to(dtype))
+            for w, h, wd in shapes]
 
 
 def vilt_batch(items):
@@ -171,7 +211,7 @@ def vilt_batch(items):
     H, Wd = max(p.shape[2] for _, p in items), max(p.shape[3] for _, p in items)
     ids = torch.zeros(len(items), W, dtype=torch.long)
     mask = torch.zeros(len(items), W, dtype=torch.long)
-    px = torch.zeros(len(items), 3, H, Wd)
+    px = torch.zeros(len(items), 3, H, Wd, dtype=items[0][1].dtype)
     pmask = torch.zeros(len(items), H, Wd, dtype=torch.long)
     for b, (i, p) in enumerate(items):
         ids[b, : i.shape[1]], mask[b, : i.shape[1]] = i[0], 1
@@ -191,8 +231,9 @@ def one_vilt(model, ids, px, target, seed=11):
 
 
 @pytest.mark.parametrize("method", sorted(VILT))
-def test_vilt_equals_the_reference_per_item_on_the_patch_grid_and_batch_equals_items(vilt, method):
-    items = vilt_items()
+def test_vilt_equals_the_reference_per_item_on_the_patch_grid_and_batch_equals_items(vilt64, method):
+    vilt = vilt64  # float64: exact claims, checked to ~1e-12
+    items = vilt_items(dtype=torch.float64)
     inputs = vilt_batch(items)
     before = state(vilt)
     rng = torch.get_rng_state()
@@ -202,19 +243,33 @@ def test_vilt_equals_the_reference_per_item_on_the_patch_grid_and_batch_equals_i
     assert maps.image.shape == (3, 4, 4) and maps.text.shape == (3, 6)
     for b, (ids, px) in enumerate(items):
         A, G, patch_index, logits = one_vilt(vilt, ids, px, int(maps.target[b]))
-        torch.testing.assert_close(maps.logits[b], logits[0], rtol=1e-5, atol=1e-6)
-        ref = reference_row(method, A, G, 0).float()
+        torch.testing.assert_close(maps.logits[b], logits[0], **f64_tol(logits, VILT_DEPTH))
+        ref = reference_row(method, A, G, 0)
         nt = ids.shape[1]
-        grid = torch.zeros(4, 4)
+        grid = torch.zeros(4, 4, dtype=torch.float64)
         grid[patch_index[:, 0], patch_index[:, 1]] = ref[nt + 1:]  # after the image [CLS] token
-        torch.testing.assert_close(maps.text[b, :nt], ref[:nt], rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(maps.image[b], grid, rtol=1e-4, atol=1e-6)
+        tol = f64_tol(ref, VILT_DEPTH)
+        torch.testing.assert_close(maps.text[b, :nt], ref[:nt], **tol)
+        torch.testing.assert_close(maps.image[b], grid, **tol)
         gh, gw = px.shape[2] // 16, px.shape[3] // 16
         assert (maps.image[b, gh:] == 0).all() and (maps.image[b, :, gw:] == 0).all()
         single = VILT[method](vilt, dict(input_ids=ids, pixel_values=px))
         assert single.image.shape == (1, gh, gw)
-        torch.testing.assert_close(single.image[0], maps.image[b, :gh, :gw], rtol=1e-4, atol=1e-7)
-        torch.testing.assert_close(single.text[0], maps.text[b, :nt], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(single.image[0], maps.image[b, :gh, :gw], **tol)
+        torch.testing.assert_close(single.text[0], maps.text[b, :nt], **tol)
+
+
+@pytest.mark.parametrize("method", sorted(VILT))
+def test_vilt_in_float32_is_float64_to_rounding(vilt, vilt64, method):
+    """The float32 path a user runs: within the rounding of its reductions of the float64 maps."""
+    items = vilt_items()
+    got = VILT[method](vilt, vilt_batch(items))
+    exact = VILT[method](vilt64, vilt_batch([(i, p.double()) for i, p in items]))
+    assert got.image.dtype == torch.float32 and torch.equal(got.target, exact.target)
+    torch.testing.assert_close(got.logits.double(), exact.logits, **f32_tol(exact.logits, VILT_DEPTH))
+    tol = f32_tol([exact.image, exact.text], VILT_DEPTH)
+    torch.testing.assert_close(got.image.double(), exact.image, **tol)
+    torch.testing.assert_close(got.text.double(), exact.text, **tol)
 
 
 def test_vilt_one_forward_one_backward_and_refusals(vilt):
@@ -250,6 +305,7 @@ def test_shapes_visualbert_pixels_equal_its_tokens():
     a = visualbert_relevance(model, dict(input_ids=ids, attention_mask=mask, pixel_values=x))
     b = visualbert_relevance(model, dict(input_ids=ids, attention_mask=mask, visual_feats=feats))
     assert a.image.shape == (2, 49) and a.text.shape == ids.shape
-    torch.testing.assert_close(a.image, b.image, rtol=1e-4, atol=1e-7)
-    torch.testing.assert_close(a.text, b.text, rtol=1e-4, atol=1e-7)
+    tol = f32_tol([a.image, a.text], module_depth(model, tokens=ids.shape[1] + 49, grad=True))
+    torch.testing.assert_close(a.image, b.image, **tol)
+    torch.testing.assert_close(a.text, b.text, **tol)
     assert (a.text[0, 5] == 0) and (a.text[1, 5] == 0)  # the answer token ('?', before [SEP]) itself
