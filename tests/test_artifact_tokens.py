@@ -1,4 +1,4 @@
-"""token_norms (high-norm "artifact" tokens, Darcet et al. 2024) and cross_region_score (Q/K).
+"""token_norms (high-norm "artifact" tokens, Darcet et al. 2024) and exchange_score (Q/K).
 
 The norms are checked against a hook-free forward through ``model.blocks``; the cross-region
 score against hand-built channels and numpy's correlation.
@@ -9,7 +9,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from conftest import TINY, randomize
-from vitlab.attention import TokenNorms, cross_region_score, token_norms
+from vitlab.attention import TokenNorms, exchange_score, token_norms
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -105,12 +105,12 @@ def test_the_model_is_left_unchanged_and_train_mode_gives_the_eval_norms():
     torch.testing.assert_close(tn.norms, expected, rtol=1e-5, atol=1e-5)
 
 
-# --- cross_region_score -----------------------------------------------------------------
-def test_cross_region_score_on_hand_built_channels():
+# --- exchange_score -----------------------------------------------------------------
+def test_exchange_score_on_hand_built_channels():
     # 4 patches x 5 channels; the query is positive on patches 0, 1 (region A), negative on 2, 3 (B)
     q = torch.tensor([[1.0, 1, 1, 1, 2], [2, 2, 1, 1, 3], [-1, -1, 1, 1, 1], [-3, -3, 1, 1, 4]])
     k = torch.tensor([[4.0, 6, -1, 2, 5], [4, 6, -2, 2, 5], [6, 4, 3, 2, 5], [6, 4, 4, 2, 5]])
-    s = cross_region_score(q, k)
+    s = exchange_score(q, k)
     assert s[0].item() == pytest.approx(1.0)  # key low on A, high on B (an offset of 5 changes nothing)
     assert s[1].item() == pytest.approx(-1.0)  # key high on A: each region attends to itself
     assert s[2].item() == pytest.approx(0.0)  # query of one sign everywhere: one-way, not two regions
@@ -118,25 +118,72 @@ def test_cross_region_score_on_hand_built_channels():
     assert s[4].item() == pytest.approx(0.0)  # both
 
 
-def test_cross_region_score_is_minus_numpys_correlation_of_the_query_sign_with_the_key():
+def test_exchange_score_is_minus_numpys_correlation_of_the_query_sign_with_the_key():
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(2, 3, 50, 7, generator=g), torch.randn(2, 3, 50, 7, generator=g)
-    s = cross_region_score(q, k)
+    s = exchange_score(q, k)
     assert s.shape == (2, 3, 7)
     for idx in np.ndindex(2, 3, 7):
         a, b, c = idx
         r = np.corrcoef(np.sign(q[a, b, :, c].numpy()), k[a, b, :, c].numpy())[0, 1]
         assert s[idx].item() == pytest.approx(-r, abs=1e-5)
     # invariant: rescaling the query per patch by positive factors, or shifting the key, changes nothing
-    torch.testing.assert_close(cross_region_score(q * (torch.rand(q.shape, generator=g) + 0.1), k + 3.0), s)
+    torch.testing.assert_close(exchange_score(q * (torch.rand(q.shape, generator=g) + 0.1), k + 3.0), s)
 
 
-def test_a_cross_region_channel_routes_each_region_to_the_other():
+def test_a_exchange_channel_routes_each_region_to_the_other():
     # one channel on its own: softmax_j(q_i k_j) must put most of row i on the other region
     q = torch.tensor([[2.0], [1.5], [-1.0], [-2.5], [-0.5]])
     k = torch.tensor([[-1.0], [-2.0], [1.5], [1.0], [2.0]])
-    assert cross_region_score(q, k).item() > 0.9
+    assert exchange_score(q, k).item() > 0.9
     rows = (q @ k.T).softmax(-1)
     region = q[:, 0] > 0
     other = (rows * (region[None, :] != region[:, None])).sum(-1)
     assert bool((other > 0.5).all())
+
+
+# --- two_flow_score (the blog's second pattern) -------------------------------------------
+def _two_flow_by_hand(q: list[float], k: list[float]) -> float:
+    """The score's definition, one channel, in plain Python."""
+    P = len(q)
+    m = 1.0 if sum(q) > 0 else -1.0
+    u_q = abs(sum(q)) / sum(abs(v) for v in q)
+    f_k = sum(1 for v in k if v * m > 0) / P
+    one_way = u_q * (1 - f_k) if f_k > 0 else 0.0
+    gather = [i for i, v in enumerate(q) if v * m < 0]
+    if not gather:
+        return 0.0
+    overlap = sum(1 for i in gather if k[i] * m > 0) / len(gather)
+    return one_way * 2 * len(gather) / P * (1 - overlap)
+
+
+def test_two_flow_score_separates_the_blogs_pattern_from_one_way_exchange_and_same_region():
+    from vitlab.attention import one_way_score, same_region_score, two_flow_score
+    # 10 patches: 0-1 the plane's top, 2-3 its bottom, 4-9 the surroundings
+    blog_q = [-1.0, -1, 1, 1, -1, -1, -1, -1, -1, -1]     # positive on the bottom
+    blog_k = [-1.0, -1, 0.2, 0.1, 1, 1, 1, 1, 1, 1]      # negative on the top, positive around
+    region = [1.0, 1, 1, 1, -1, -1, -1, -1, -1, -1]
+    cases = {"blog": (blog_q, blog_k), "exchange": (region, [-v for v in region]),
+             "one_way": ([1.0] * 10, [1.0, 1] + [-1.0] * 8), "same_region": (region, region)}
+    q = torch.tensor([c[0] for c in cases.values()]).T          # P x D
+    k = torch.tensor([c[1] for c in cases.values()]).T
+    s = dict(zip(cases, two_flow_score(q, k).tolist()))
+    for name, (qq, kk) in cases.items():
+        assert s[name] == pytest.approx(_two_flow_by_hand(qq, kk), abs=1e-6)
+    assert s["blog"] == pytest.approx((6 / 10) * (1 - 2 / 10) * (2 * 2 / 10))   # u_q 0.6, f_k 0.2, |Q| = 2
+    assert s["one_way"] == 0.0 and s["exchange"] == 0.0     # no gathering queries / they sit on the broadcasting keys
+    assert s["blog"] > s["same_region"] and exchange_score(q, k)[1].item() == pytest.approx(1.0)
+    # the broadcast part is the one-way score, and a same-region channel correlates instead
+    assert one_way_score(q, k)[0].item() == pytest.approx(0.48)
+    assert same_region_score(q, k)[3].item() == pytest.approx(1.0)
+
+
+def test_two_flow_score_matches_the_definition_on_random_channels_with_batch_dims():
+    from vitlab.attention import two_flow_score
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 3, 12, 4, generator=g, dtype=torch.float64), torch.randn(2, 3, 12, 4, generator=g, dtype=torch.float64)
+    s = two_flow_score(q, k)
+    assert s.shape == (2, 3, 4) and (s >= 0).all() and (s < 1).all()
+    for idx in np.ndindex(2, 3, 4):
+        a, b, c = idx
+        assert s[idx].item() == pytest.approx(_two_flow_by_hand(q[a, b, :, c].tolist(), k[a, b, :, c].tolist()), abs=1e-12)

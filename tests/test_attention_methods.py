@@ -23,7 +23,7 @@ from vitlab.attention import (
     qk_maps,
     rank_qk_channels,
     raw_attention,
-    two_way_score,
+    same_region_score,
 )
 from vitlab.relevance import chefer_relevance
 from vitlab.rollout import grad_rollout, rollout
@@ -303,7 +303,7 @@ def test_pattern_scores_on_hand_built_channels():
     # 4 patches x 5 channels
     q = torch.tensor([[1.0, 1, 1, -2, 1], [-1, 2, 1, -1, -1], [1, 3, 1, -3, 1], [-1, 4, 1, -1, -1]])
     k = torch.tensor([[1.0, -1, 1, -1, 2], [-1, -2, -1, 1, -2], [1, -3, -1, 1, 2], [-1, -4, -1, 1, -2]])
-    two = two_way_score(q, k)
+    two = same_region_score(q, k)
     assert two[0].item() == pytest.approx(1.0)  # identical sign maps
     assert two[1].item() == pytest.approx(-1.0)  # key = -query
     assert two[2].item() == pytest.approx(0.0)  # constant query: no correlation defined -> 0
@@ -321,12 +321,12 @@ def test_pattern_scores_on_hand_built_channels():
 
 
 def test_rank_qk_channels_returns_the_best_scores_in_order(vit, x):
-    scores = qk_channel_scores(vit, x, "two_way")
+    scores = qk_channel_scores(vit, x, "same_region")
     assert scores.shape == (3, 3, 16)
     with torch.no_grad():
         _, _, Q, K = reference_forward(vit, x)
-    assert torch.allclose(scores[1], two_way_score(Q[1][:, :, 1:], K[1][:, :, 1:]).mean(0), atol=1e-5)
-    ranked = rank_qk_channels(vit, x, "two_way", top=5)
+    assert torch.allclose(scores[1], same_region_score(Q[1][:, :, 1:], K[1][:, :, 1:]).mean(0), atol=1e-5)
+    ranked = rank_qk_channels(vit, x, "same_region", top=5)
     assert len(ranked) == 5 and all(isinstance(r, QKChannel) for r in ranked)
     assert ranked[0].score == pytest.approx(scores.max().item())
     for r in ranked:
@@ -379,7 +379,7 @@ def test_bad_indices_and_patterns_raise_value_errors(vit, x):
         qk_maps(vit, x, layer=3, head=0)
     with pytest.raises(ValueError, match=r"channel must be an int in \[0, 16\)"):
         qk_maps(vit, x, layer=0, head=0, channel=16)
-    with pytest.raises(ValueError, match=r"pattern must be one of \('one_way', 'two_way'\)"):
+    with pytest.raises(ValueError, match=r"pattern must be one of \('one_way', 'two_flow', 'exchange', 'same_region'\)"):
         qk_channel_scores(vit, x, "three_way")
 
 

@@ -33,7 +33,7 @@ from vitlab.targets import (
     _logits, check_score, check_target, is_multi_label, require_class_head, resolve_target, target_score,
 )
 
-QK_PATTERNS = ("one_way", "two_way")
+QK_PATTERNS = ("one_way", "two_flow", "exchange", "same_region")
 
 #: Most bytes of recorded attention one forward of a map method (rollout, grad_rollout,
 #: chefer_relevance, cls_attention, raw_attention, attention_gradcam) may hold: a forward inside
@@ -168,10 +168,24 @@ def check_batch_values(x: torch.Tensor, method: str, name: str | None = None, un
         )
 
 
+def check_input_dtype(model, x: torch.Tensor, method: str) -> None:
+    """Raise ``ValueError`` when ``x`` is not in the dtype of the model's floating-point parameters
+    (a float64 batch for a float32 model would fail inside its first layer with "expected scalar
+    type Double but found Float"); the message names both and the remedies. Under autocast the
+    model casts its inputs itself: no check."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is None or x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
+        return
+    raise ValueError(f"{method}: x is {x.dtype} but the model's parameters are {dtype}; pass x.to({dtype}) "
+                     f"(or a model in {x.dtype}: model.to({x.dtype}), e.g. model.double() for float64)")
+
+
 def checked_layout(model, x, method: str, cls_row: bool = True) -> TokenLayout:
-    """:func:`check_images`, then ``token_layout(model, x)`` and, for a method that reads the
-    CLS row (``cls_row``), :func:`require_cls`: every check a method makes before its forward."""
+    """:func:`check_images`, :func:`check_input_dtype`, then ``token_layout(model, x)`` and, for a
+    method that reads the CLS row (``cls_row``), :func:`require_cls`: every check a method makes
+    before its forward."""
     check_images(x, method)
+    check_input_dtype(model, x, method)
     layout = token_layout(model, x)
     if cls_row:
         require_cls(layout, method)
@@ -217,6 +231,7 @@ def _attention_gradients(model, x: torch.Tensor, target, layers: list[int] | Non
     (None: all); the other entries of ``gradients`` are None. Fewer blocks, shorter backward.
     ``method``: the name the errors give."""
     check_images(x, method)
+    check_input_dtype(model, x, method)
     require_class_head(model, method)
     target = check_target(target, x.shape[0])
     check_score(score)
@@ -369,13 +384,14 @@ def qk_maps(model, x: torch.Tensor, layer: int, head: int, channel: int | None =
     return QKMaps(layout.patches_to_grid(q).sigmoid(), layout.patches_to_grid(k).sigmoid())
 
 
-def two_way_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Two-way pattern score per channel: Pearson correlation of the q and k maps.
+def same_region_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Same-region pattern score per channel: Pearson correlation of the q and k maps.
 
     ``q``, ``k``: ``... x P x D`` (patch tokens x channels). Returns ``... x D`` in [-1, 1].
     Near 1: query and key are positive on the same patches and negative on the same
-    others, so each region attends to itself -- information flows both ways within it.
-    A constant map (zero variance) scores 0.
+    others, so each region attends to itself (and the rest to the rest). A constant map
+    (zero variance) scores 0. Blind to offset: a key of one sign almost everywhere can still
+    correlate with the query through its small variations.
     """
     qc = q - q.mean(dim=-2, keepdim=True)
     kc = k - k.mean(dim=-2, keepdim=True)
@@ -406,14 +422,15 @@ def one_way_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.where(f_k > 0, u_q * (1 - f_k), torch.zeros_like(u_q))
 
 
-_SCORES = {"one_way": one_way_score, "two_way": two_way_score}
 
 
 def qk_channel_scores(model, x: torch.Tensor, pattern: str = "one_way") -> torch.Tensor:
     """Pattern score of every channel of every head and layer: ``L x heads x head_dim``.
 
-    Each sample's score (:func:`one_way_score` or :func:`two_way_score` over its patch
-    tokens) averaged over the batch. One forward pass.
+    Each sample's score over its patch tokens (``pattern``: ``"one_way"``
+    :func:`one_way_score`, ``"two_flow"`` :func:`two_flow_score`, ``"exchange"``
+    :func:`exchange_score` or ``"same_region"`` :func:`same_region_score`), averaged over the
+    batch. One forward pass.
     """
     if pattern not in _SCORES:
         raise ValueError(f"pattern must be one of {QK_PATTERNS}, got {pattern!r}")
@@ -441,8 +458,8 @@ def rank_qk_channels(model, x: torch.Tensor, pattern: str = "one_way", top: int 
     ]
 
 
-def cross_region_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Cross-region pattern score per channel: two regions, each drawn to the other.
+def exchange_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Exchange pattern score per channel: two regions, each drawn to the other.
 
     ``q``, ``k``: ``... x P x D`` (patch tokens x channels). Returns ``... x D`` in [-1, 1]:
     minus the Pearson correlation, over the patches, of the query's *sign* ``s_i = sign(q_i)``
@@ -453,11 +470,10 @@ def cross_region_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     ``sign(q_ic) * (k_jc - mean_j k_jc) > 0``: the query's sign picks the direction, only the
     key's contrast counts. Split the patches by the query's sign, A (positive) and B
     (negative). Score near 1: the key is low on A and high on B, so A's queries favour B's
-    keys and B's queries favour A's keys -- information flows both ways *between* two
-    regions (the query positive on A, the key negative there). Near -1: each region favours
-    its own keys (a region attends to itself, the pattern :func:`two_way_score` looks for,
-    here without being fooled by a query or key offset). A query of one sign everywhere
-    (every row favours the same keys: the one-way pattern) or a constant key scores 0.
+    keys and B's queries favour A's keys -- the two regions exchange information. Near -1:
+    each region favours its own keys (the pattern :func:`same_region_score` looks for, here
+    without being fooled by a query or key offset). A query of one sign everywhere (every row
+    favours the same keys: the one-way pattern) or a constant key scores 0.
     """
     s = q.sign()
     sc = s - s.mean(dim=-2, keepdim=True)
@@ -465,6 +481,44 @@ def cross_region_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     cov = (sc * kc).sum(dim=-2)
     norm = (sc.square().sum(dim=-2) * kc.square().sum(dim=-2)).sqrt()
     return torch.where(norm > 0, -cov / norm.clamp_min(torch.finfo(norm.dtype).tiny), torch.zeros_like(cov))
+
+
+def two_flow_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Two-flow pattern score per channel: the blog's second pattern (Gildenblat 2020).
+
+    The blog's block 11, channel 59 of DeiT-tiny: the query is positive mainly on the plane's
+    lower part and negative on the rest; the key is negative on the plane's upper part and
+    positive around it. A channel sends each query to the keys of its own sign, so one channel
+    carries two flows: the plane's top (few keys of the sign most queries have) to the whole
+    image, and the surroundings (the other keys) to the plane's bottom (the few queries of the
+    other sign). Written with ``m``, the sign most queries share (by sum, as in
+    :func:`one_way_score`), ``Q = {i: sign(q_i) = -m}`` (the minority queries, which gather)
+    and ``S = {j: sign(k_j) = m}`` (the keys every majority query is drawn to, which
+    broadcast)::
+
+        score = one_way(q, k) * 2 |Q| / P * (1 - |Q & S| / |Q|)
+
+    - ``one_way(q, k)`` (:func:`one_way_score`): most queries agree and few keys answer them
+      (the broadcast flow);
+    - ``2 |Q| / P``: a second group of queries exists (0 for a pure one-way channel; at most 1,
+      since ``Q`` is the minority);
+    - ``1 - |Q & S| / |Q|``: the gathering queries are not where the broadcasting keys are (0
+      when the two regions coincide: that is :func:`exchange_score`'s pattern).
+
+    ``q``, ``k``: ``... x P x D``. Returns ``... x D`` in [0, 1).
+    """
+    one = one_way_score(q, k)
+    m = q.sum(dim=-2, keepdim=True).sign()                       # ... x 1 x D
+    gather = (q * m < 0).to(q.dtype)                             # minority queries
+    broadcast = (k * m > 0).to(q.dtype)                          # keys the majority reads
+    n_gather = gather.sum(dim=-2)
+    overlap = (gather * broadcast).sum(dim=-2) / n_gather.clamp_min(1)
+    P = q.shape[-2]
+    return torch.where(n_gather > 0, one * (2 * n_gather / P) * (1 - overlap), torch.zeros_like(one))
+
+
+_SCORES = {"one_way": one_way_score, "two_flow": two_flow_score, "exchange": exchange_score,
+           "same_region": same_region_score}
 
 
 class TokenNorms(NamedTuple):
