@@ -41,7 +41,8 @@ _EXPORTS = {
     "project": "vitlab.projection",            # every token, block by block, as class logits (chapter 7)
 }
 _SUBMODULES = {"plot", "images", "shapes", "imgfocus", "localization", "chapters", "faithfulness", "actmax", "widgets",
-               "projection", "evaluate", "gradients"}
+               "projection", "evaluate", "gradients",
+               "gradeclip", "legrad", "clip_decomposition"}  # CLIP: Grad-ECLIP, LeGrad, the embedding's decomposition
 
 __all__ = [
     "__version__", "TokenLayout", "token_layout", "Recording", "record", "EMBEDDED_MODELS",

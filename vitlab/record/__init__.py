@@ -66,6 +66,7 @@ from vitlab.record._session import (  # noqa: F401  (the public names, and the e
     CAPTURE_FIELDS, SUPPORTED, AttentionCapture, NotRecordedError, Recording, _MULTI_FIELDS, _Session,
     check_capture,
 )
+from vitlab.record.clip import CLIP_STREAMS, ClipCapture, _attach_clip, _clip_towers  # noqa: F401
 from vitlab.record.detr import DETR_STREAMS, _attach_detr, _detr_core
 from vitlab.record.lrp import BERT_LIKE, LRP_RULES, attach_lrp  # noqa: F401
 from vitlab.record.lxmert import LXMERT_STREAMS, _attach_lxmert, _lxmert_encoder
@@ -92,7 +93,8 @@ def _adapter_for(model: nn.Module):
     if is_hf_model(model):
         model_type = getattr(model.config, "model_type", None)
         finders = {"lxmert": (_lxmert_encoder, _attach_lxmert), "detr": (_detr_core, _attach_detr),
-                   "visual_bert": (_visualbert_encoder, _attach_visualbert), "vilt": (_vilt_encoder, _attach_vilt)}
+                   "visual_bert": (_visualbert_encoder, _attach_visualbert), "vilt": (_vilt_encoder, _attach_vilt),
+                   **{t: (_clip_towers, _attach_clip) for t in ("clip", "clip_vision_model", "clip_text_model")}}
         if model_type in finders:
             find, attach = finders[model_type]
             found = find(model)
@@ -144,7 +146,10 @@ def attention_size(model: nn.Module, num_tokens: int) -> int:
 
 
 _MULTI.update({_attach_lxmert: ("lxmert", LXMERT_STREAMS), _attach_detr: ("detr", DETR_STREAMS),
-               _attach_visualbert: ("visual_bert", VISUALBERT_STREAMS), _attach_vilt: ("vilt", VILT_STREAMS)})
+               _attach_visualbert: ("visual_bert", VISUALBERT_STREAMS), _attach_vilt: ("vilt", VILT_STREAMS),
+               _attach_clip: ("clip", CLIP_STREAMS)})
+# multi-stream families that record hidden states per capture (the others: from the model itself)
+_HIDDEN_FAMILIES = ("clip",)
 
 
 @contextlib.contextmanager
@@ -226,8 +231,8 @@ def record(
     if family is not None:
         name = type(model).__name__
         if capture is None:
-            captured = _MULTI_FIELDS
-        elif "hidden" in captured:
+            captured = frozenset(CAPTURE_FIELDS) if family[0] in _HIDDEN_FAMILIES else _MULTI_FIELDS
+        elif "hidden" in captured and family[0] not in _HIDDEN_FAMILIES:
             raise ValueError(
                 f"record(capture=...) of {name} records attention, query, key and value; its hidden states "
                 "come from the model itself: call it with output_hidden_states=True"

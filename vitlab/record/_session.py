@@ -15,7 +15,8 @@ from vitlab.layout import TokenLayout
 SUPPORTED = (
     "timm VisionTransformer models (ViT, DeiT, DeiT-distilled, DINOv2, DINOv2 with registers, "
     "and vitlab's embedded models), Hugging Face ViT, DeiT and Dinov2 models, and Hugging Face "
-    "LXMERT (LxmertModel, LxmertForQuestionAnswering, ...) and DETR (DetrModel, DetrForObjectDetection, ...)"
+    "LXMERT (LxmertModel, LxmertForQuestionAnswering, ...), DETR (DetrModel, DetrForObjectDetection, ...) "
+    "and CLIP (CLIPModel, CLIPVisionModel, CLIPTextModel, ...)"
 )
 
 
@@ -153,6 +154,7 @@ class Recording:
     def hidden_states(self) -> list[torch.Tensor]:
         """The residual stream leaving each block, B x N x D (``capture`` with ``"hidden"``)."""
         self._require("hidden")
+        self._single_stream()  # CLIP's two towers: rec.stream(name)[l].hidden
         return self._hidden_states
 
     @property

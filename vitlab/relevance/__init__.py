@@ -11,12 +11,17 @@ model family.
 - :mod:`vitlab.relevance.lxmert`: LXMERT's image and text relevance and the paper's baselines
   (raw attention, rollout, GradCAM);
 - :mod:`vitlab.relevance.detr`: DETR's map per detected object and the same baselines;
+- :mod:`vitlab.relevance.clip`: CLIP's image and text relevance of a pair's score (both towers)
+  and the same baselines;
 - :mod:`vitlab.relevance._common`: what the bimodal families share (their map types, the
   recorded forward with gradients, events from a recording).
 
 Every name is importable from ``vitlab.relevance`` itself.
 """
 from vitlab.relevance._common import BimodalMaps, DetectionMaps, attention_matrix_gradcam
+from vitlab.relevance.clip import (
+    CLIP_INPUTS, ClipMaps, clip_gradcam, clip_raw_attention, clip_relevance, clip_rollout, end_of_text,
+)
 from vitlab.relevance.detr import detr_gradcam, detr_raw_attention, detr_relevance, detr_rollout
 from vitlab.relevance.engine import (
     AttentionEvent, Relevances, Step, bimodal_rule, head_averaged_relevance, initial_relevances,
@@ -32,6 +37,7 @@ from vitlab.relevance.visualbert import (
 )
 
 __all__ = [
+    "CLIP_INPUTS", "ClipMaps", "clip_gradcam", "clip_raw_attention", "clip_relevance", "clip_rollout", "end_of_text",
     "AttentionEvent", "BimodalMaps", "DetectionMaps", "LXMERT_INPUTS", "Relevances", "Step",
     "attention_matrix_gradcam", "bimodal_rule", "chefer_relevance", "detr_gradcam", "detr_raw_attention",
     "detr_relevance", "detr_rollout", "head_averaged_relevance", "initial_relevances", "last_block_relevance", "lxmert_gradcam",
