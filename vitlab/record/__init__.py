@@ -161,8 +161,8 @@ def record(
     """Record every attention block of ``model`` during the forward passes in the block.
 
     Args:
-        model: a supported ViT, or a Hugging Face LXMERT or DETR model (see ``SUPPORTED``);
-            left exactly as it was on exit.
+        model: a supported ViT, or a Hugging Face LXMERT, DETR or CLIP model (see ``SUPPORTED``;
+            CLIP: :mod:`vitlab.record.clip`); left exactly as it was on exit.
         capture: which per-block fields to keep, names from :data:`CAPTURE_FIELDS`:
             ``"attention"`` (``rec.attentions``), ``"query"``, ``"key"``, ``"value"``
             (``rec.queries`` / ``keys`` / ``values``, B x heads x N x head_dim) and
@@ -172,7 +172,8 @@ def record(
             fused attention path. Reading a field left out raises :class:`NotRecordedError`.
             ``residual=True`` adds ``"hidden"``. LXMERT and DETR: attention, query, key and
             value (the default), no hidden states (the model's ``output_hidden_states=True``
-            gives them).
+            gives them). CLIP: all five, per capture of each tower's stream
+            (:class:`vitlab.record.clip.ClipCapture`).
         gradients: also record ``d(output)/d(attention)`` per layer (needs ``"attention"``
             in ``capture``); call ``backward()`` inside the with-block. LXMERT / DETR: an
             attention the output does not depend on gets zeros.

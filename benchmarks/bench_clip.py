@@ -1,0 +1,164 @@
+"""Cost of the CLIP methods (chapter 11) over a plain forward + backward of the pairs' scores.
+
+    python benchmarks/bench_clip.py [--batch 32] [--rounds 7] [--threads 1] [--clock cpu|wall]
+
+The model: the embedded ``shapes-clip`` when ``vitlab.load_model("shapes-clip")`` works, else a
+random-initialised model of its architecture (``vitlab.shapes.clip_model`` when importable, else a
+plain ``CLIPModel`` of the same sizes: 112 x 112 images in a 7 x 7 grid + CLS, 6 image blocks of
+width 192 with 3 heads, 3 text blocks of width 128 with 4 heads, projection 128); the line
+``model:`` says which. The batch: ``--batch`` generated one- and two-object scenes with one
+caption each (seeded), as the model's inputs (``pixel_values``, ``input_ids``, ``attention_mask``).
+
+Goal (issue 30): ``clip_relevance`` for a batch of 32 pairs costs at most 2x a plain forward +
+backward of the scores (``logits_per_image.diagonal().sum().backward()``), with one forward and
+one backward for the whole batch. Printed per method: its forward calls (a forward pre-hook on the
+model) and ``torch.autograd.grad`` / ``backward`` calls, and the median over rounds of paired
+ratios (:func:`bench_methods.ratios_to_forward`: each call timed right after its reference on the
+same batch) to a plain forward (``torch.no_grad()``) and to the forward + backward; also
+``clip_relevance`` pair by pair (``--batch`` calls), what the batch saves.
+
+Measured: see the commit that last changed this file (numbers depend on the machine's load).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vitlab  # noqa: E402
+from vitlab.clip_decomposition import decompose_image  # noqa: E402
+from vitlab.gradeclip import grad_eclip  # noqa: E402
+from vitlab.legrad import legrad  # noqa: E402
+from vitlab.relevance import clip_gradcam, clip_raw_attention, clip_relevance, clip_rollout  # noqa: E402
+
+from bench_methods import ratios_to_forward  # noqa: E402
+from bench_relevance_multimodal import count_calls  # noqa: E402
+
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def shapes_clip_or_random():
+    """``(model, label)``: the embedded shapes-clip, or a random model of its architecture."""
+    try:
+        return vitlab.load_model("shapes-clip").eval(), "shapes-clip (embedded, trained)"
+    except Exception as e:  # not shipped yet, or its weights missing
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    torch.manual_seed(0)
+    try:
+        from vitlab.shapes.clip_model import ShapesCLIPModel, clip_config
+
+        return ShapesCLIPModel(clip_config()).eval(), f"random ShapesCLIPModel (shapes-clip not loadable: {why})"
+    except Exception as e:
+        why2 = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    from transformers import CLIPConfig, CLIPModel
+
+    cfg = CLIPConfig(
+        text_config=dict(vocab_size=32, hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         intermediate_size=512, max_position_embeddings=16, eos_token_id=31, bos_token_id=1,
+                         pad_token_id=0),
+        vision_config=dict(hidden_size=192, num_hidden_layers=6, num_attention_heads=3, intermediate_size=768,
+                           image_size=112, patch_size=16),
+        projection_dim=128)
+    return (CLIPModel._from_config(cfg, attn_implementation="eager").eval(),
+            f"random CLIPModel of shapes-clip's sizes ({why}; {why2})")
+
+
+def pairs(model, batch: int) -> dict:
+    """``batch`` seeded scenes (one and two objects) with one caption each, as the model's inputs."""
+    from vitlab.shapes.data import make_scenes, scenes_to_tensor
+
+    half = batch // 2
+    one, two = make_scenes(batch - half, 0, 1), make_scenes(half, 1, 2)
+    x = torch.cat([scenes_to_tensor(s.images, (3, 112, 112), (0.5,) * 3, (0.5,) * 3) for s in (one, two)])
+    if hasattr(model, "encode"):
+        try:
+            from vitlab.shapes.captions import make_captions
+
+            texts = [c.text for s in (one, two) for c in make_captions(s, 0)]
+        except Exception:
+            texts = ["a circle"] * batch
+        ids, mask = model.encode(texts)
+        ids, mask = torch.as_tensor(ids), torch.as_tensor(mask)
+    else:  # random model without a tokenizer: random words between <start> = 1 and <end> = 31
+        g = torch.Generator().manual_seed(0)
+        lengths = torch.randint(1, 6, (batch,), generator=g)
+        ids = torch.zeros(batch, 8, dtype=torch.long)
+        mask = torch.zeros(batch, 8, dtype=torch.long)
+        for b, n in enumerate(lengths.tolist()):
+            ids[b, 0], ids[b, 1:n + 1], ids[b, n + 1] = 1, torch.randint(2, 31, (n,), generator=g), 31
+            mask[b, :n + 2] = 1
+    return dict(pixel_values=x, input_ids=ids, attention_mask=mask)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
+                    help="cpu: this process's CPU time (steadier on a shared machine); wall: elapsed time")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = CLOCKS[args.clock]
+
+    def seconds(fn) -> float:
+        start = clock()
+        fn()
+        return clock() - start
+
+    model, label = shapes_clip_or_random()
+    inputs = pairs(model, args.batch)
+    B = inputs["input_ids"].shape[0]
+    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.clock} clock, median of {args.rounds} rounds "
+          "of paired ratios (each call / its reference timed just before it)")
+    print(f"model: {label}; batch {B} pairs, texts of {inputs['input_ids'].shape[1]} tokens")
+
+    def forward():
+        with torch.no_grad():
+            model(**inputs)
+
+    def forward_backward():
+        model(**inputs).logits_per_image.diagonal().sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    def per_pair():
+        for b in range(B):
+            clip_relevance(model, {k: v[b:b + 1] for k, v in inputs.items()})
+
+    methods = {
+        "clip_relevance (batch)": lambda: clip_relevance(model, inputs),
+        "clip_relevance, last block": lambda: clip_relevance(model, inputs, start_block=-1),
+        "clip_raw_attention": lambda: clip_raw_attention(model, inputs),
+        "clip_rollout": lambda: clip_rollout(model, inputs),
+        "clip_gradcam": lambda: clip_gradcam(model, inputs),
+        "grad_eclip": lambda: grad_eclip(model, inputs),
+        "legrad": lambda: legrad(model, inputs),
+        "decompose_image": lambda: decompose_image(model, inputs["pixel_values"]),
+        f"clip_relevance pair by pair ({B} calls)": per_pair,
+        "forward + backward": forward_backward,
+    }
+    calls = {name: count_calls(model, fn) for name, fn in methods.items()}
+    to_forward, forward_times = ratios_to_forward(forward, methods, args.rounds, seconds)
+    others = {k: v for k, v in methods.items() if k != "forward + backward"}
+    to_fwd_bwd, fwd_bwd_times = ratios_to_forward(forward_backward, others, args.rounds, seconds)
+    print(f"plain forward {statistics.median(forward_times) * 1e3:.1f} ms, forward + backward "
+          f"{statistics.median(fwd_bwd_times) * 1e3:.1f} ms (medians)")
+    print(f"    {'':<36}{'forwards':>9}{'backwards':>10}{'/ forward':>11}{'/ fwd+bwd':>11}")
+    for name in methods:
+        f, b = calls[name]
+        ratio_bwd = f"{statistics.median(to_fwd_bwd[name]):>10.2f}x" if name in to_fwd_bwd else f"{'1.00x':>11}"
+        print(f"    {name:<36}{f:>9}{b:>10}{statistics.median(to_forward[name]):>10.2f}x{ratio_bwd}")
+    worst = max(to_fwd_bwd["clip_relevance (batch)"])
+    print(f"clip_relevance / (forward + backward): median {statistics.median(to_fwd_bwd['clip_relevance (batch)']):.2f}x, "
+          f"worst round {worst:.2f}x (goal: at most 2x, one forward and one backward)")
+
+
+if __name__ == "__main__":
+    main()
