@@ -402,3 +402,39 @@ def test_padding_with_the_end_of_text_id_gives_the_same_maps(model):
         assert close(b.image, a.image), name
         if a.text is not None:
             assert close(b.text, a.text), name
+
+
+def test_the_decomposition_refuses_bad_inputs_and_leaves_the_model_as_it_was():
+    model = tiny_clip(dtype=torch.float32)
+    model.train()
+    inputs = pairs(dtype=torch.float32)
+    x = inputs["pixel_values"]
+    before = model_state(model)
+    t = text_embeddings(model, inputs["input_ids"], inputs["attention_mask"])
+    head_maps(model, x, t)
+    layer_ablation(model, x, t, torch.tensor([0, 1, 2]))
+    zero_shot_segmentation(model, x, t)
+    assert_unchanged(model, before)
+    assert all(m.training for m in model.modules())
+    nan = x.clone()
+    nan[0, 0, 0, 0] = float("inf")
+    calls = [0]
+    handle = model.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    try:
+        for call, match in (
+            (lambda: decompose_image(model, nan), "NaN or infinite"),
+            (lambda: decompose_image(model, x[:0]), "empty batch"),
+            (lambda: decompose_image(model, x[..., :16]), "32 x 32"),
+            (lambda: head_maps(model, x, t[:, :5]), "16 dims"),
+            (lambda: head_maps(model, x, t * float("nan")), "finite"),
+            (lambda: zero_shot_segmentation(model, x, t[:0]), "at least one text"),
+            (lambda: zero_shot_segmentation(model, x, t, start_block=3), "start_block"),
+            (lambda: layer_ablation(model, x, t, torch.tensor([0.0, 1.0, 2.0])), "labels"),
+        ):
+            with pytest.raises(ValueError, match=match):
+                call()
+    finally:
+        handle.remove()
+    assert calls[0] == 0
+    with pytest.raises(TypeError, match="CLIPModel"):
+        decompose_image(model.vision_model, x)
