@@ -8,11 +8,13 @@ to every attention matrix. Also: an SDPA-configured model records the eager atte
 its flags back; the model comes back exactly as it was, also when the forward raises; a frozen
 model still gives attention gradients; the image grid is read from the patch embedding's output.
 
-Tolerances: transformers' eager attention computes its softmax in float32 even for a float64
-model (``eager_attention_forward``: ``softmax(..., dtype=torch.float32)``), so a float64 model's
-attention weights carry float32 rounding, a few units of 2^-24 ~ 6e-8 relative; through three
-blocks and one backward that stays far below the 1e-6 relative tolerance used for tensors compared
-with the float64 reference (a wrong rule or a wrong layer differs by O(1)).
+Tolerances (:func:`close`): transformers' eager attention computes its softmax in float32 even for
+a float64 model (``eager_attention_forward``: ``softmax(..., dtype=torch.float32)``), so a float64
+model's results carry float32 rounding. The allowance is ``conftest.f32_tol`` with the depth of the
+whole tiny model, forward and backward (``module_depth(model, tokens=17, grad=True)``): it counts
+every reduction as if it ran in float32, so it bounds the one float32 step from above; the same
+allowance serves the float32 models (SDPA against eager, frozen against free). A wrong rule, layer
+or token differs by a large fraction of the scale.
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ from transformers import CLIPConfig, CLIPModel
 import vitlab
 from vitlab.record import NotRecordedError
 
+from conftest import f32_tol, module_depth
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, EOS, BOS, PAD = 40, 39, 38, 0
-RTOL = 1e-6
 
 
 def tiny_clip(legacy: bool = True, attn: str = "eager", seed: int = 0, dtype=torch.float64,
@@ -149,11 +152,16 @@ def reference(model, pixel_values, input_ids, attention_mask=None):
                            cosine=cosine, score=score, eos=eos, sd=sd)
 
 
-def close(a, b, rtol=RTOL):
-    """|a - b| <= rtol * max|b| (+ a floor for all-zero references)."""
-    a, b = a.double(), b.double()
-    scale = b.abs().max().clamp(min=1e-12)
-    return bool(((a - b).abs() <= rtol * scale).all())
+#: conftest.module_depth of every tiny_clip (same architecture), forward and backward, over its
+#: largest token count (the image tower's 4 x 4 patches + CLS; captions are at most 12 tokens)
+DEPTH = module_depth(tiny_clip(), tokens=17, grad=True)
+
+
+def close(a, b) -> bool:
+    """``a`` and ``b`` (tensors of the same shape) equal within ``f32_tol([a, b], DEPTH)``: the
+    allowance ``2 * DEPTH * eps32 * max(|a|, |b|)`` for every entry (see the module docstring)."""
+    a, b = a.detach().double(), b.detach().double()
+    return a.shape == b.shape and torch.allclose(a, b, **f32_tol([a, b], DEPTH))
 
 
 # ----------------------------------------------------------------------------- the model as it was
@@ -229,7 +237,7 @@ def test_sdpa_model_records_eager_attention_and_gets_its_flags_back():
         sdpa(**inputs)
     for a, b in zip(r1.events, r2.events):
         assert a.stream == b.stream
-        torch.testing.assert_close(a.attention, b.attention, rtol=0, atol=1e-6)  # same weights, same eager path
+        assert close(a.attention, b.attention)  # same weights, same eager path
     assert sdpa.config._attn_implementation == "sdpa" and sdpa.config.vision_config._attn_implementation == "sdpa"
     assert_unchanged(sdpa, before)
     # without the attention field the model keeps its SDPA path
