@@ -325,6 +325,26 @@ def test_pointing_marks_box_the_top_patch_and_colour_hits_and_misses():
     plt.close("all")
 
 
+def test_outline_is_white_on_black_and_an_opaque_map_shows_its_own_colours():
+    # a black object under the map: with alpha=1 the panel's colours are the map's colours, exactly
+    maps = [torch.tensor([[0.0, 1.0], [0.5, 0.25]])]
+    masks = np.zeros((1, 8, 8), bool)
+    masks[0, 2:6, 2:6] = True
+    image = np.ones((8, 8, 3))
+    image[masks[0]] = 0.0
+    fig = plot.map_grid(maps, image=image, outline=masks, mode="nearest", alpha=1.0)
+    ax = _panels(fig)[0]
+    heat = ax.get_images()[-1]
+    assert heat.get_alpha() == 1.0
+    rgba = heat.to_rgba(heat.get_array())[..., :3]                  # what the heat layer paints
+    want = heat.cmap(heat.norm(plot.upsample_map(maps[0], (8, 8), "nearest")))[..., :3]
+    np.testing.assert_allclose(rgba, want, atol=1 / 255)
+    lines = [(matplotlib.colors.to_hex(c.get_edgecolor()[0]), float(np.ravel(c.get_linewidth())[0]))
+             for c in ax.collections]
+    assert lines == [("#000000", 2.6), ("#ffffff", 1.0)]           # a wide black line under a white one
+    plt.close("all")
+
+
 def test_attention_matrix_frames_the_cls_row():
     A = torch.softmax(torch.randn(5, 5, generator=torch.Generator().manual_seed(0)), -1)
     ax = plot.attention_matrix(A, num_prefix=1, title="block 0")

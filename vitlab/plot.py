@@ -14,8 +14,10 @@ Colour is a measurement, so the maps are drawn the way the numbers are:
 - ``mode="nearest"`` draws one block per patch, as the maps are graded;
   ``mode="both"`` draws the smooth (bilinear) and the per-patch view side by side;
 - grids name their rows and columns (``row_labels``, ``col_labels``: "block 3", "head 1");
-- pointing-game pictures outline the object and box the top patch (:func:`map_grid`
-  ``outline``, ``mark_top``, ``hits``); :func:`attention_matrix` frames the class token's row;
+- pointing-game pictures outline the object (white on black, readable over any colour) and box
+  the top patch (:func:`map_grid` ``outline``, ``mark_top``, ``hits``); over a dark object an
+  overlay's colours are darkened, so graded maps are best drawn opaque (``alpha=1``, per patch)
+  with the outline showing where the object is; :func:`attention_matrix` frames the class token's row;
   :func:`image_grid` marks the patch borders (``patch``) and zooms in pixel for pixel (``crop``).
 """
 from __future__ import annotations
@@ -331,10 +333,12 @@ def attention_matrix(A, num_prefix: int = 1, ax=None, title: str | None = None, 
 
 
 def _draw_outline(ax, mask: np.ndarray, size: tuple[int, int]):
-    """A white contour of ``mask`` (H x W, same size as the image drawn on ``ax``)."""
+    """A white contour of ``mask`` (H x W, same size as the image drawn on ``ax``) on a wider
+    black one, so that it reads over the brightest and the darkest colours of a map."""
     if mask.shape != tuple(size):
         raise ValueError(f"outline masks must have the image's size {tuple(size)}, got {mask.shape}")
     ys, xs = np.arange(mask.shape[0]), np.arange(mask.shape[1])
+    ax.contour(xs, ys, mask, levels=[0.5], colors="black", linewidths=2.6)
     ax.contour(xs, ys, mask, levels=[0.5], colors="white", linewidths=1.0)
 
 
@@ -402,7 +406,9 @@ def map_grid(maps: Sequence, titles: Sequence[str] | None = None, image=None, nc
     Images are drawn in grey under the maps (``gray_image=False``: in colour).
 
     Pointing-game pictures: ``outline`` (one ``H x W`` boolean mask for all maps, or one per
-    map, e.g. the objects) is drawn as a white contour over the image; ``mark_top=True`` draws
+    map, e.g. the objects) is drawn as a white contour on a black one over the map (with
+    ``alpha=1`` the map hides the image and every colour reads exactly against its bar, the
+    object's place shown by the outline alone); ``mark_top=True`` draws
     a box around each map's highest patch; ``hits`` (one bool per map, e.g. from
     :func:`vitlab.localization.pointing_game`) colours that box green (hit) or red (miss).
     Returns the Figure.

@@ -1,0 +1,226 @@
+"""What a token reads (vitlab.layout.token_footprints, footprint_extent), masks grown by it
+(vitlab.localization.grow_masks), and the intervals the chapters give with every grade
+(localization.rate, mean_interval, paired_difference).
+
+The footprint is checked against the full Jacobian of the token's vector, computed in float64 by
+torch.autograd.functional.jacobian on the model's own modules (no recording), and against known
+answers on a plain patchify convolution."""
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from timm.models.vision_transformer import VisionTransformer
+
+from vitlab import localization as loc
+from vitlab.layout import footprint_extent, token_footprints
+from vitlab.shapes.model import ConvStemPatchEmbed
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _conv_stem_vit(dtype=torch.float64, seed=0):
+    """16 px images, 4 px patches (a 4 x 4 grid) made by two stride-2 4x4 convolutions, D = 16."""
+    torch.manual_seed(seed)
+    model = VisionTransformer(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=3,
+                              embed_layer=partial(ConvStemPatchEmbed, first_width=8))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        for m in model.modules():                       # BatchNorm statistics that are not trivial
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
+                m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+    return model.to(dtype).eval()
+
+
+def _inputs(n, size=16, dtype=torch.float64, seed=1):
+    return torch.randn(n, 3, size, size, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _jacobian_footprint(model, x, block=None):
+    """sum over colour of the L2 norm over D of d h_t / d x, mean over images, from the full
+    Jacobian of the model's own forward (patch embedding, position embedding, blocks)."""
+    def tokens(xi):
+        h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(xi[None]))))
+        if block is not None:
+            for blk in model.blocks[:block + 1]:
+                h = blk(h)
+        return h[0, model.num_prefix_tokens:]              # T x D
+    out = []
+    for xi in x:
+        J = torch.autograd.functional.jacobian(tokens, xi)  # T x D x 3 x H x W
+        out.append(J.pow(2).sum(1).sqrt().sum(1))           # T x H x W
+    gh, gw = model.patch_embed.grid_size
+    return torch.stack(out).mean(0).reshape(gh, gw, *x.shape[-2:])
+
+
+def test_exact_footprint_equals_the_jacobian_of_the_token():
+    model, x = _conv_stem_vit(), _inputs(3)
+    for block in (None, 0, -1):
+        got = token_footprints(model, x, block=block, probes=None)
+        want = _jacobian_footprint(model, x, None if block is None else block % 2)
+        assert got.shape == (4, 4, 16, 16) and got.dtype == torch.float32
+        # float64 throughout, rounded once to float32 at the end
+        torch.testing.assert_close(got.double(), want, rtol=2e-7, atol=2e-7 * float(want.abs().max()))
+    # the embedding's footprint ends where the stem's window (10 px for two 4x4/2 layers) ends
+    f = token_footprints(model, x, probes=None)
+    assert float(f[0, 0, 10:].abs().max()) == 0.0 and float(f[0, 0, :, 10:].abs().max()) == 0.0
+    # after a block, attention has mixed in every token
+    assert float(token_footprints(model, x, block=0, probes=None)[0, 0, 12:, 12:].min()) > 0
+
+
+def test_a_batch_gives_the_mean_of_its_images():
+    model, x = _conv_stem_vit(), _inputs(3)
+    whole = token_footprints(model, x, probes=None, batch_size=2)
+    items = torch.stack([token_footprints(model, x[i:i + 1], probes=None) for i in range(3)]).mean(0)
+    torch.testing.assert_close(whole, items, rtol=2e-7, atol=2e-7 * float(items.max()))
+    # random directions are drawn per image: the same whatever the batch size
+    torch.testing.assert_close(token_footprints(model, x, probes=2, batch_size=1),
+                               token_footprints(model, x, probes=2, batch_size=3), rtol=1e-6, atol=1e-7)
+
+
+def test_random_directions_estimate_the_exact_footprint():
+    model = _conv_stem_vit()
+    x = _inputs(2).repeat(60, 1, 1, 1)                    # 120 images, 2 distinct: 60 x 4 directions each
+    exact = footprint_extent(token_footprints(model, x[:2], probes=None))
+    est_f = token_footprints(model, x, probes=4, seed=3)
+    est = footprint_extent(est_f)
+    # each pixel's estimate is a mean of 240 |N(0, s^2)| draws: relative sd sqrt(pi/2 - 1) / sqrt(240) = 4.9 %
+    exact_f = token_footprints(model, x[:2], probes=None)
+    assert float(((est_f - exact_f).abs().sum() / exact_f.sum())) < 0.08
+    assert float((est.own_patch - exact.own_patch).abs().max()) < 0.03
+    torch.testing.assert_close(est.centre, exact.centre, atol=0.25, rtol=0)
+
+
+def test_a_patchify_convolution_reads_its_own_patch_only():
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=12, depth=1, num_heads=2, num_classes=2).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    ext = footprint_extent(token_footprints(model, x, probes=None))
+    torch.testing.assert_close(ext.own_patch, torch.ones(4, 4))
+    assert bool((ext.side <= 8).all())
+    with torch.no_grad():
+        model.patch_embed.proj.weight.fill_(1.0)          # every pixel of the patch counts the same
+    ext = footprint_extent(token_footprints(model, x, probes=None), mass=(0.5, 0.25, 1.0))
+    torch.testing.assert_close(ext.offset, torch.zeros(4, 4, 2), atol=1e-4, rtol=0)
+    # a flat 8 x 8 footprint: half of it is 32 pixels; centred squares of side 2, 4, 6, 8 hold
+    # 4, 16, 36, 64 of its 64 pixels, so 0.5 needs side 6, 0.25 side 4, all of it side 8
+    assert ext.area[..., 0].unique().tolist() == [32.0]
+    assert ext.side[1, 2].tolist() == [6.0, 4.0, 8.0]
+    torch.testing.assert_close(ext.margin(0), torch.zeros(4, 4))
+    torch.testing.assert_close(ext.margin(2), torch.zeros(4, 4))
+
+
+def test_footprint_extent_of_hand_built_footprints():
+    f = torch.zeros(2, 2, 8, 8)
+    f[0, 0, 1, 2] = 3.0                                   # one pixel, in its own patch (4 x 4 patches)
+    f[1, 1, 0, 0] = 1.0                                   # one pixel, far off its patch (rows 4-7, cols 4-7)
+    f[0, 1, 0:4, 4:8] = 1.0                               # its own patch, evenly
+    f[1, 0, :, :] = 1.0                                   # the whole image, evenly
+    ext = footprint_extent(f, mass=(0.5, 1.0))
+    np.testing.assert_allclose(ext.centre[0, 0].numpy(), [1.0, 2.0])
+    np.testing.assert_allclose(ext.offset[0, 0].numpy(), [-0.5, 0.5])
+    np.testing.assert_allclose(ext.offset[1, 1].numpy(), [-5.5, -5.5])
+    assert ext.own_patch.tolist() == [[1.0, 1.0], [0.25, 0.0]]
+    assert ext.area[0, 0].tolist() == [1.0, 1.0] and ext.area[1, 0].tolist() == [32.0, 64.0]
+    # the square must reach pixel (0, 0) from the patch centre (5.5, 5.5): Chebyshev 5.5 -> side 12
+    assert ext.side[1, 1].tolist() == [12.0, 12.0]
+    assert ext.side[0, 1].tolist() == [4.0, 4.0] and ext.margin(1)[1, 1] == 4.0
+    with pytest.raises(ValueError, match="gh x gw x H x W"):
+        footprint_extent(f[0])
+    with pytest.raises(ValueError, match="zero everywhere"):
+        footprint_extent(torch.zeros(2, 2, 8, 8))
+    with pytest.raises(ValueError, match="non-negative"):
+        footprint_extent(-f)
+    with pytest.raises(ValueError, match=r"mass must hold shares in \(0, 1\]"):
+        footprint_extent(f, mass=(0.5, 1.5))
+    with pytest.raises(ValueError, match="whole number of patches"):
+        footprint_extent(torch.ones(3, 3, 8, 8))
+
+
+def test_token_footprints_refuses_bad_input_and_leaves_the_model_as_it_was():
+    model = _conv_stem_vit(torch.float32).train()
+    model.blocks[1].requires_grad_(False)
+    flags = [(m.training, [p.requires_grad for p in m.parameters(recurse=False)]) for m in model.modules()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = _inputs(2, dtype=torch.float32)
+    got = token_footprints(model, x, probes=1)
+    assert [(m.training, [p.requires_grad for p in m.parameters(recurse=False)]) for m in model.modules()] == flags
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())   # BatchNorm stats unchanged
+    assert all(p.grad is None for p in model.parameters())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    # it ran in eval mode: the same as on the model put in eval mode
+    torch.testing.assert_close(got, token_footprints(model.eval(), x, probes=1))
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        token_footprints(model, bad)
+    with pytest.raises(ValueError, match="non-empty image batch"):
+        token_footprints(model, x[:0])
+    with pytest.raises(ValueError, match="probes must be a positive int"):
+        token_footprints(model, x, probes=0)
+    with pytest.raises(ValueError, match=r"block must be None .* \[-2, 2\)"):
+        token_footprints(model, x, block=2)
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        token_footprints(model, x, batch_size=0)
+
+
+def test_grow_masks_equals_a_brute_force_square_neighbourhood():
+    rng = np.random.default_rng(0)
+    masks = rng.random((3, 12, 10)) < 0.05
+    masks[2] = False
+    for margin in (0, 1, 3):
+        want = np.zeros(masks.shape)
+        for b, y, x in zip(*np.nonzero(masks)):
+            want[b, max(0, y - margin):y + margin + 1, max(0, x - margin):x + margin + 1] = 1.0
+        np.testing.assert_array_equal(loc.grow_masks(masks, margin).numpy(), want)
+    with pytest.raises(ValueError, match="non-negative int"):
+        loc.grow_masks(masks, -1)
+    with pytest.raises(ValueError, match="B x H x W"):
+        loc.grow_masks(masks[0], 1)
+
+
+def test_rate_is_the_wilson_interval():
+    stats = pytest.importorskip("scipy.stats")
+    for k, n in ((378, 500), (0, 40), (40, 40), (3, 7)):
+        est = loc.rate([1] * k + [0] * (n - k))
+        ci = stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+        assert est.value == pytest.approx(k / n) and est.n == n
+        assert est.low == pytest.approx(ci.low, abs=1e-12) and est.high == pytest.approx(ci.high, abs=1e-12)
+    est = loc.rate(torch.tensor([True, False, True, True]), level=0.5)
+    ci = stats.binomtest(3, 4).proportion_ci(confidence_level=0.5, method="wilson")
+    assert (est.low, est.high) == pytest.approx((ci.low, ci.high), abs=1e-9)
+    assert str(loc.rate([1, 1, 0, 0])) == "0.500 [0.150, 0.850]"
+    with pytest.raises(ValueError, match="bools or 0/1"):
+        loc.rate([0.5, 1.0])
+    with pytest.raises(ValueError, match="at least one value"):
+        loc.rate([])
+    with pytest.raises(ValueError, match=r"level must be a number in \(0, 1\)"):
+        loc.rate([1, 0], level=95)
+
+
+def test_bootstrap_intervals_and_paired_differences():
+    rng = np.random.default_rng(1)
+    v = rng.normal(0.3, 1.0, 4000)
+    est = loc.mean_interval(v)
+    half = 1.96 * v.std(ddof=1) / np.sqrt(v.size)           # the normal approximation, for large n
+    assert est.value == pytest.approx(v.mean()) and est.n == 4000
+    assert est.low == pytest.approx(v.mean() - half, abs=0.15 * half)
+    assert est.high == pytest.approx(v.mean() + half, abs=0.15 * half)
+    assert loc.mean_interval(np.full(5, 0.25)) == (0.25, 0.25, 0.25, 5)
+    assert loc.mean_interval(v, seed=2) != loc.mean_interval(v, seed=3)
+    a = rng.random(300)
+    same = loc.paired_difference(a, a)
+    assert (same.value, same.low, same.high) == (0.0, 0.0, 0.0) and not same.excludes(0.0)
+    shifted = loc.paired_difference(a + 0.1, a)           # a constant gap: no spread at all
+    assert shifted.value == pytest.approx(0.1) and shifted.high - shifted.low < 1e-12 and shifted.excludes(0.0)
+    # pairing removes what the two grades share: the paired interval is far narrower than the unpaired one
+    b = a + rng.normal(0.02, 0.01, 300)
+    paired = loc.paired_difference(b, a)
+    unpaired_half = 1.96 * np.sqrt(a.var(ddof=1) / 300 + b.var(ddof=1) / 300)
+    assert paired.high - paired.low < 0.1 * 2 * unpaired_half and paired.excludes(0.0)
+    with pytest.raises(ValueError, match="one value per scene on both sides"):
+        loc.paired_difference(a, a[:-1])
+    with pytest.raises(ValueError, match="NaN or inf"):
+        loc.mean_interval([0.1, float("nan")])
