@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vitlab.attention import check_images
+from vitlab.attention import check_images, check_input_dtype
 from vitlab.layout import token_layout
 from vitlab.record import eval_mode
 from vitlab.targets import (
@@ -35,6 +35,7 @@ def _scores_fn(model, score: str, multi_label: bool):
 def _attribute(model, x, target, score, pixels, method, attribute):
     """Checks, eval mode, target, Captum's ``attribute(forward, inputs, target)``, pooling."""
     check_images(x, method)
+    check_input_dtype(model, x, method)  # a float64 batch for a float32 model: the remedy, not a dtype clash
     require_class_head(model, method)
     target = check_target(target, x.shape[0])
     check_score(score)

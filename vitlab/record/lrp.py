@@ -12,7 +12,10 @@ of the operations below; every value of the forward stays exactly the model's.
 While a recording with ``lrp=`` is open, a :class:`torch.overrides.TorchFunctionMode` of the
 recording's thread gives the operations run *inside the model's forward* these backwards
 (nothing outside the model's forward is touched; the model's modules, parameters and flags
-are not changed, and the mode is gone when the recording closes, also on exceptions):
+are not changed, and the mode is gone when the recording closes, also on exceptions). LRP
+recordings of one model may overlap and close in any order: each takes its own mode off the
+stack wherever it sits; while several are inside a forward of one thread, the newest one's
+rules apply (an older one lets through what the newest passes on):
 
 ``"attnlrp"`` (Achtibat et al., ICML 2024, "AttnLRP: Attention-Aware Layer-Wise Relevance
 Propagation for Transformers"; equation numbers as lxt's code names them):
@@ -61,6 +64,18 @@ For Transformer attribution (eq. 13 of Chefer et al., CVPR 2021), which weighs e
 attention's relevance by the attention's *ordinary* gradient, ``with rec.plain_gradients():``
 makes every backward inside the block use the model's own derivatives: one forward, one LRP
 backward and one plain backward.
+
+Numerics. The rules run in the dtype of the model they are attached to. The ``"chefer"`` set's
+identity rules divide by the input (``gbar_x = R / x``), and the gradient x input split of the
+sum before (a score ``q·k``, a residual ``a + b``, the position sum ``e + p``) then gives each
+term ``t`` the share ``t / x``: the z-rule, with a pole where ``x`` is small against its terms.
+Near one a float32 forward does not know ``x`` well enough for the rule's value, whatever the
+order of the rules' own arithmetic; :mod:`vitlab.lrp` measures it and runs these rules on a
+float64 copy of the model (:func:`working_copy`). The rules' own steps are written not to add
+cancellation of their own: alpha-beta picks ``S W^+`` or ``S W^-`` by the input's sign (never
+the difference of two large products), the residual rule's rescaling is ``sign(s_a) T / (|s_a|
++ |s_b|)`` (no division by a sum that cancelled), the identity rule's ``0 / 0`` is 0. The
+``"attnlrp"`` set divides by no sum of the forward and is as accurate as the model's dtype.
 """
 from __future__ import annotations
 
@@ -227,18 +242,22 @@ def alpha1_beta0_rule(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """Alpha-beta (alpha = 1, beta = 0) for ``y = x W^T + b``: ``R_x = x^+ ⊙ (S W^+) + x^- ⊙ (S W^-)``
     with ``S = R_y / (x^+ W^{+T} + x^- W^{-T})``, so ``gbar_x = S W^+`` where x > 0, ``S W^-`` where x < 0.
 
-    Computed with three matmuls instead of four: ``(x_i w_ji)^+ = (|x_i| |w_ji| + x_i w_ji) / 2``,
-    so twice the denominator is ``Z = |x| |W|^T + (y - b)`` (the forward's ``y`` reused), and
-    ``W^± = (W ± |W|) / 2`` gives ``gbar_x = S' W + sign(x) ⊙ S' |W|`` with ``S' = R_y / Z`` (0
-    where ``Z = 0``: no positive contribution, nothing to share). Rows of ``gbar_y`` that are all 0 (the last block, where only the
-    CLS token carries relevance) are skipped: they give 0."""
-    w_abs = weight.abs()
-    minus_b = None if bias is None else -bias
-
+    The denominator with one matmul instead of two: ``(x_i w_ji)^+ = (|x_i| |w_ji| + x_i w_ji) / 2``,
+    so ``Z = |x| |W|^T + (y - b)`` (the forward's ``y`` reused) is twice it and ``S = 2 R_y / Z``
+    (0 where ``Z <= 0``: no positive contribution, nothing to share). The two products ``S W^+``
+    and ``S W^-`` (made from ``W`` in the backward, not kept) are picked by the sign of x, and
+    ``gbar_x = 0`` where x = 0, which holds no relevance to pass on: an input's share of a unit is
+    its own positive contribution, exactly 0 where it has none, so no rounding (as of ``S W``
+    against ``S |W|``) hands a unit's relevance to inputs that did not contribute to it. What
+    rounding leaves: ``Z`` carries an absolute error of about ``u sum_i |x_i w_ji|`` (``u`` the
+    dtype's unit roundoff), so a unit whose positive contributions are a fraction ``f`` of all
+    its contributions passes on its relevance scaled by ``1 + O(u / f)`` (float64: below 1e-12
+    for ``f > 1e-4``). Rows of ``gbar_y`` that are all 0 (the last block, where only the CLS
+    token carries relevance) are skipped: they give 0."""
     def dense(grad, out, x):
-        z = F.linear(x.abs(), w_abs, minus_b).add_(out)  # 2 sum_i (x_i w_ji)^+ >= 0
-        s = (out * grad).div_(z).nan_to_num_(0.0, 0.0, 0.0)  # a / 0 -> 0
-        return torch.addcmul(s @ weight, torch.sign(x), s @ w_abs)
+        z = F.linear(x.abs(), weight.abs(), None if bias is None else -bias).add_(out)  # 2 sum_i (x_i w_ji)^+ >= 0
+        s = torch.where(z > 0, 2 * out * grad / z, 0.0)  # S; the inf / nan of z <= 0 is never picked
+        return torch.where(x > 0, s @ weight.clamp(min=0), torch.where(x < 0, s @ weight.clamp(max=0), 0.0))
 
     def rule(grad, out, x):
         index = _live_rows(grad)
@@ -265,12 +284,16 @@ def softmax_vjp(dim: int):
 
 
 def residual_add_rule(grad, out, a, b):
-    """The reference's ``Add.relprop`` for a residual ``a + b``, per sample (see the module docstring)."""
+    """The reference's ``Add.relprop`` for a residual ``a + b``, per sample (see the module docstring):
+    the parts ``a ⊙ gbar`` and ``b ⊙ gbar`` (sums ``s_a``, ``s_b``) rescaled to ``|s_a| / (|s_a| + |s_b|)``
+    and ``|s_b| / (...)`` of the relevance ``T = sum (a + b) ⊙ gbar``. The factor on ``a``'s part,
+    ``|s_a| / (|s_a| + |s_b|) * T / s_a``, is computed as ``sign(s_a) T / (|s_a| + |s_b|)``: no
+    division by a sum that may have cancelled to nearly 0 (0 where both sums are 0)."""
     dims = tuple(range(1, out.ndim))
     total = (out * grad).sum(dim=dims, keepdim=True)
     sa, sb = (a * grad).sum(dim=dims, keepdim=True), (b * grad).sum(dim=dims, keepdim=True)
-    share = safe_divide(sa.abs(), sa.abs() + sb.abs())
-    return grad * safe_divide(share * total, sa), grad * safe_divide((1 - share) * total, sb)
+    scale = safe_divide(total, sa.abs() + sb.abs())
+    return grad * (torch.sign(sa) * scale), grad * (torch.sign(sb) * scale)
 
 
 def tanh_vjp(grad, out, x):
@@ -294,6 +317,25 @@ def _tensor(t) -> bool:
     return isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
 
 
+#: The states of the open LRP recordings, oldest first (every thread's; each state knows its own).
+#: Where two are inside a forward of their thread at once, the newest one's rules apply: its mode
+#: is above the others on the thread's mode stack, and the older modes let through what it passes
+#: on (an op it leaves alone, or the op its rule runs in the forward) instead of ruling it too.
+_OPEN_STATES: list[LRPState] = []
+_OPEN_LOCK = threading.Lock()
+
+
+def _overruled(state: LRPState) -> bool:
+    """Whether a newer open LRP recording of ``state``'s thread is inside a forward now."""
+    newer = False
+    for other in tuple(_OPEN_STATES):
+        if other is state:
+            newer = True
+        elif newer and other.depth > 0 and other.thread == state.thread:
+            return True
+    return False
+
+
 class _LRPMode(TorchFunctionMode):
     def __init__(self, state: LRPState):
         super().__init__()
@@ -302,7 +344,7 @@ class _LRPMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         st = self.state
-        if st.depth <= 0 or threading.get_ident() != st.thread:
+        if st.depth <= 0 or threading.get_ident() != st.thread or _overruled(st):
             return func(*args, **kwargs)
         if func in _MATMULS and len(args) == 2 and _tensor(args[0]) and _tensor(args[1]):
             return self.matmul(func, *args)
@@ -372,6 +414,45 @@ class _LRPMode(TorchFunctionMode):
         if dropout_p > 0:
             attn = F.dropout(attn, p=dropout_p)
         return self.matmul(torch.matmul, attn, v)
+
+
+def working_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``model`` with its floating-point parameters and buffers in ``dtype``, for a pass
+    that must run at another precision than the model's (:mod:`vitlab.lrp`: the Chefer rules in
+    float64). The copy has no hooks (the model's own hooks, e.g. of an open recording, would
+    record the copy's forwards) and no ``.grad``; ``model`` itself is not touched."""
+    import copy
+
+    try:
+        twin = copy.deepcopy(model)
+    except Exception as err:  # a module holding something that cannot be copied
+        raise TypeError(f"a {dtype} copy of {type(model).__name__} could not be made (copy.deepcopy failed: "
+                        f"{err}); pass the model in {dtype} yourself (e.g. model.double())") from err
+    for m in twin.modules():
+        for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                      "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+                      "_backward_pre_hooks"):
+            table = getattr(m, hooks, None)
+            if table is not None:
+                table.clear()
+    for t in twin.parameters():
+        t.grad = None
+    return twin.to(dtype)
+
+
+def _remove_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off this thread's torch function mode stack wherever it sits, the modes above
+    it staying in their order. (``mode.__exit__`` pops the top of the stack, which is another
+    recording's mode when recordings of one model close out of order: that one would lose its
+    rules and this one's stay, inert.) Nothing happens if the mode is not on the stack."""
+    above = []
+    while torch._C._len_torch_function_stack() > 0:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
 
 
 def _patch_embedding(model: nn.Module) -> nn.Module | None:
@@ -465,11 +546,15 @@ def attach_lrp(model: nn.Module, session, rules: str, found) -> LRPState:
     session.hook(model, enter, pre=True, with_kwargs=True)
     session.hook(model, leave)
     mode = _LRPMode(state)
+    with _OPEN_LOCK:
+        _OPEN_STATES.append(state)
     mode.__enter__()
 
     def close():
         state.depth = 0
-        mode.__exit__(None, None, None)
+        _remove_mode(mode)
+        with _OPEN_LOCK:
+            _OPEN_STATES.remove(state)
     session._undo.append(close)
     session.rec._lrp_state = state
     return state
