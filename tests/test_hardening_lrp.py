@@ -154,6 +154,38 @@ def test_visualbert_transformer_attribution_padding_and_precision(shapes_visualb
             assert (whole.text[b, n:] == 0).all()
 
 
+@pytest.mark.parametrize("method", [BL.visualbert_transformer_attribution, BL.visualbert_partial_lrp,
+                                    BL.lxmert_transformer_attribution, BL.lxmert_partial_lrp],
+                         ids=lambda f: f.__name__)
+def test_random_bimodal_models_padded_words_and_regions(method):
+    """A random VisualBERT (questions of 6, 4, 5 words, 5, 3, 4 regions) and LXMERT (6, 4, 5 words)
+    padded into one batch: each item's maps to float32 rounding (before: VisualBERT's Transformer
+    attribution moved by 4e-4 of the map's max with seed 1's items)."""
+    from test_record_visualbert import tiny_visualbert
+    from test_relevance_visualbert import vb_batch, vb_items
+
+    if method.__name__.startswith("visualbert"):
+        model, items = tiny_visualbert(), vb_items(seed=1)
+        batch = vb_batch(items)
+        alone = [dict(input_ids=i, attention_mask=torch.ones_like(i), visual_embeds=f) for i, f in items]
+    else:  # LXMERT: padded words (its regions have no padding mask)
+        from test_bimodal_lrp import lx_batch, lx_items, tiny_lxmert
+
+        model, items = tiny_lxmert(), lx_items(seed=2)
+        batch = lx_batch(items)
+        alone = [dict(input_ids=i, attention_mask=torch.ones_like(i), visual_feats=f, visual_pos=q)
+                 for i, f, q in items]
+    whole = method(model, batch, target=[1, 3, 5])
+    for b, kw in enumerate(alone):
+        one = method(model, kw, target=[1, 3, 5][b])
+        nt = kw["input_ids"].shape[1]
+        nr = kw["visual_embeds" if "visual_embeds" in kw else "visual_feats"].shape[1]
+        for name, n in (("text", nt), ("image", nr)):
+            ref = getattr(one, name)[0]
+            assert (getattr(whole, name)[b, :n] - ref).abs().max() <= 1e-6 * ref.abs().max(), (b, name)
+            assert (getattr(whole, name)[b, n:] == 0).all()
+
+
 # ----------------------------------------------------------------------------- 3. a zero logit
 def test_zero_logit_refused_by_transformer_attribution_and_zero_maps_elsewhere(vit, x):
     """Before: Transformer attribution gave an all-NaN map, silently."""
@@ -255,3 +287,25 @@ def test_float64_batch_for_a_float32_model(vit, x):
             method(vit, x64)
     with pytest.raises(ValueError, match=r"model\.double\(\)"):
         input_x_gradient(vit, x64)
+
+
+def test_float64_copy_chunks_and_leaves_open_recordings_alone(vit, x, monkeypatch):
+    """The float64 pass runs on a copy: a recording open on the model does not see its forward
+    (its hooks stay behind), a user's own hook comes along; chunked batches give the same maps."""
+    import vitlab.attention
+
+    whole = L.transformer_attribution(vit, x)
+    calls = []
+    handle = vit.blocks[0].register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with record(vit, capture=("attention",)) as rec:
+            vit(x)
+            L.lrp(vit, x)
+            assert len(rec.attentions) == len(vit.blocks)  # only the recording's own forward
+    finally:
+        handle.remove()
+    assert len(calls) == 2  # the model's forward and the copy's
+    monkeypatch.setattr(vitlab.attention, "MEMORY_BUDGET", 1)  # one sample per forward
+    chunked = L.transformer_attribution(vit, x)
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, whole, atol=1e-6 * float(whole.abs().max()), rtol=0)

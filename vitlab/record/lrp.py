@@ -416,11 +416,18 @@ class _LRPMode(TorchFunctionMode):
         return self.matmul(torch.matmul, attn, v)
 
 
+def _recording_hook(fn) -> bool:
+    """Whether ``fn`` is a hook of a vitlab recording (:meth:`vitlab.record._session._Session.hook`)."""
+    return (getattr(fn, "__module__", None) == "vitlab.record._session"
+            and getattr(fn, "__qualname__", "").startswith("_Session.hook."))
+
+
 def working_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``model`` with its floating-point parameters and buffers in ``dtype``, for a pass
     that must run at another precision than the model's (:mod:`vitlab.lrp`: the Chefer rules in
-    float64). The copy has no hooks (the model's own hooks, e.g. of an open recording, would
-    record the copy's forwards) and no ``.grad``; ``model`` itself is not touched."""
+    float64). The copy runs without the hooks of recordings open on ``model`` (they would record
+    the copy's forwards into them); other hooks come along. No ``.grad`` is copied; ``model``
+    itself is not touched."""
     import copy
 
     try:
@@ -429,12 +436,13 @@ def working_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         raise TypeError(f"a {dtype} copy of {type(model).__name__} could not be made (copy.deepcopy failed: "
                         f"{err}); pass the model in {dtype} yourself (e.g. model.double())") from err
     for m in twin.modules():
-        for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                      "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-                      "_backward_pre_hooks"):
-            table = getattr(m, hooks, None)
-            if table is not None:
-                table.clear()
+        for table in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            hooks = getattr(m, table, None) or {}
+            for key in [k for k, fn in hooks.items() if _recording_hook(fn)]:
+                del hooks[key]
+                for extra in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                              "_forward_pre_hooks_with_kwargs"):
+                    getattr(m, extra, {}).pop(key, None)
     for t in twin.parameters():
         t.grad = None
     return twin.to(dtype)
