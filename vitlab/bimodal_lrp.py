@@ -35,22 +35,25 @@ the ViT, :mod:`vitlab.lrp`). The reference's min-max normalisation is kept for p
 because it decides where the zeroed own entry ranks; the perturbation script min-max
 normalises each row again, which changes no ranking and is left out.
 
-Precision: the rules' relevance has poles where a sum (an attention score, a residual
+Precision. The rules' relevance has poles where a sum (an attention score, a residual
 stream) is small against its terms, which a float32 forward cannot resolve (:mod:`vitlab.lrp`'s
 module docstring). So every method runs a float64 copy of the model by default
 (``precision="float64"``; the model is not touched) and returns its maps in the dtype of the
-image input; ``precision="model"`` runs the model as it is. Measured on ``shapes-visualbert``,
-40 scenes of seed 29_019 (120 questions in padded batches of 3, answers 3, 5, 7): Transformer
-attribution in float32 lies up to 8.9% of the map's max |value| from float64, and a padded batch
-differs from its questions one by one by up to 0.15%; at the default precision both are float32
-rounding of the float64 maps (padded batch = questions alone within 1e-6 of the map's max).
+image input; ``precision="model"`` runs the model as it is. What float32 costs, measured on
+``shapes-visualbert`` with 40 scenes of seed 29_019 (120 questions in padded batches of 3,
+answers 3, 5, 7): Transformer attribution's text map lies up to 13% of its max |value| from
+float64, and a padded batch moves a question's text map by up to 0.74% (its image map 0.15%)
+from the question alone. At the default precision both are float32 rounding of the float64
+maps: padded batch = questions alone, and float32 model = float64 model, within 1e-6 of the
+map's max (``tests/test_hardening_lrp.py``).
 
 Every method: one recorded forward with the rules attached, one LRP backward (to the attention
 maps only) and, for Transformer attribution, one ordinary backward, for the whole batch;
-samples do not interact. Padding changes nothing: padded tokens and regions are masked keys
-(attention 0), so no relevance reaches them; min-max runs over the pairs of real tokens only;
-their entries in the maps are 0. Inputs are checked (as the relevance methods check them)
-before the forward; the model is left as it was.
+samples do not interact. Padding changes nothing (to float32 rounding of the float64 maps, see
+Precision above): padded tokens and regions are masked keys (attention 0), so no relevance
+reaches them; min-max runs over the pairs of real tokens only; their entries in the maps are 0.
+Inputs are checked (as the relevance methods check them) before the forward; the model is left
+as it was.
 """
 from __future__ import annotations
 

@@ -206,9 +206,10 @@ def lrp(model, x: torch.Tensor, target=None, precision: str = "float64") -> torc
     alpha-beta rule; the transformer rules of Chefer, Gur & Wolf's reference code):
     ``B x gh x gw``, each patch's relevance ``sum_d e ⊙ gbar_e`` of the target logit, in logit
     units (signed; the patches' sum is the logit minus the shares of the position embedding
-    and the prefix tokens, see the module docstring). Computed in float64 unless asked
-    (``precision``): these rules' relevance is decided by sums that float32 cannot resolve
-    (the module docstring measures what float32 costs).
+    and the prefix tokens, see the module docstring; a target logit of 0 has nothing to
+    distribute: a map of 0). Computed in float64 unless asked (``precision``): these rules'
+    relevance is decided by sums that float32 cannot resolve (the module docstring measures
+    what float32 costs).
 
     Args:
         model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
