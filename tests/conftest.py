@@ -105,6 +105,16 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
+def _tiny_depth(grad: bool) -> int:
+    from timm.models.vision_transformer import VisionTransformer
+
+    return module_depth(VisionTransformer(**TINY), tokens=17, grad=grad)
+
+
+# depth (f32_tol) of the TINY ViT (16 patches + CLS): its forward, and forward + backward
+TINY_DEPTH, TINY_GRAD_DEPTH = _tiny_depth(False), _tiny_depth(True)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models gain nothing from threads, and a busy machine makes them spin-wait.
