@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import TINY, randomize  # noqa: F401
+from tests.conftest import TINY, TINY_GRAD_DEPTH, f32_tol, f64_tol, randomize  # noqa: F401
 from vitlab import evaluate as ev
 from vitlab import faithfulness as fa
 from vitlab import localization as lo
@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 class FakeData:
     """n random 32 x 32 inputs; sample i has two square objects of classes (i % 5, (i + 1) % 5)."""
 
-    def __init__(self, n=6, labels=False):
+    def __init__(self, n=6, labels=False, dtype=torch.float32):
         g = torch.Generator().manual_seed(3)
-        self.x = torch.randn(n, 3, 32, 32, generator=g)
+        self.x = torch.randn(n, 3, 32, 32, generator=g).to(dtype)
         self.masks = np.zeros((n, 2, 32, 32), dtype=bool)
         for i in range(n):
             r, c = (i * 5) % 16, (i * 3) % 16
@@ -50,8 +50,24 @@ class FakeData:
 METHODS = ["random", "rollout", "attention GradCAM", "Chefer relevance", "input x gradient"]
 
 
-def test_cells_equal_each_measure_computed_on_its_own(vit):
-    data = FakeData(5)
+@pytest.fixture(scope="module")
+def vit64(vit):
+    """The tiny ViT in float64. A cell must equal its measure computed sample by sample, and the
+    measures rank map values and threshold model outputs: exact only away from rounding ties, so
+    these checks run where rounding is ~1e-12 of the values, not float32's ~1e-4."""
+    import copy
+
+    return copy.deepcopy(vit).double()
+
+
+# SaCo and the perturbation AUCs: probabilities (at most 1) from forwards of perturbed images,
+# summed over at most 16 steps; the maps behind them from a forward and a backward
+MEASURE_TOL = f64_tol(1.0, TINY_GRAD_DEPTH + 16)
+
+
+def test_cells_equal_each_measure_computed_on_its_own(vit64):
+    vit = vit64
+    data = FakeData(5, dtype=torch.float64)
     board = ev.leaderboard(vit, data, METHODS, ks=(3, 6), chunk=5, batch_size=16, probability="softmax",
                            progress=False)
     assert board.measures == ev.measure_names((3, 6), masks=True)
@@ -67,21 +83,21 @@ def test_cells_equal_each_measure_computed_on_its_own(vit):
             for i in range(5):
                 if maps[i].max() > maps[i].min():
                     want = float(fa.saco(vit, x[i:i + 1], maps[i:i + 1], target=t[i:i + 1], k=k))
-                    assert board.values[i, j, q] == pytest.approx(want, abs=1e-5)
+                    assert board.values[i, j, q] == pytest.approx(want, abs=MEASURE_TOL["atol"])
                 else:
                     assert math.isnan(board.values[i, j, q])
         pos = fa.perturbation_curve(vit, x, maps, target=t, positive=True)
         neg = fa.perturbation_curve(vit, x, maps, target=t, positive=False)
-        np.testing.assert_allclose(board.values[:, j, 2], pos.auc.numpy(), atol=1e-5)
-        np.testing.assert_allclose(board.values[:, j, 3], neg.auc.numpy(), atol=1e-5)
-        np.testing.assert_allclose(board.values[:, j, 4], pos.auc_accuracy.numpy(), atol=1e-6)
-        np.testing.assert_allclose(board.values[:, j, 5], neg.auc_accuracy.numpy(), atol=1e-6)
+        np.testing.assert_allclose(board.values[:, j, 2], pos.auc.numpy(), **MEASURE_TOL)
+        np.testing.assert_allclose(board.values[:, j, 3], neg.auc.numpy(), **MEASURE_TOL)
+        np.testing.assert_allclose(board.values[:, j, 4], pos.auc_accuracy.numpy(), **MEASURE_TOL)
+        np.testing.assert_allclose(board.values[:, j, 5], neg.auc_accuracy.numpy(), **MEASURE_TOL)
         np.testing.assert_array_equal(board.values[:, j, 6], lo.pointing_game(maps, masks).double().numpy())
         has = maps.clamp_min(0).flatten(1).sum(1) > 0
         mass = np.full(5, np.nan)
         if has.any():
             mass[has.numpy()] = lo.mass_on_object(maps[has], masks[has.numpy()]).numpy()
-        np.testing.assert_allclose(board.values[:, j, 7], mass, atol=1e-6)
+        np.testing.assert_allclose(board.values[:, j, 7], mass, **MEASURE_TOL)
 
 
 def test_summary_is_mean_and_normal_interval_over_defined_samples():
@@ -103,14 +119,14 @@ def test_random_maps_depend_on_the_sample_only():
     assert not torch.equal(a[0], a[1])
 
 
-def test_chunking_and_resuming_give_the_same_table(vit, tmp_path):
-    data = FakeData(6)
+def test_chunking_and_resuming_give_the_same_table(vit64, tmp_path):
+    vit, data = vit64, FakeData(6, dtype=torch.float64)  # chunks are other batches: float64, as above
     kw = dict(methods=["random", "rollout", "Chefer relevance"], ks=(4,), batch_size=7, progress=False)
     whole = ev.leaderboard(vit, data, chunk=6, **kw)
     out = tmp_path / "run"
     first = ev.leaderboard(vit, data, chunk=4, out=out, **kw)
     assert first.chunks_computed == 2 and first.chunks_loaded == 0
-    np.testing.assert_allclose(first.values, whole.values, atol=1e-5)
+    np.testing.assert_allclose(first.values, whole.values, **MEASURE_TOL)
     assert sorted(p.name for p in (out / "chunks").iterdir()) == ["0000000-0000004.npz", "0000004-0000006.npz"]
     (out / "chunks" / "0000004-0000006.npz").unlink()
     again = ev.leaderboard(vit, data, chunk=4, out=out, **kw)
@@ -271,7 +287,7 @@ def test_shapes_data_scenes():
         assert np.array_equal(small.scene(i)[0], data.scene(i)[0])
     b = data.batch([4, 3])
     want = (torch.as_tensor(one.images[2]).permute(2, 0, 1).float() / 255 - 0.5) / 0.25
-    torch.testing.assert_close(b.x[0], want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(b.x[0], want, rtol=0, atol=f32_tol(want, 3)["atol"])  # (p / 255 - m) / s
     with pytest.raises(IndexError):
         data.scene(2 * B + 4)
     with pytest.raises(ValueError, match="objects"):
@@ -291,23 +307,23 @@ def test_resuming_refuses_other_weights(vit, tmp_path):
     assert ev.leaderboard(vit, data, **kw).chunks_loaded == 1
 
 
-def test_join_is_the_table_of_all_methods_run_together(vit):
-    data = FakeData(5)
+def test_join_is_the_table_of_all_methods_run_together(vit64):
+    vit, data = vit64, FakeData(5, dtype=torch.float64)  # the joined runs batch differently: float64
     kw = dict(ks=(4,), chunk=5, batch_size=16, progress=False)
     whole = ev.leaderboard(vit, data, ["random", "rollout", "Chefer relevance"], **kw)
     a = ev.leaderboard(vit, data, ["random", "rollout"], **kw)
     b = ev.leaderboard(vit, data, ["Chefer relevance"], **dict(kw, chunk=2))
     joint = ev.join(a, b)
     assert joint.methods == whole.methods and joint.measures == whole.measures
-    np.testing.assert_allclose(joint.values, whole.values, atol=1e-5, equal_nan=True)
+    np.testing.assert_allclose(joint.values, whole.values, equal_nan=True, **MEASURE_TOL)
     np.testing.assert_array_equal(joint.target, whole.target)
     for got, want in zip(joint.table, whole.table):
         assert got["method"] == want["method"] and got["n"] == want["n"]
-        assert got["mean"] == pytest.approx(want["mean"], abs=1e-5)
+        assert got["mean"] == pytest.approx(want["mean"], abs=MEASURE_TOL["atol"])
     assert joint.config["methods"] == whole.config["methods"]
     assert joint.chunks_computed == a.chunks_computed + b.chunks_computed == 4
     with pytest.raises(ValueError, match="same samples"):
-        ev.join(a, ev.leaderboard(vit, FakeData(4), ["Chefer relevance"], **kw))
+        ev.join(a, ev.leaderboard(vit, FakeData(4, dtype=torch.float64), ["Chefer relevance"], **kw))
     with pytest.raises(ValueError, match="same measures"):
         ev.join(a, ev.leaderboard(vit, data, ["Chefer relevance"], **dict(kw, ks=(3,))))
     with pytest.raises(ValueError, match="differ in: probability"):
