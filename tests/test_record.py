@@ -409,6 +409,6 @@ def test_methods_give_the_maps_of_the_full_recording(kind):
     torch.testing.assert_close(maps.key, layout.patches_to_grid(full.keys[1][:, 2, :, 3]).sigmoid(),
                                atol=1e-6, rtol=0)
     q, k = full.queries[0][:, :, P:], full.keys[0][:, :, P:]
-    from vitlab.attention import two_way_score
-    torch.testing.assert_close(qk_channel_scores(model, x, "two_way")[0], two_way_score(q, k).mean(0),
+    from vitlab.attention import same_region_score
+    torch.testing.assert_close(qk_channel_scores(model, x, "same_region")[0], same_region_score(q, k).mean(0),
                                atol=1e-5, rtol=0)
