@@ -8,6 +8,9 @@
 
 Both take any map (``B x gh x gw`` or pixel resolution) and only run the model forward.
 Whether a map points at the object (plausibility) is graded in :mod:`vitlab.localization`.
+
+The output they read is a classifier's target probability, or any score of the input given as
+``score=`` -- e.g. :func:`image_text_score`, the image-text score of a CLIP pair (chapter 11).
 """
 from __future__ import annotations
 
@@ -112,9 +115,12 @@ def _channel_means(x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=(2, 3), keepdim=True)  # B x C x 1 x 1
 
 
-def _run_items(model, n_items: int, make_chunk, batch_size: int, progress: bool, desc: str) -> torch.Tensor:
+def _run_items(model, n_items: int, make_chunk, batch_size: int, progress: bool, desc: str,
+               score=None, per_sample: int = 1) -> torch.Tensor:
     """Logits of ``n_items`` inputs built chunk by chunk (``make_chunk(start, stop)``): one
-    forward per chunk of ``batch_size``, eval mode and no_grad; every module's mode restored."""
+    forward per chunk of ``batch_size``, eval mode and no_grad; every module's mode restored.
+    With ``score`` (see :func:`saco`): ``n_items`` float64 scores instead, item i belonging to
+    sample ``i // per_sample``."""
     from tqdm.auto import tqdm
 
     from vitlab.record import eval_mode
@@ -124,8 +130,95 @@ def _run_items(model, n_items: int, make_chunk, batch_size: int, progress: bool,
     with eval_mode(model), torch.no_grad():
         chunks = list(_batches(n_items, batch_size))
         for s in tqdm(chunks, desc=desc, unit="forward", disable=not progress):
-            out.append(_logits(model(make_chunk(s.start, s.stop))).detach().float().cpu())
+            items = make_chunk(s.start, s.stop)
+            if score is None:
+                out.append(_logits(model(items)).detach().float().cpu())
+                continue
+            rows = torch.arange(s.start, s.stop, device=items.device) // per_sample
+            v = score(items, rows)
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != (s.stop - s.start,):
+                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"score(images, rows) must return one number per image, a tensor of shape "
+                                 f"({s.stop - s.start},), got {got}")
+            out.append(v.detach().double().cpu())
     return torch.cat(out)
+
+
+class ImageTextScore:
+    """The score a CLIP gives image-text pairs, as the output the faithfulness measures read
+    (:func:`image_text_score`): ``score(images, rows)[i] = logit_scale.exp() * cos(e(images[i]),
+    t[rows[i]])``, with ``e`` the image embedding (``get_image_features``) and ``t`` the unit
+    embedding of text ``rows[i]`` of the pairs it was made for -- the diagonal entry
+    ``logits_per_image[b, b]`` of ``CLIPModel.forward`` for an image of pair b (Radford et al.
+    2021). The texts are embedded once; a call runs the image tower only (eval mode, no_grad,
+    every module's mode restored).
+
+    Attributes:
+        model: the CLIPModel. n: the number of pairs (texts). text_embeds: ``n x P`` unit vectors.
+        scale: ``logit_scale.exp()``.
+    """
+
+    def __init__(self, model, text_embeds: torch.Tensor, scale: torch.Tensor):
+        self.model, self.text_embeds, self.scale = model, text_embeds, scale
+        self.n = int(text_embeds.shape[0])
+
+    def __call__(self, images: torch.Tensor, rows) -> torch.Tensor:
+        from vitlab.record import eval_mode
+
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.text_embeds.device)
+        if rows.ndim != 1 or rows.shape[0] != images.shape[0]:
+            raise ValueError(f"rows must name one pair per image ({images.shape[0]}), got shape {tuple(rows.shape)}")
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.n):
+            raise ValueError(f"rows must index the {self.n} pairs this score was made for (0 .. {self.n - 1})")
+        with eval_mode(self.model), torch.no_grad():
+            out = self.model.get_image_features(pixel_values=images)
+        e = out if isinstance(out, torch.Tensor) else out.pooler_output
+        e = F.normalize(e, dim=-1)
+        return self.scale.to(e.dtype) * (e * self.text_embeds[rows].to(e.dtype)).sum(-1)
+
+
+def image_text_score(model, inputs) -> ImageTextScore:
+    """The image-text score of each pair of a CLIP batch as a function of the image, for
+    ``score=`` of :func:`saco`, :func:`saco_details` and :func:`perturbation_curve`: row b of
+    ``inputs`` (``dict(pixel_values=..., input_ids=..., attention_mask=...)``, as the CLIP methods
+    of :mod:`vitlab.relevance.clip` take them) is the pair (image b, text b); a perturbed copy of
+    image b is scored with text b. The measures then ask whether the *pair's score* -- the output
+    the CLIP maps explain -- responds to the pixels a map calls salient.
+
+    The inputs are checked before any forward (:func:`vitlab.relevance.clip.check_clip_inputs`:
+    a Hugging Face ``CLIPModel``, one text per image, ...); the texts are embedded once here (eval
+    mode, no_grad; the model is left as it was).
+    """
+    from vitlab.record import eval_mode
+    from vitlab.relevance.clip import check_clip_inputs
+
+    kwargs, _ = check_clip_inputs(model, inputs, "image_text_score")
+    with eval_mode(model), torch.no_grad():
+        out = model.get_text_features(input_ids=kwargs["input_ids"], attention_mask=kwargs.get("attention_mask"))
+        scale = model.logit_scale.detach().exp()
+    t = out if isinstance(out, torch.Tensor) else out.pooler_output
+    return ImageTextScore(model, F.normalize(t.detach(), dim=-1), scale)
+
+
+def _check_score(score, model, x, target, method: str) -> None:
+    """What a measure checks, before any forward, when it reads ``score`` instead of a classifier's
+    probability: ``x`` a non-empty finite image batch, ``score`` a callable (of ``model``, and made
+    for ``x``'s batch size where it says so), and no ``target`` (the score fixes what is explained)."""
+    from vitlab.attention import check_images
+
+    check_images(x, method)
+    if not callable(score):
+        raise TypeError(f"{method}: score must be a callable score(images, rows) -> one number per image "
+                        f"(e.g. vitlab.faithfulness.image_text_score(model, inputs)), got {type(score).__name__}")
+    if getattr(score, "model", model) is not model:
+        raise ValueError(f"{method}: score was made for another model than the one passed; make it with this model")
+    n = getattr(score, "n", None)
+    if n is not None and n != x.shape[0]:
+        raise ValueError(f"{method}: score was made for {n} pairs but x holds {x.shape[0]} images (row b of x is "
+                         "image b of the pairs)")
+    if target is not None:
+        raise ValueError(f"{method}: with score= there is no target class (the score says what is explained); "
+                         "leave target=None")
 
 
 #: How :func:`saco` and :func:`perturbation_curve` read the target's probability from the
@@ -218,11 +311,14 @@ def pixel_groups(saliency: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def saco_details(model, x: torch.Tensor, saliency, target=None, k: int = 10, batch_size: int = 64,
-                 progress: bool = False, probability: str = "softmax") -> SaCoResult:
+                 progress: bool = False, probability: str = "softmax", score=None) -> SaCoResult:
     """:func:`saco` with its ingredients (groups' drops and salience sums); see there."""
     from vitlab.targets import check_target, resolve_target
 
-    _check_model_and_images(model, x, "saco")
+    if score is None:
+        _check_model_and_images(model, x, "saco")
+    else:
+        _check_score(score, model, x, target, "saco")
     _check_probability(probability)
     sal = _pixel_saliency(saliency, x)
     B, C, H, W = x.shape
@@ -243,16 +339,20 @@ def saco_details(model, x: torch.Tensor, saliency, target=None, k: int = 10, bat
         replace = (groups[b] == g[:, None, None])[:, None]              # n x 1 x H x W (g = -1: none)
         return torch.where(replace, means[b], xb)
 
-    logits = _run_items(model, B * (k + 1), make_chunk, batch_size, progress, "SaCo").reshape(B, k + 1, -1)
-    t = resolve_target(target, logits[:, 0]).cpu()
-    p_t = _target_probability(logits, t, probability, model)            # B x (k+1)
+    if score is None:
+        logits = _run_items(model, B * (k + 1), make_chunk, batch_size, progress, "SaCo").reshape(B, k + 1, -1)
+        t = resolve_target(target, logits[:, 0]).cpu()
+        p_t = _target_probability(logits, t, probability, model)        # B x (k+1)
+    else:
+        p_t = _run_items(model, B * (k + 1), make_chunk, batch_size, progress, "SaCo", score, k + 1).reshape(B, k + 1)
+        t = torch.full((B,), -1, dtype=torch.long)
     drops = p_t[:, :1] - p_t[:, 1:]
     sums = sums.cpu()
     return SaCoResult(saco_from_drops(drops, sums).float(), drops.float(), sums.float(), p_t[:, 0].float(), t)
 
 
 def saco(model, x: torch.Tensor, saliency, target=None, k: int = 10, batch_size: int = 64,
-         progress: bool = False, probability: str = "softmax") -> torch.Tensor:
+         progress: bool = False, probability: str = "softmax", score=None) -> torch.Tensor:
     """Salience-guided Faithfulness Coefficient (Wu et al., CVPR 2024, Alg. 1) per sample: ``B``.
 
     Args:
@@ -271,12 +371,20 @@ def saco(model, x: torch.Tensor, saliency, target=None, k: int = 10, batch_size:
         progress: show a tqdm bar over the forwards.
         probability: how the target's probability is read (:data:`PROBABILITIES`): the
             paper's ``"softmax"``, ``"sigmoid"``, or the model's own ``"head"``.
+        score: None (the classifier's target probability), or the output to read instead: a
+            callable ``score(images, rows)`` returning one number per image (a tensor), where
+            ``rows[i]`` is the sample of ``x`` that image i is a perturbed copy of -- e.g.
+            :func:`image_text_score` for the pairs of a CLIP batch (the model needs no class
+            head then; ``target`` must be None and ``probability`` is not used). Called in eval
+            mode under no_grad; made for ``model``.
 
     The response of group i is ``d_i = p(t|x) - p(t|x with G_i replaced)`` (by default the softmax
-    probability), its salience ``s_i`` the map's sum over G_i; SaCo is
-    :func:`saco_from_drops`. 1: more salient groups always matter more; -1: the reverse.
+    probability; with ``score``, ``score(x) - score(x with G_i replaced)``), its salience ``s_i``
+    the map's sum over G_i; SaCo is :func:`saco_from_drops`. 1: more salient groups always
+    matter more; -1: the reverse. :func:`saco_details` returns the drops, the sums, the clean
+    probability (or score) and the targets (-1 with ``score``).
     """
-    return saco_details(model, x, saliency, target, k, batch_size, progress, probability).saco
+    return saco_details(model, x, saliency, target, k, batch_size, progress, probability, score).saco
 
 
 def _blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -303,12 +411,13 @@ class PerturbationCurve(NamedTuple):
 
     Attributes:
         fractions: ``F`` fractions of pixels removed.
-        probability: ``B x F`` target probability (``probability``) at each fraction.
-        correct: ``B x F`` whether the top-1 class is the target.
-        target: ``B`` classes.
+        probability: ``B x F`` target probability (``probability``) at each fraction (with
+            ``score=``: the score).
+        correct: ``B x F`` whether the top-1 class is the target (None with ``score=``).
+        target: ``B`` classes (-1 with ``score=``).
         auc: ``B`` trapezoid area under ``probability`` over ``fractions``.
         auc_accuracy: ``B`` the same under ``correct`` (its mean over samples is the
-            accuracy AUC of Chefer et al.).
+            accuracy AUC of Chefer et al.; None with ``score=``).
     """
 
     fractions: torch.Tensor
@@ -328,7 +437,7 @@ def _trapezoid(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 def perturbation_curve(model, x: torch.Tensor, saliency, target=None, positive: bool = True,
                        fractions=CHEFER_FRACTIONS, replacement: str = "mean", batch_size: int = 64,
                        blur_sigma: float | None = None, progress: bool = False,
-                       probability: str = "softmax") -> PerturbationCurve:
+                       probability: str = "softmax", score=None) -> PerturbationCurve:
     """Cumulative perturbation test (Chefer, Gur, Wolf 2021, Sec. 4.1) per sample.
 
     At each fraction f, the ``int(f * H * W)`` most salient pixels (``positive``; the least
@@ -340,10 +449,17 @@ def perturbation_curve(model, x: torch.Tensor, saliency, target=None, positive: 
     better. ``saliency``, ``target``, ``batch_size``, ``probability`` as in :func:`saco`; ``B x F`` inputs,
     ``ceil(B F / batch_size)`` forwards. The target (None = predicted) is decided on the
     clean input, which must be the first fraction 0 when ``target`` is None.
+
+    ``score``: read this output instead of a classifier's probability, as in :func:`saco` (e.g.
+    :func:`image_text_score`: the deletion curve of a CLIP pair's score); ``probability`` then
+    holds the scores, ``auc`` their area, and ``correct`` / ``auc_accuracy`` are None.
     """
     from vitlab.targets import check_target, resolve_target
 
-    _check_model_and_images(model, x, "perturbation_curve")
+    if score is None:
+        _check_model_and_images(model, x, "perturbation_curve")
+    else:
+        _check_score(score, model, x, target, "perturbation_curve")
     _check_probability(probability)
     if replacement not in REPLACEMENTS:
         raise ValueError(f"replacement must be one of {REPLACEMENTS}, got {replacement!r}")
@@ -359,7 +475,7 @@ def perturbation_curve(model, x: torch.Tensor, saliency, target=None, positive: 
             or bool((fr[1:] <= fr[:-1]).any())):
         raise ValueError(f"fractions must be increasing values in [0, 1] (finite), got "
                          f"{[float(f) for f in np.asarray(fractions, dtype=np.float64).ravel()]}")
-    if target is None and fr[0] != 0:
+    if target is None and score is None and fr[0] != 0:
         raise ValueError("with target=None the first fraction must be 0 (the clean input decides the predicted class)")
     sal = _pixel_saliency(saliency, x)
     B, C, H, W = x.shape
@@ -387,6 +503,11 @@ def perturbation_curve(model, x: torch.Tensor, saliency, target=None, positive: 
         b, f = idx // Fn, idx % Fn
         return torch.where(rank[b] < counts[f][:, None, None, None], fill[b], x[b])
 
+    if score is not None:
+        values = _run_items(model, B * Fn, make_chunk, batch_size, progress, "perturbation", score, Fn).reshape(B, Fn)
+        fr = fr.float()
+        values = values.float()
+        return PerturbationCurve(fr, values, None, torch.full((B,), -1, dtype=torch.long), _trapezoid(values, fr), None)
     logits = _run_items(model, B * Fn, make_chunk, batch_size, progress, "perturbation").reshape(B, Fn, -1)
     t = resolve_target(target, logits[:, 0]).cpu()
     prob = _target_probability(logits, t, probability, model).float()

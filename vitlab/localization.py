@@ -15,13 +15,17 @@ pixel mask, so a map over the patch grid can be graded, not just looked at:
   each object of a scene asked for in turn;
 - :func:`grow_masks` — masks grown by a margin, to grade a map by what its tokens read
   (a token reads more than its patch: :func:`vitlab.layout.token_footprints`);
+- :func:`top_token_hits` — the same question for a text map: is the highest token one of the
+  words that should carry the relevance (the shape a caption names), with its chance level;
 - uncertainty of a grade over a sample of scenes: :func:`rate` (a hit rate with its Wilson
   interval), :func:`mean_interval` (a mean with its bootstrap interval) and
   :func:`paired_difference` (two grades of the same scenes), each an :class:`Estimate`;
 - weakly supervised segmentation, Chefer et al. (2021)'s DETR experiment:
   :func:`map_to_mask` (a detection's map -> the object's mask, Otsu as the reference's
   ``DETR/mask_generator.py``), :func:`mask_iou` and :func:`segmentation_ap` (COCO's mask AP
-  over the reference's IoU thresholds 0.2:0.05:0.95, :data:`SEGMENTATION_IOU_THRESHOLDS`).
+  over the reference's IoU thresholds 0.2:0.05:0.95, :data:`SEGMENTATION_IOU_THRESHOLDS`);
+  :func:`grid_mask_iou` (a mask on the patch grid, e.g. zero-shot segmentation's, against the
+  object's pixel mask).
 
 They take maps and masks only; no model is called here.
 """
@@ -221,6 +225,67 @@ def grow_masks(masks, margin: int) -> torch.Tensor:
     if margin == 0:
         return (m > 0).float()
     return F.max_pool2d((m > 0).float()[:, None], kernel_size=2 * margin + 1, stride=1, padding=margin)[:, 0]
+
+
+class TokenHits(NamedTuple):
+    """What :func:`top_token_hits` returns, per text: ``hits`` (``B`` bool) and ``chance``
+    (``B`` float, the hit rate of a map whose top token is drawn at random among the counted ones)."""
+
+    hits: torch.Tensor
+    chance: torch.Tensor
+
+
+def top_token_hits(maps, targets, valid=None) -> TokenHits:
+    """Per text: is the highest token of the map one of ``targets``? -- the pointing game on a text
+    map (e.g. a CLIP caption's relevance: does the word naming the shape carry the most?).
+
+    Args:
+        maps: ``B x T`` token scores.
+        targets: ``B x T`` bool, the tokens that count as a hit (e.g. the shape words).
+        valid: ``B x T`` bool, the tokens that take part (e.g. a text map's kept entries: the
+            caption's words, not the start, end-of-text or padding tokens); None: all.
+
+    As :func:`pointing_game`, ties for the highest value are a hit only if every tied token is a
+    target. ``chance``: the share of the valid tokens that are targets (a random top token hits
+    that often). A text with no valid token, or no valid target, is refused (``ValueError``), as
+    are non-finite scores.
+    """
+    m = _as_tensor(maps, torch.float64)
+    t = _as_tensor(targets, torch.bool)
+    if m.ndim != 2 or tuple(t.shape) != tuple(m.shape):
+        raise ValueError(f"maps and targets must both be B x T, got {tuple(m.shape)} and {tuple(t.shape)}")
+    v = torch.ones_like(t) if valid is None else _as_tensor(valid, torch.bool)
+    if tuple(v.shape) != tuple(m.shape):
+        raise ValueError(f"valid must be B x T like maps {tuple(m.shape)}, got {tuple(v.shape)}")
+    if not bool(torch.isfinite(m[v]).all()):
+        raise ValueError("maps hold NaN or inf among the valid tokens")
+    n_valid, n_target = v.sum(1), (t & v).sum(1)
+    if bool((n_valid == 0).any()) or bool((n_target == 0).any()):
+        b = int(((n_valid == 0) | (n_target == 0)).nonzero()[0])
+        raise ValueError(f"text {b} has no valid token or no valid target token: its top token cannot be graded")
+    scores = m.masked_fill(~v, float("-inf"))
+    top = (scores == scores.amax(1, keepdim=True)) & v
+    hits = (top & ~t).sum(1) == 0
+    return TokenHits(hits, (n_target.double() / n_valid.double()).float())
+
+
+def grid_mask_iou(grid_masks, masks) -> torch.Tensor:
+    """IoU of masks on the patch grid with pixel masks, pair by pair: ``B x gh x gw`` (bool; each
+    patch stands for its whole square of pixels, i.e. nearest upsampling) and ``B x H x W`` ->
+    ``B``. 0 where both are empty. E.g. a zero-shot segmentation's patches of one class
+    (:func:`vitlab.clip_decomposition.class_masks`) against that object's mask."""
+    g = _as_tensor(grid_masks, torch.bool)
+    t = _as_tensor(masks, torch.bool)
+    if g.ndim != 3 or t.ndim != 3 or g.shape[0] != t.shape[0]:
+        raise ValueError(f"grid_masks must be B x gh x gw and masks B x H x W with the same B, got "
+                         f"{tuple(g.shape)} and {tuple(t.shape)}")
+    (gh, gw), (H, W) = g.shape[1:], t.shape[1:]
+    if H % gh or W % gw:
+        raise ValueError(f"mask size {H} x {W} is not a multiple of the patch grid {gh} x {gw}")
+    up = g.repeat_interleave(H // gh, dim=1).repeat_interleave(W // gw, dim=2)
+    inter = (up & t).flatten(1).sum(1).double()
+    union = (up | t).flatten(1).sum(1).double()
+    return torch.where(union > 0, inter / union.clamp_min(1), torch.zeros_like(inter))
 
 
 class Estimate(NamedTuple):
