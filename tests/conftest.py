@@ -42,6 +42,15 @@ def f32_tol(values, depth: float) -> dict:
     return _tol(values, depth, EPS32)
 
 
+def f32_tol_deep(values, depth: float) -> dict:
+    """:func:`f32_tol` for real-size models (a 12-block, 384-wide ViT: depth ~6e4), where the linear
+    bound, ~1.4% of the scale, would let real errors through. Independent roundings add like a
+    random walk: a sum of n terms is off by at most 6 * sqrt(n) * eps * sum|terms| except with
+    probability 2 exp(-18) ~ 3e-8 (Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019, Thm. 3.1);
+    for the chain, sqrt(depth). Allowance ``2 * 6 * sqrt(depth) * eps * scale``."""
+    return _tol(values, 6.0 * math.sqrt(depth), EPS32)
+
+
 def f64_tol(values, depth: float) -> dict:
     """:func:`f32_tol` for float64 results. Where exactness is the point (a batch against its items,
     a method against its from-scratch reference), tests run model and inputs in float64: the
