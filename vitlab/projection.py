@@ -27,6 +27,10 @@ tokens show what each token "already thinks it is".
   per-block linear probes to compare with the projection, and accuracy with the tokens a
   ranking puts highest (or lowest) removed from attention; :func:`ridge_probes` -- the
   paper's own probe design (a ridge regression per block and token position).
+- :func:`remove_tokens` -- the same removal for an explicit set of tokens per sample (e.g. an
+  object's tokens, grown by one patch to close what leaks through a wide patch embedding).
+- :func:`output_similarity` -- a class-free counterpart for models without a class head: each
+  token's cosine similarity, block by block, with the final class-token state.
 - :func:`removal_curve`, :func:`removal_test`, :func:`bootstrap_interval` -- the paper's
   token-removal test: accuracy as a ranking's top (positive) or bottom (negative) tokens are
   removed, its AUC against random removal, with bootstrap intervals over the images.
@@ -1006,10 +1010,7 @@ def token_removal(model, x: torch.Tensor, ranking: torch.Tensor, fraction: float
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
         raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
     layout = token_layout(model, x)
-    B, Pn, P, N = x.shape[0], layout.num_patches, layout.num_prefix, layout.num_tokens
-    if P == 0:
-        raise ValueError("token_removal: this model has no prefix token, so removing every image token would "
-                         "leave queries with nothing to attend to; it needs a CLS token")
+    B, Pn = x.shape[0], layout.num_patches
     if not isinstance(ranking, torch.Tensor) or ranking.shape not in ((B, Pn), (B, *layout.grid)):
         raise ValueError(f"ranking must be a B x num_patches ({B} x {Pn}) or B x gh x gw ({B} x {layout.grid[0]} x "
                          f"{layout.grid[1]}) tensor of scores, got {getattr(ranking, 'shape', type(ranking))}")
@@ -1020,6 +1021,36 @@ def token_removal(model, x: torch.Tensor, ranking: torch.Tensor, fraction: float
     order = scores.argsort(dim=-1, descending=remove == "highest", stable=True)[:, :k].cpu()
     removed = torch.zeros(B, Pn, dtype=torch.bool)
     removed.scatter_(1, order, True)
+    return _remove_tokens(model, x, removed, t, layout, "token_removal")
+
+
+def remove_tokens(model, x: torch.Tensor, removed: torch.Tensor, target=None) -> TokenRemoval:
+    """The model's predictions with the image tokens marked in ``removed`` (``B x num_patches``
+    or ``B x gh x gw`` bool, e.g. every token touching an object, or that set grown by one
+    patch) removed from every block, as in :func:`token_removal` (Vilas et al. 2023, RQ3): no
+    query may attend to them. Unlike :func:`token_removal`, each sample may lose a different
+    number of tokens. A removed token's own *pixels* are still read by its neighbours where
+    the patch embedding's window is wider than a patch (a convolutional stem); removing a
+    grown set (:func:`vitlab.localization.grow_masks` on the grid) measures how much leaks so.
+    ``target``: int, one per sample, or None (the prediction with nothing removed). One
+    forward (two when ``target`` is None), eval mode; the model is unchanged."""
+    check_images(x, "remove_tokens")
+    t = check_target(target, x.shape[0])
+    layout = token_layout(model, x)
+    B, Pn = x.shape[0], layout.num_patches
+    if (not isinstance(removed, torch.Tensor) or removed.dtype != torch.bool
+            or removed.shape not in ((B, Pn), (B, *layout.grid))):
+        raise ValueError(f"removed must be a bool tensor B x num_patches ({B} x {Pn}) or B x gh x gw ({B} x "
+                         f"{layout.grid[0]} x {layout.grid[1]}), got "
+                         f"{getattr(removed, 'dtype', type(removed))} {tuple(getattr(removed, 'shape', ()))}")
+    return _remove_tokens(model, x, removed.reshape(B, Pn).cpu(), t, layout, "remove_tokens")
+
+
+def _remove_tokens(model, x: torch.Tensor, removed: torch.Tensor, t, layout: TokenLayout, method: str) -> TokenRemoval:
+    B, P, N = x.shape[0], layout.num_prefix, layout.num_tokens
+    if P == 0:
+        raise ValueError(f"{method}: this model has no prefix token, so removing every image token would "
+                         "leave queries with nothing to attend to; it needs a CLS token")
     allowed = torch.ones(B, 1, N, N, dtype=torch.bool)
     allowed[:, :, :, P:] = ~removed[:, None, None, :]
     allowed = allowed.to(x.device)
@@ -1033,6 +1064,50 @@ def token_removal(model, x: torch.Tensor, ranking: torch.Tensor, fraction: float
     predicted = logits.argmax(-1)
     return TokenRemoval(logits=logits, predicted=predicted, target=t, correct=predicted == t,
                         removed=removed.to(x.device))
+
+
+# --------------------------------------------------------------------------------------
+# A class-free reading: how close each token is to what the model outputs
+# --------------------------------------------------------------------------------------
+def _final_norms(model: nn.Module, method: str) -> list[nn.Module]:
+    """The norm(s) a ViT applies to its last block's output before any head (timm: ``norm``,
+    then ``fc_norm`` where it is not the identity; Hugging Face: the base model's
+    ``layernorm``)."""
+    if is_timm_vit(model):
+        return [m for m in (getattr(model, "norm", None), getattr(model, "fc_norm", None))
+                if isinstance(m, nn.Module) and not isinstance(m, nn.Identity)]
+    if is_hf_model(model):
+        base = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+        norm = getattr(base, "layernorm", None)
+        if not isinstance(norm, nn.Module):
+            raise ValueError(f"{method}: {type(model).__name__} has no final layernorm vitlab can find")
+        return [norm]
+    raise TypeError(f"{method}: {type(model).__name__} is not a timm or Hugging Face ViT")
+
+
+def output_similarity(model, x: torch.Tensor) -> torch.Tensor:
+    """A class-free counterpart of the projection (after Vilas et al. 2023, Sec. 3): the cosine
+    similarity between every token's state after every block and the class token's state after
+    the last block, both through the model's final norm. ``B x L x N`` (block, token; token 0 is
+    CLS, so ``[:, -1, 0]`` is 1). The last CLS state is what any head on the class token reads,
+    so a token near 1 already points where the model's output will; it needs no class head
+    (e.g. a self-supervised or saliency model). Refuses models without a class token, or whose
+    output pools the patch tokens (timm ``global_pool`` other than "token"). One forward in eval
+    mode; the model is unchanged."""
+    check_images(x, "output_similarity")
+    layout = token_layout(model, x)
+    if not layout.has_class_token:
+        raise ValueError("output_similarity: this model has no class token to compare the tokens with")
+    if is_timm_vit(model) and layout.pool != "token":
+        raise ValueError(f"output_similarity: this model's output pools the patch tokens (global_pool="
+                         f"{layout.pool!r}), not the class token; there is no one state its output reads")
+    norms = _final_norms(model, "output_similarity")
+    with torch.no_grad(), record(model, eval_mode=True, capture=("hidden",)) as rec:
+        model(x)
+        h = torch.stack(list(rec.hidden_states), dim=1)                   # B x L x N x D
+        for norm in norms:
+            h = norm(h)
+    return torch.nn.functional.cosine_similarity(h, h[:, -1:, :1], dim=-1)
 
 
 # --------------------------------------------------------------------------------------
