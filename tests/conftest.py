@@ -70,6 +70,14 @@ def _tol(values, depth: float, eps: float) -> dict:
     return dict(rtol=0.0, atol=2.0 * float(depth) * eps * scale)
 
 
+# Chefer's LRP rules divide by sums that can nearly cancel (vitlab.lrp's docstring, "Precision"): a
+# term's relevance carries the sum's rounding amplified by 1 / rho, rho = |sum| / sum |terms|. Two
+# float64 computations of those rules (vitlab's and a test's from-scratch one) are allowed that
+# amplification up to 1e3 on the tiny test models (observed: within the plain allowance, rho ~ 1),
+# i.e. ~1e-9 of the maps' scale. AttnLRP's rules divide by no sum and need no such factor.
+LRP_AMPLIFICATION = 1e3
+
+
 def module_depth(*modules: torch.nn.Module, tokens: int = 0, grad: bool = False) -> int:
     """``depth`` for :func:`f32_tol`: the summed reduction length of every layer in ``modules``.
 

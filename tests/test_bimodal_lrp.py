@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from vitlab import bimodal_lrp as BL
 from vitlab.relevance import BimodalMaps
 
-from conftest import f32_tol, f64_tol, module_depth
+from conftest import LRP_AMPLIFICATION, f32_tol, f64_tol, module_depth
 from test_record_visualbert import tiny_visualbert
 from test_relevance_multimodal import state
 from test_relevance_visualbert import vb_batch, vb_items
@@ -183,13 +183,6 @@ def lrp_depth(model, tokens):
     """Forward, backward (the attention gradients) and the relevance pass, which runs every layer's
     reductions once more: three times a forward's."""
     return 3 * module_depth(model, tokens=tokens)
-
-
-# The rules divide by sums that can nearly cancel (vitlab.lrp's docstring, "Precision"): a term's
-# relevance carries the sum's rounding amplified by 1 / rho, rho = |sum| / sum |terms|. Two float64
-# computations of the rules (vitlab's, the scratch here) are allowed that amplification up to 1e3
-# (measured: within 0.72 of the plain float64 allowance, i.e. rho ~ 1): 1e-9 of the maps' scale.
-LRP_AMPLIFICATION = 1e3
 
 
 def double_batch(inputs):
