@@ -1,7 +1,8 @@
 """Load a ViT by name — timm, Hugging Face, or one of vitlab's embedded offline models —
 and turn an image into that model's input. The bi-modal transformers of chapter 9 load the
 same way: Hugging Face DETR (``facebook/detr-resnet-50``) and LXMERT
-(``unc-nlp/lxmert-vqa-uncased``), with their task heads.
+(``unc-nlp/lxmert-vqa-uncased``), with their task heads, and CLIP (``openai/clip-vit-base-patch32``),
+with eager attention.
 
 ``load_model(name)`` never hangs when offline: if the weights are neither cached nor
 reachable it raises :class:`ModelUnavailableError` within a few seconds, naming the model,
@@ -28,6 +29,7 @@ EMBEDDED_MODELS: dict[str, str] = {
     "shapes-lxmert": "vitlab.shapes.bimodal:load_shapes_lxmert",
     "shapes-detr": "vitlab.shapes.bimodal:load_shapes_detr",
     "shapes-visualbert": "vitlab.shapes.visualbert:load_shapes_visualbert",
+    "shapes-clip": "vitlab.shapes.clip_model:load_shapes_clip",
 }
 
 # Configurations of common Hugging Face ViT-family checkpoints, so that ``pretrained=False``
@@ -97,6 +99,24 @@ _HF_KNOWN: dict[str, dict[str, Any]] = {
         data=dict(shortest_edge=384, longest_edge=640, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
                   interpolation="bicubic"),
     ),
+    # CLIP (Radford et al. 2021), the dual encoder of chapter 11: OpenAI's ViT-B/32 and ViT-B/16 image towers
+    # (12 layers of width 768, 12 heads; 224 px in 32- or 16-px patches) and their causal text tower (12 layers of
+    # width 512, 8 heads, 77 positions, 49,408 BPE tokens), both with quick GELU, projected to 512. Their text_config
+    # keeps eos_token_id = 2, so CLIPTextTransformer pools at input_ids.argmax(-1), the end-of-text token (the
+    # largest id of that vocabulary). Processor: shortest edge 224 (bicubic), centre crop 224, OpenAI's mean / std.
+    **{f"openai/clip-vit-base-patch{p}": dict(
+        model_type="clip", head=False,
+        config=dict(
+            projection_dim=512, logit_scale_init_value=2.6592,
+            text_config=dict(vocab_size=49408, hidden_size=512, intermediate_size=2048, num_hidden_layers=12,
+                             num_attention_heads=8, max_position_embeddings=77, hidden_act="quick_gelu",
+                             layer_norm_eps=1e-5, bos_token_id=0, eos_token_id=2, pad_token_id=1, projection_dim=512),
+            vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                               image_size=224, patch_size=p, hidden_act="quick_gelu", layer_norm_eps=1e-5,
+                               projection_dim=512)),
+        data=dict(input_size=(3, 224, 224), mean=(0.48145466, 0.4578275, 0.40821073),
+                  std=(0.26862954, 0.26130258, 0.27577711), interpolation="bicubic", crop_pct=1.0, crop_mode="center"),
+    ) for p in (32, 16)},
 }
 
 # The Hugging Face class load_model builds for a config's model_type, for any repo (cached or known):
@@ -107,7 +127,12 @@ HF_TASK_CLASSES: dict[str, str] = {
     "lxmert": "LxmertForQuestionAnswering",
     "visual_bert": "VisualBertForQuestionAnswering",
     "vilt": "ViltForQuestionAnswering",
+    "clip": "CLIPModel",          # both towers and the image-text score (logits_per_image)
 }
+
+# model_types whose attention vitlab records from the attention weights, so load_model asks Hugging Face for
+# the eager implementation (under SDPA no attention matrix exists); an explicit attn_implementation= wins.
+HF_EAGER: tuple[str, ...] = ("clip",)
 
 VISUALBERT_REGION_FEATURES = (
     "VisualBERT does not look at pixels either: like LXMERT it takes region features, inputs['visual_embeds'] "
@@ -314,6 +339,9 @@ def _hf_data_config(repo: str, model: nn.Module) -> dict[str, Any]:
         return data
     if repo in _HF_KNOWN:
         return dict(_HF_KNOWN[repo]["data"])
+    if model_type == "clip":  # CLIP's own preprocessing (CLIPImageProcessor's defaults) at the tower's size
+        size = int(model.config.vision_config.image_size)
+        return dict(_HF_KNOWN["openai/clip-vit-base-patch32"]["data"], input_size=(3, size, size))
     size = int(getattr(model.config, "image_size", 224))
     return dict(input_size=(3, size, size), mean=(0.5,) * 3, std=(0.5,) * 3,
                 interpolation="bilinear", crop_pct=1.0, crop_mode="squash")
@@ -352,6 +380,8 @@ def _load_hf(repo: str, pretrained: bool, **kwargs) -> nn.Module:
                                       f"cannot build it; known offline: {', '.join(_HF_KNOWN)}")
     if config.model_type == "detr":
         _no_pretrained_backbone(config)
+    if config.model_type in HF_EAGER:
+        kwargs.setdefault("attn_implementation", "eager")
     cls = _hf_class(repo, config)
     if pretrained:
         model = cls.from_pretrained(repo, config=config, **kwargs)
@@ -381,7 +411,12 @@ def load_model(name: str, pretrained: bool = True, **kwargs) -> nn.Module:
             included in the checkpoint: no separately pretrained backbone is fetched; images via
             :func:`preprocess`, which keeps DETR's aspect ratio), ``"unc-nlp/lxmert-vqa-uncased"``
             a ``LxmertForQuestionAnswering`` (3129 VQA answers; it takes region features, not
-            images: :data:`LXMERT_REGION_FEATURES` says where they come from).
+            images: :data:`LXMERT_REGION_FEATURES` says where they come from). A CLIP
+            (``"openai/clip-vit-base-patch32"``, ``-patch16``, any repo whose config is a ``clip``)
+            gives a ``CLIPModel`` with eager attention in both towers (:data:`HF_EAGER`), images via
+            :func:`preprocess` (CLIP's resize, centre crop and mean / std); its text goes through the
+            checkpoint's own tokenizer (``CLIPTokenizer``), which vitlab does not ship.
+            ``"shapes-clip"`` is vitlab's own, offline (``model.encode(texts)`` tokenizes).
         pretrained: ``False`` gives the same architecture with random weights, built offline
             without any download for the checkpoints vitlab knows (``_HF_KNOWN``: the two above,
             DETR with COCO's 91 category ids and names, and the ViTs) and for any cached config.

@@ -4,6 +4,10 @@
   :func:`remove_objects` — the same scenes with an object taken out
 - :func:`load_shapes_vit` — the embedded model (:mod:`vitlab.shapes.model`)
 - ``python -m vitlab.shapes.train`` retrains it; ``python -m vitlab.shapes.evaluate`` measures it.
+- questions (:mod:`vitlab.shapes.qa`) and captions (:mod:`vitlab.shapes.captions`) about the scenes, for the
+  image-text models that vitlab trains on them: ``shapes-lxmert``, ``shapes-detr``, ``shapes-visualbert``
+  (:mod:`vitlab.shapes.bimodal`, :mod:`vitlab.shapes.visualbert`) and ``shapes-clip``
+  (:mod:`vitlab.shapes.clip_model`, a Hugging Face ``CLIPModel``; ``python -m vitlab.shapes.train_clip``).
 """
 from __future__ import annotations
 
