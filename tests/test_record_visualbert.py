@@ -12,6 +12,7 @@ from transformers import (
 import vitlab
 from vitlab.record import VILT_STREAMS, VISUALBERT_STREAMS
 
+from conftest import f32_tol, module_depth
 from test_record_multimodal import model_state, randomize_biases
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,8 +80,8 @@ def test_joint_stream_matches_the_models_own_attentions_and_autograd(case):
         assert cap.name.endswith(f"encoder.layer.{i}.{module}") and cap.layer == i
         assert (cap.query_modality, cap.key_modality) == ("text+image", "text+image")
         assert cap.attention.shape[-1] == cap.attention.shape[-2] == h.shape[1] > words  # text, then image
-        torch.testing.assert_close(cap.attention, A, rtol=0, atol=0)
-        torch.testing.assert_close(cap.grad, G, rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(cap.attention, A, rtol=0, atol=0)  # the model's own tensor
+        torch.testing.assert_close(cap.grad, G, **f32_tol(G, module_depth(model, tokens=h.shape[1], grad=True)))
         assert cap.grad.abs().sum() > 0
         layer = (model.visual_bert if family == "visual_bert" else model.vilt).encoder.layer[i]
         attn = getattr(layer.attention, module.split(".")[1])
@@ -88,7 +89,8 @@ def test_joint_stream_matches_the_models_own_attentions_and_autograd(case):
         heads = attn.num_attention_heads
         for field, proj in (("query", attn.query), ("key", attn.key), ("value", attn.value)):
             ref = proj(x).reshape(*x.shape[:2], heads, -1).transpose(1, 2)
-            torch.testing.assert_close(getattr(cap, field), ref, rtol=1e-5, atol=1e-6)
+            # the same projection of the same state (a LayerNorm first for ViLT)
+            torch.testing.assert_close(getattr(cap, field), ref, **f32_tol(ref, 2 * x.shape[-1] + proj.in_features))
     # the recorded probabilities are the model's: masked keys get exactly zero attention
     text_pad = inputs["attention_mask"][-1] == 0
     assert (caps[0].attention[-1][..., :words][..., text_pad] == 0).all()
@@ -117,7 +119,8 @@ def test_train_mode_records_the_dropped_out_matrix_and_stays_in_train_mode():
     assert (A == 0).float().mean() > 0.3  # dropout zeroed entries: the matrix multiplied with V
     with vitlab.record(model, eval_mode=True) as rec:
         model(**visualbert_inputs())
-    assert model.training and (rec.stream("joint")[0].attention.sum(-1) - 1).abs().max() < 1e-5
+    A = rec.stream("joint")[0].attention  # rows of a softmax: its sum, then this one
+    assert model.training and (A.sum(-1) - 1).abs().max() <= f32_tol(1.0, 2 * A.shape[-1])["atol"]
 
 
 def test_refusals():
