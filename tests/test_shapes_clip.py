@@ -317,7 +317,8 @@ def test_openai_clip_pretrained_offline_is_unavailable(monkeypatch):
     monkeypatch.setattr(models, "_hf_cached", lambda repo, files: False)
     with pytest.raises(vitlab.ModelUnavailableError) as info:
         vitlab.load_model("openai/clip-vit-base-patch16")
-    assert "'openai/clip-vit-base-patch16'" in str(info.value) and "hf download openai/clip-vit-base-patch16" in str(info.value)
+    msg = str(info.value)
+    assert "'openai/clip-vit-base-patch16'" in msg and "hf download openai/clip-vit-base-patch16" in msg
 
 
 @pytest.fixture
@@ -464,3 +465,23 @@ def test_wilson_interval():
 
 def test_cells_and_phrases_cover_the_grid():
     assert list(CELL_PHRASES) == CELLS and len(set(CELL_PHRASES.values())) == 9
+
+
+def test_the_training_command_writes_weights_report_and_card(tmp_path):
+    import json
+
+    out = tmp_path / "clip.safetensors"
+    arch = json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in TINY.items()})
+    args = tc.parse_args(["--arch", arch, "--vision-init", "random", "--steps", "3", "--batch", "8", "--chunk", "16",
+                          "--val-every", "2", "--val-n", "8", "--eval-n", "8", "--threads", "1", "--minutes", "0",
+                          "--out", str(out), "--card", str(tmp_path / "card.md"), "--no-progress"])
+    result = tc.train(args)
+    report = json.loads((tmp_path / "clip.json").read_text())
+    assert report["training"]["steps_done"] == 3 and [h["step"] for h in report["history"]] == [2, 3]
+    assert report["training"]["position_warmup"] == 3.0 and "probe_cell" in report["history"][0]
+    model = load_shapes_clip(weights_path=out)
+    got, want = model.state_dict(), result["model_object"].state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)          # evaluated = shipped (fp16-rounded)
+    card = (tmp_path / "card.md").read_text()
+    zs = report["evaluation"]["zero_shot"]
+    assert f"{100 * zs['rate']:.1f}% [{100 * zs['ci95'][0]:.1f}, {100 * zs['ci95'][1]:.1f}]" in card

@@ -299,7 +299,8 @@ class CaptionTokenizer:
         self.words: list[str] = words
         self.vocab: list[str] = [self.PAD, self.UNK, self.START, *words, self.END]
         self.ids: dict[str, int] = {w: i for i, w in enumerate(self.vocab)}
-        self.pad_id, self.unk_id, self.start_id, self.end_id = (self.ids[s] for s in (self.PAD, self.UNK, self.START, self.END))
+        self.pad_id, self.unk_id, self.start_id, self.end_id = (
+            self.ids[s] for s in (self.PAD, self.UNK, self.START, self.END))
 
     @classmethod
     def for_captions(cls) -> "CaptionTokenizer":

@@ -194,7 +194,8 @@ class ShapesCLIPModel(CLIPModel):
         self.vision_model.embeddings.patch_embedding = ConvStemPatchEmbedding(
             vc.num_channels, vc.hidden_size, stem["widths"], stem["kernel_size"])
         self.tokenizer = CaptionTokenizer.for_captions() if tokenizer is None else tokenizer
-        if len(self.tokenizer) != config.text_config.vocab_size or self.tokenizer.end_id != config.text_config.eos_token_id:
+        tc = config.text_config
+        if len(self.tokenizer) != tc.vocab_size or self.tokenizer.end_id != tc.eos_token_id:
             raise ValueError(f"the tokenizer ({len(self.tokenizer)} ids, <end> = {self.tokenizer.end_id}) does not fit "
                              f"the text tower ({config.text_config.vocab_size} ids, eos_token_id = "
                              f"{config.text_config.eos_token_id})")
@@ -240,8 +241,9 @@ def vision_from_vit(model: ShapesCLIPModel, vit: nn.Module, *, calibration: torc
     emb = vm.embeddings
     pe = vit.patch_embed
     if tuple(pe.grid_size) != (emb.image_size // emb.patch_size,) * 2 or vit.embed_dim != emb.embed_dim:
-        raise ValueError(f"the ViT (grid {tuple(pe.grid_size)}, width {vit.embed_dim}) does not fit the CLIP image tower "
-                         f"({emb.image_size // emb.patch_size} x {emb.image_size // emb.patch_size}, width {emb.embed_dim})")
+        g = emb.image_size // emb.patch_size
+        raise ValueError(f"the ViT (grid {tuple(pe.grid_size)}, width {vit.embed_dim}) does not fit the CLIP image "
+                         f"tower ({g} x {g}, width {emb.embed_dim})")
     if len(vit.blocks) != len(vm.encoder.layers) or vit.num_prefix_tokens != 1:
         raise ValueError(f"the ViT has {len(vit.blocks)} blocks and {vit.num_prefix_tokens} prefix tokens; the CLIP "
                          f"image tower has {len(vm.encoder.layers)} layers and one CLS token")
@@ -252,7 +254,8 @@ def vision_from_vit(model: ShapesCLIPModel, vit: nn.Module, *, calibration: torc
     for blk, layer in zip(vit.blocks, vm.encoder.layers):
         q, k, v = blk.attn.qkv.weight.split(c, dim=0)
         qb, kb, vb = blk.attn.qkv.bias.split(c, dim=0)
-        for lin, w, b in ((layer.self_attn.q_proj, q, qb), (layer.self_attn.k_proj, k, kb), (layer.self_attn.v_proj, v, vb)):
+        att = layer.self_attn
+        for lin, w, b in ((att.q_proj, q, qb), (att.k_proj, k, kb), (att.v_proj, v, vb)):
             lin.weight.copy_(w)
             lin.bias.copy_(b)
         pairs = ((layer.self_attn.out_proj, blk.attn.proj), (layer.layer_norm1, blk.norm1),
@@ -277,7 +280,7 @@ def vision_from_vit(model: ShapesCLIPModel, vit: nn.Module, *, calibration: torc
     vm.pre_layrnorm.weight.fill_(scale)
     vm.pre_layrnorm.bias.zero_()
     return {"pre_layrnorm_scale": scale,
-            "token_std_quartiles": [float(q) for q in torch.quantile(std, torch.tensor([0.25, 0.5, 0.75], dtype=std.dtype))]}
+            "token_std_quartiles": [float(q) for q in torch.quantile(std, std.new_tensor([0.25, 0.5, 0.75]))]}
 
 
 def build_shapes_clip(arch: dict | None = None, *, vit: nn.Module | str | None = "shapes-vit-tiny",

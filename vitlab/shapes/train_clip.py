@@ -62,7 +62,8 @@ from vitlab.shapes.train_loop import finish_run, lr_schedule, parse, parser, sta
 
 __all__ = [
     "EVAL_SEED", "VAL_SEED", "CARD_PATH", "caption_batches", "clip_logits", "evaluate_clip", "hard_negatives", "main",
-    "make_optimizer", "multi_positive_infonce", "PositionProbe", "parse_args", "train", "validate_clip", "wilson", "write_card",
+    "make_optimizer", "multi_positive_infonce", "PositionProbe", "parse_args", "train", "validate_clip", "wilson",
+    "write_card",
 ]
 
 #: Seed of the validation scenes logged during training.
@@ -383,7 +384,8 @@ def validate_clip(model, n: int = 256, seed: int = VAL_SEED, probe: PositionProb
     if probe is not None:
         s = model.config.vision_config.image_size
         x = scenes_to_tensor(one.images, (3, s, s), MEAN, STD).to(model.logit_scale.device)
-        logits = probe(model.vision_model(pixel_values=x).pooler_output)[torch.arange(n), torch.from_numpy(one.labels[:, 0])]
+        logits = probe(model.vision_model(pixel_values=x).pooler_output)
+        logits = logits[torch.arange(n), torch.from_numpy(one.labels[:, 0])]
         extra["probe_cell"] = float((logits.argmax(-1).cpu().numpy() == f1.cell[np.arange(n), one.labels[:, 0]]).mean())
     model.train(was)
     out = {**extra, "zero_shot": r["zero_shot"]["rate"], "both_top2": r["two_object_both_top2"]["rate"],
@@ -516,7 +518,8 @@ def write_card(report: dict, path: str | Path) -> None:
         "| | |",
         "|---|---|",
         f"| class | `ShapesCLIPModel(transformers.CLIPModel)`, eager attention in both towers |",
-        f"| image tower | `CLIPVisionTransformer`: {arch['vision_layers']} layers of width {arch['vision_hidden_size']}, "
+        f"| image tower | `CLIPVisionTransformer`: {arch['vision_layers']} layers of width "
+        f"{arch['vision_hidden_size']}, "
         f"{arch['vision_heads']} heads, MLP {arch['vision_intermediate_size']}, exact GELU, LayerNorm eps 1e-6; "
         f"{arch['image_size']} x {arch['image_size']} px in {arch['patch_size']}-px patches: a "
         f"{arch['image_size'] // arch['patch_size']} x {arch['image_size'] // arch['patch_size']} grid + CLS |",
@@ -525,7 +528,8 @@ def write_card(report: dict, path: str | Path) -> None:
         f"({', '.join(str(w) for w in arch['stem_widths'])} channels) and a 1x1 convolution to "
         f"{arch['vision_hidden_size']}: the stem of `shapes-vit-tiny` with its BatchNorm folded in; its output "
         f"has the patchify convolution's shape, so `CLIPVisionEmbeddings.forward` is unchanged |",
-        f"| text tower | `CLIPTextTransformer`: {arch['text_layers']} causal layers of width {arch['text_hidden_size']}, "
+        f"| text tower | `CLIPTextTransformer`: {arch['text_layers']} causal layers of width "
+        f"{arch['text_hidden_size']}, "
         f"{arch['text_heads']} heads, MLP {arch['text_intermediate_size']}, at most {arch['max_text_length']} tokens |",
         "| tokens | word level (`vitlab.shapes.captions.CaptionTokenizer`, `model.encode`): `<pad>` = 0, `<unk>`, "
         "`<start>` = 2, the 22 caption words, `<end>` = the largest id = `text_config.eos_token_id`; "
@@ -578,10 +582,11 @@ def write_card(report: dict, path: str | Path) -> None:
         "apart (`vitlab.shapes.train_clip.multi_positive_infonce`);",
         f"- temperature learned: `logit_scale` starts at log(1/0.07) and is clipped at log(100) after each "
         f"step (CLIP's rule); it ended at {ev['logit_scale'] if ev else float('nan'):.1f};",
-        f"- image tower from `shapes-vit-tiny` (exact copy of stem, blocks, CLS token, positions and final "
-        f"norm; `pre_layrnorm`, which timm's ViT lacks, set to scale {tr['init']['pre_layrnorm_scale']:.3f}, "
-        f"the median per-token standard deviation of the embeddings){', stem frozen' if tr['freeze_stem'] else ''}; "
-        "text tower and projections random (Hugging Face's initialisation);",
+        (f"- image tower from `shapes-vit-tiny` (exact copy of stem, blocks, CLS token, positions and final "
+         f"norm; `pre_layrnorm`, which timm's ViT lacks, set to scale {tr['init']['pre_layrnorm_scale']:.3f}, "
+         f"the median per-token standard deviation of the embeddings){', stem frozen' if tr['freeze_stem'] else ''}; "
+         "text tower and projections random (Hugging Face's initialisation);" if tr["init"].get("vision")
+         else "- both towers random (Hugging Face's initialisation, `--vision-init random`);"),
         (f"- position warm-up: for the first {100 * tr['position_warmup_frac']:.0f}% of the run an auxiliary "
          f"cross-entropy of each shape's 3 x 3 cell, read from the pooled CLS token by a linear probe "
          f"(`PositionProbe`, thrown away after training), is added with a weight falling linearly from "
@@ -612,7 +617,8 @@ def write_card(report: dict, path: str | Path) -> None:
             "",
             "## Evaluation",
             "",
-            f"`vitlab.shapes.train_clip.evaluate_clip(model, n={ev['n']}, seed={ev['seed']})`: {ev['n']} one-object and "
+            f"`vitlab.shapes.train_clip.evaluate_clip(model, n={ev['n']}, seed={ev['seed']})`: {ev['n']} "
+            "one-object and "
             f"{ev['n']} two-object held-out scenes at difficulty 1 (training uses seeds >= 1,000,000); 95% Wilson "
             "intervals (scenes of a retrieval pool are scored against each other, so its intervals are "
             "approximate).",
@@ -622,7 +628,8 @@ def write_card(report: dict, path: str | Path) -> None:
             f"| zero-shot accuracy, one-object scenes, prompts `a {{shape}}` | **{_pct(ev['zero_shot'])}** | 12.5% |",
             f"| two-object scenes: both present shapes' prompts score highest | {_pct(ev['two_object_both_top2'])} | "
             f"{100 * ev['two_object_both_top2']['chance']:.1f}% |",
-            f"| one-object scenes: the right cell of 9 (`a {{shape}} in the top left`, ...) | {_pct(ev['cell_9way'])} | "
+            "| one-object scenes: the right cell of 9 (`a {shape} in the top left`, ...) | "
+            f"{_pct(ev['cell_9way'])} | "
             "11.1% |",
             f"| two-object scenes: a true relation caption above the same words with the shapes swapped | "
             f"{_pct(ev['relation_vs_swapped'])} | 50% |",
@@ -729,7 +736,8 @@ def train(args) -> dict:
     if args.val_every and (not history or history[-1]["step"] != step):
         history.append({"step": step, "scenes": step * args.batch, "minutes": round((time.time() - t0) / 60, 2),
                         "cpu_minutes": round((time.process_time() - c0) / 60, 2), "loss": round(ema, 4),
-                        "lr": opt.param_groups[0]["lr"], "logit_scale": round(float(model.logit_scale.detach().exp()), 2),
+                        "lr": opt.param_groups[0]["lr"],
+                        "logit_scale": round(float(model.logit_scale.detach().exp()), 2),
                         **validate_clip(model, n=args.val_n, probe=probe)})
         log(json.dumps(history[-1]))
     minutes = (time.time() - t0) / 60
@@ -740,10 +748,12 @@ def train(args) -> dict:
         "command": "python -m vitlab.shapes.train_clip " + " ".join(args.argv), "seed": args.seed,
         "steps": args.steps, "steps_done": step, "batch": args.batch, "scenes_seen": step * args.batch,
         "two_frac": args.two_frac, "group": args.group, "captions_one": parse_weights(args.captions_one),
-        "captions_two": parse_weights(args.captions_two), "val_n": args.val_n, "lr": args.lr, "vision_lr_ratio": args.vision_lr_ratio,
+        "captions_two": parse_weights(args.captions_two), "val_n": args.val_n, "lr": args.lr,
+        "vision_lr_ratio": args.vision_lr_ratio,
         "weight_decay": args.weight_decay, "warmup": args.warmup, "min_lr_ratio": args.min_lr_ratio,
         "clip": args.clip, "hard_negatives": args.hard_negatives,
-        "position_warmup": args.position_warmup, "position_warmup_frac": args.position_warmup_frac, "freeze_stem": args.freeze_stem, "vision_init": args.vision_init,
+        "position_warmup": args.position_warmup, "position_warmup_frac": args.position_warmup_frac,
+        "freeze_stem": args.freeze_stem, "vision_init": args.vision_init,
         "autocast": args.autocast, "minutes_budget": args.minutes, "stopped_by_budget": stopped_by_budget,
         "train_minutes": round(minutes, 2), "arch": arch, "init": init,
         "parameters": sum(p.numel() for p in model.parameters()), "threads": args.threads, "device": str(device),
@@ -770,7 +780,8 @@ def parse_args(argv=None):
     p.add_argument("--minutes", type=float, default=25.0,
                    help="wall-clock budget of the training loop in minutes, validation included (0: none); the "
                         "schedule follows whichever of steps and time runs out first")
-    p.add_argument("--card", default=str(CARD_PATH), help="where to write the model card ('' to skip)")
+    p.add_argument("--card", default=str(CARD_PATH),
+                   help="where to write the model card ('' to skip; default: next to --out)")
     p.add_argument("--two-frac", type=float, default=0.5, help="share of two-object scenes in a batch")
     p.add_argument("--captions-one", default="shape:1,cell:1",
                    help="caption kinds drawn for one-object scenes, with weights")
@@ -792,8 +803,14 @@ def parse_args(argv=None):
     p.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 autocast for the towers")
     args = parse(p, argv, quick=dict(steps=20, batch=16, chunk=64, val_every=10, val_n=32, eval_n=64, minutes=0))
-    if args.quick and "--card" not in args.argv:
+    given = {a.split("=")[0] for a in args.argv}
+    if args.quick and "--card" not in given:
         args.card = ""
+    if args.out and "--out" in given:   # the report and the card go next to the weights unless given
+        if "--report" not in given:
+            args.report = str(Path(args.out).with_suffix(".json"))
+        if "--card" not in given:
+            args.card = str(Path(args.out).with_suffix(".md"))
     if not 0 <= args.two_frac <= 1:
         p.error(f"--two-frac must be in [0, 1], got {args.two_frac}")
     try:
