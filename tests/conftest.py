@@ -42,6 +42,14 @@ def f32_tol(values, depth: float) -> dict:
     return _tol(values, depth, EPS32)
 
 
+def f32_rel(depth: float) -> dict:
+    """:func:`f32_tol` entry by entry (``rtol`` only) for results that are sums of non-negative
+    terms (relevance propagated with clamped, non-negative attention; attention rows): such a sum
+    is within n * eps of itself (no cancellation), so even entries far below the largest (R - I
+    next to I) are held to their own digits."""
+    return dict(rtol=2.0 * float(depth) * EPS32, atol=0.0)
+
+
 def f32_tol_deep(values, depth: float) -> dict:
     """:func:`f32_tol` for real-size models (a 12-block, 384-wide ViT: depth ~6e4), where the linear
     bound, ~1.4% of the scale, would let real errors through. Independent roundings add like a
