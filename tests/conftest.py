@@ -35,9 +35,10 @@ def f32_tol(values, depth: float) -> dict:
     of the exact value and they differ by at most twice that: the allowance, the same for every
     entry. ``depth`` is the summed length of the reductions (dot products, sums, softmax
     denominators) on an output's path (:func:`module_depth` counts a model's); ``scale`` is the
-    largest finite magnitude in ``values`` (a tensor, array, number, or a sequence of them; pass
-    both sides): the terms of a cancellation are as large as the largest result, so an entry near
-    zero gets the same absolute allowance as the largest one.
+    largest finite magnitude in ``values`` (a tensor, array, number, or a sequence of them), which
+    stands for sum|terms|: pass the results where the terms mostly share a sign, the terms (or
+    their largest result) where they cancel. An entry near zero gets the same absolute allowance as
+    the largest one: its terms may be as large.
     """
     return _tol(values, depth, EPS32)
 
