@@ -17,7 +17,7 @@ from vitlab.relevance import (
     visualbert_raw_attention, visualbert_relevance, visualbert_rollout,
 )
 
-from conftest import f32_tol, f64_tol, module_depth
+from conftest import f32_tol, f32_tol_deep, f64_tol, module_depth
 from test_record_visualbert import tiny_vilt, tiny_visualbert
 from test_relevance_multimodal import state
 
@@ -305,7 +305,8 @@ def test_shapes_visualbert_pixels_equal_its_tokens():
     a = visualbert_relevance(model, dict(input_ids=ids, attention_mask=mask, pixel_values=x))
     b = visualbert_relevance(model, dict(input_ids=ids, attention_mask=mask, visual_feats=feats))
     assert a.image.shape == (2, 49) and a.text.shape == ids.shape
-    tol = f32_tol([a.image, a.text], module_depth(model, tokens=ids.shape[1] + 49, grad=True))
+    # with the shapes-vit-tiny backbone the summed reductions pass 1e4: the random-walk bound
+    tol = f32_tol_deep([a.image, a.text], module_depth(model, tokens=ids.shape[1] + 49, grad=True))
     torch.testing.assert_close(a.image, b.image, **tol)
     torch.testing.assert_close(a.text, b.text, **tol)
     assert (a.text[0, 5] == 0) and (a.text[1, 5] == 0)  # the answer token ('?', before [SEP]) itself

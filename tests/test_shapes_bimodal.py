@@ -27,6 +27,8 @@ from vitlab.shapes.qa import ANSWERS, CELLS, QUESTION_TYPES, WordTokenizer, ask,
 from vitlab.shapes.train import TRAIN_SEED_BASE
 from vitlab.shapes import train_detr, train_lxmert
 
+from conftest import f32_tol, f32_tol_deep, module_depth
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SMALL_LXMERT = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64, l_layers=1, x_layers=1, r_layers=1,
@@ -168,7 +170,9 @@ def test_lxmert_forward_batch_equals_items_and_feature_path(lxmert, scenes):
         assert out.shape == (3, len(ANSWERS))
         for i in range(3):
             one = lxmert(pixel_values=x[i : i + 1], input_ids=ids[i : i + 1, : int(mask[i].sum())])
-            assert torch.allclose(one.question_answering_score[0], out[i], atol=1e-5)
+            # with the shapes-vit-tiny backbone the summed reductions pass 1e4: the random-walk bound
+            assert torch.allclose(one.question_answering_score[0], out[i],
+                                  **f32_tol_deep(out, module_depth(lxmert, tokens=49 + ids.shape[1])))
         feats, pos = lxmert.visual_inputs(x)
         assert feats.shape == (3, 49, 192) and pos.shape == (3, 49, 4)
         ref = backbone_ref = lxmert.backbone.forward_features(x)[:, 1:]
@@ -186,20 +190,22 @@ def test_detr_is_the_hf_architecture_with_the_vit_as_backbone(detr, backbone, sc
     assert detr.model.backbone.model is backbone and detr.config.num_labels == len(CLASSES)
     assert not any(p.requires_grad for p in detr.model.backbone.parameters())
     x = _pixels(scenes.images[:3])
+    depth = module_depth(detr, tokens=49 + 4)  # the 7 x 7 feature map and 4 queries; > 1e4: random walk
     with torch.no_grad():
         out = detr(pixel_values=x)
         assert out.logits.shape == (3, 4, len(CLASSES) + 1) and out.pred_boxes.shape == (3, 4, 4)
         for i in range(3):
             one = detr(pixel_values=x[i : i + 1])
-            assert torch.allclose(one.logits[0], out.logits[i], atol=1e-5)
-            assert torch.allclose(one.pred_boxes[0], out.pred_boxes[i], atol=1e-5)
+            assert torch.allclose(one.logits[0], out.logits[i], **f32_tol_deep(out.logits, depth))
+            assert torch.allclose(one.pred_boxes[0], out.pred_boxes[i], **f32_tol_deep(1.0, depth))  # boxes in [0, 1]
         # the feature map is the token grid, row by row
         fm = detr.model.backbone(x)[0][0]
         tokens = backbone.forward_features(x)[:, 1:]
         assert torch.equal(fm[:, :, 2, 5], tokens[:, 2 * 7 + 5])
         # training's shortcut through precomputed feature maps is the same computation
         via = train_detr.forward_features(detr, fm)
-        assert torch.allclose(via.logits, out.logits, atol=1e-5) and torch.allclose(via.pred_boxes, out.pred_boxes, atol=1e-5)
+        assert torch.allclose(via.logits, out.logits, **f32_tol_deep(out.logits, depth))
+        assert torch.allclose(via.pred_boxes, out.pred_boxes, **f32_tol_deep(1.0, depth))
 
 
 def test_detr_targets_are_the_mask_boxes(scenes):
