@@ -82,7 +82,7 @@ def make_venv() -> Path:
     return py
 
 
-def satisfied(dev: bool) -> bool:
+def satisfied(dev: bool, project: dict | None = None) -> bool:
     """Whether the running interpreter already has vitlab installed editable from this checkout,
     at pyproject.toml's version, with every requirement (and the dev extra's) at a version that
     pyproject.toml allows. Run inside the target environment; any doubt answers False."""
@@ -94,8 +94,12 @@ def satisfied(dev: bool) -> bool:
             from packaging.requirements import Requirement
         except ImportError:
             from pip._vendor.packaging.requirements import Requirement
-        project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-        dist = md.distribution(project["name"])
+        if project is None:
+            project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+        # the installed distribution, not a vitlab.egg-info that a build leaves in the checkout
+        # (on sys.path when Python runs from the checkout's root)
+        path = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+        dist = next(iter(md.distributions(name=project["name"], path=path)))
         url = json.loads(dist.read_text("direct_url.json") or "{}")
         if (dist.version != project["version"] or not url.get("dir_info", {}).get("editable")
                 or url.get("url") != ROOT.as_uri()):

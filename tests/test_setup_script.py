@@ -1,0 +1,63 @@
+"""scripts/setup.py, the one install script: which interpreter a venv has on each system, and
+when an installed environment counts as complete (so that a re-run skips pip)."""
+import copy
+import importlib.util
+import json
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib")          # Python 3.11+ (setup.py reinstalls on 3.10)
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("vitlab_setup", ROOT / "scripts" / "setup.py")
+setup = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(setup)
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_venv_python_per_system():
+    assert setup.venv_python(Path("v"), windows=True) == Path("v") / "Scripts" / "python.exe"
+    assert setup.venv_python(Path("v"), windows=False) == Path("v") / "bin" / "python"
+
+
+def _installed_here() -> bool:
+    path = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+    for dist in metadata.distributions(name="vitlab", path=path):
+        url = json.loads(dist.read_text("direct_url.json") or "{}")
+        return bool(url.get("dir_info", {}).get("editable")) and url.get("url") == ROOT.as_uri()
+    return False
+
+
+def _with(change):
+    project = copy.deepcopy(PROJECT)
+    change(project)
+    return project
+
+
+@pytest.mark.skipif(not _installed_here(), reason="vitlab is not installed editable from this checkout")
+def test_satisfied_follows_pyproject():
+    assert setup.satisfied(False, PROJECT)
+    assert not setup.satisfied(False, _with(lambda p: p["dependencies"].append("numpy>=99")))
+    assert not setup.satisfied(False, _with(lambda p: p["dependencies"].append("no-such-package-xyz")))
+    assert not setup.satisfied(False, _with(lambda p: p.update(version="99.0")))
+    dev_needs_more = _with(lambda p: p["optional-dependencies"]["dev"].append("pytest>=99"))
+    assert setup.satisfied(False, dev_needs_more)            # the runtime install does not need it
+    assert not setup.satisfied(True, dev_needs_more)
+    # the dev extra lists vitlab[site]: its requirements count too
+    assert not setup.satisfied(True, _with(lambda p: p["optional-dependencies"]["site"].append("sphinx>=99")))
+    if all(_dev_installed()):
+        assert setup.satisfied(True, PROJECT)
+
+
+def _dev_installed():
+    for extra in ("dev", "site"):
+        for req in PROJECT["optional-dependencies"][extra]:
+            name = req.split("[")[0].split(">")[0].split("=")[0].strip()
+            if name != "vitlab":
+                try:
+                    metadata.version(name)
+                    yield True
+                except metadata.PackageNotFoundError:
+                    yield False
