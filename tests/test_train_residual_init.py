@@ -6,6 +6,8 @@ from vitlab.shapes.bimodal import build_shapes_lxmert
 from vitlab.shapes.train_lxmert import parse_args, zero_residual_branches
 from vitlab.shapes.visualbert import build_shapes_visualbert
 
+from conftest import f32_tol_deep, module_depth
+
 SMALL = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64)
 
 
@@ -30,7 +32,10 @@ def test_zeroed_branches_cut_the_image_off_the_answer(family):
     feats = torch.randn(2, 49, model.backbone.embed_dim)
     with torch.no_grad():
         before = _logits(model, feats, ids, mask)
-    assert not torch.allclose(before[0], before[1])          # random weights: the image matters
+    # the same question's scores in two rows of one batch: equal up to the rounding of its reductions
+    # (with the backbone's, > 1e4: the random-walk bound)
+    tol = f32_tol_deep(before, module_depth(model, tokens=49 + ids.shape[1]))
+    assert not torch.allclose(before[0], before[1], **tol)          # random weights: the image matters
     assert zero_residual_branches(model) == expected
     zeroed = [m for n, m in model.named_modules() if n.endswith("output.dense")]
     assert all(float(m.weight.detach().abs().sum()) == 0 and float(m.bias.detach().abs().sum()) == 0 for m in zeroed)
@@ -38,7 +43,7 @@ def test_zeroed_branches_cut_the_image_off_the_answer(family):
         after = _logits(model, feats, ids, mask)
     # every attention's output is multiplied by a zero matrix: nothing crosses between tokens,
     # so two different images give the same answer scores to the same question
-    torch.testing.assert_close(after[0], after[1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(after[0], after[1], **tol)
     assert all(torch.equal(backbone[k], v) for k, v in model.backbone.state_dict().items())
 
 
