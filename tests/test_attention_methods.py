@@ -29,8 +29,19 @@ from vitlab.relevance import chefer_relevance
 from vitlab.rollout import grad_rollout, rollout
 from vitlab.targets import _logits, check_target, class_probabilities, is_multi_label, resolve_target, target_score
 
-from conftest import TINY, randomize as _randomize
+from conftest import (
+    TINY, TINY_DEPTH, TINY_GRAD_DEPTH, f32_tol, f64_tol, module_depth, randomize as _randomize,
+)
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+# a map of the tiny ViT: forward and backward, then per block a head fusion over 3 and a product over 17
+MAP_DEPTH = TINY_GRAD_DEPTH + 3 * (3 + 17)
+
+
+def depth(model, grad=False):
+    """module_depth of a model on its own token count (prefix tokens and patches)."""
+    tokens = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 1)
+    return module_depth(model, tokens=tokens, grad=grad)
 
 
 def tiny_vit(seed: int = 0, **kw) -> VisionTransformer:
@@ -117,7 +128,8 @@ def test_reference_forward_reproduces_the_model(make):
     model = make()
     x = torch.randn(2, 3, *model.patch_embed.img_size)
     with torch.no_grad():
-        assert torch.allclose(reference_forward(model, x)[0], model(x), atol=1e-4)
+        want = model(x)
+        assert torch.allclose(reference_forward(model, x)[0], want, **f32_tol(want, depth(model)))
 
 
 # --- attention_gradients ------------------------------------------------------------------
@@ -129,11 +141,11 @@ def test_attention_gradients_equal_the_reference_layer_by_layer(make):
     ag = attention_gradients(model, x, target)
     ref_A, ref_G, ref_logits = reference_gradients(model, x, target)
     assert ag.target.tolist() == target
-    assert torch.allclose(ag.logits, ref_logits, atol=1e-4)
+    assert torch.allclose(ag.logits, ref_logits, **f32_tol(ref_logits, depth(model)))
     assert len(ag.attentions) == len(ag.gradients) == len(model.blocks)
     for l in range(len(model.blocks)):  # layer l's gradient belongs to layer l's attention
-        assert torch.allclose(ag.attentions[l], ref_A[l], atol=1e-5)
-        assert torch.allclose(ag.gradients[l], ref_G[l], rtol=1e-3, atol=1e-5), l
+        assert torch.allclose(ag.attentions[l], ref_A[l], **f32_tol(1.0, depth(model)))
+        assert torch.allclose(ag.gradients[l], ref_G[l], **f32_tol(ref_G[l], depth(model, grad=True))), l
     # the layers really differ, so a reversed order could not pass
     assert not torch.allclose(ag.gradients[0], ag.gradients[-1], rtol=1e-2, atol=1e-4)
 
@@ -156,7 +168,10 @@ def test_attention_gradients_equal_finite_differences():
             deltas[l][b, h, i, j] = -eps
             down = reference_forward(model, x, deltas)[0][b, target[b]]
         fd = float((up - down) / (2 * eps))
-        assert ag.gradients[l][b, h, i, j].item() == pytest.approx(fd, rel=1e-5, abs=1e-8)
+        # central differences: the float64 logits' rounding divided by the step, plus the truncation
+        # (the step squared times the third derivative, held below 1e-5 of the derivative at a step of 1e-6)
+        rounding = f64_tol(up, depth(model))["atol"] / eps
+        assert ag.gradients[l][b, h, i, j].item() == pytest.approx(fd, rel=1e-5, abs=rounding)
 
 
 def test_attention_gradients_of_a_hugging_face_vit_equal_its_eager_attentions():
@@ -166,9 +181,10 @@ def test_attention_gradients_of_a_hugging_face_vit_equal_its_eager_attentions():
     out = eager(x, output_attentions=True)
     grads = torch.autograd.grad(out.logits[0, 2] + out.logits[1, 4], out.attentions)
     assert ag.layout.num_prefix == 1 and ag.layout.grid == (4, 4)
+    d = module_depth(model, tokens=17)
     for l, (A, G) in enumerate(zip(out.attentions, grads)):
-        assert torch.allclose(ag.attentions[l], A, atol=1e-5)
-        assert torch.allclose(ag.gradients[l], G, rtol=1e-3, atol=1e-5)
+        assert torch.allclose(ag.attentions[l], A, **f32_tol(1.0, d))
+        assert torch.allclose(ag.gradients[l], G, **f32_tol(G, 2 * d))
 
 
 def test_attention_gradients_batch_equals_items_and_none_is_argmax(vit, x):
@@ -176,7 +192,8 @@ def test_attention_gradients_batch_equals_items_and_none_is_argmax(vit, x):
     for b, t in enumerate([1, 2, 3]):
         item = attention_gradients(vit, x[b : b + 1], target=t)
         for l in range(len(vit.blocks)):
-            assert torch.allclose(batch.gradients[l][b], item.gradients[l][0], rtol=1e-4, atol=1e-6)
+            assert torch.allclose(batch.gradients[l][b], item.gradients[l][0],
+                                  **f32_tol(batch.gradients[l], TINY_GRAD_DEPTH))
     predicted = attention_gradients(vit, x)
     with torch.no_grad():
         argmax = vit(x).argmax(-1)
@@ -196,13 +213,16 @@ def test_log_probability_gradient_is_the_logit_gradient_minus_the_softmax_averag
     for l in range(len(vit.blocks)):
         for b in range(x.shape[0]):
             expected = per_class[t[b]][l][b] - sum(p[b, k] * per_class[k][l][b] for k in range(K))
-            torch.testing.assert_close(got.gradients[l][b], expected, rtol=1e-4, atol=1e-7)
+            # K + 1 backward passes combined (scale: the per-class gradients, which cancel here)
+            scale = torch.stack([per_class[k][l][b] for k in range(K)])
+            torch.testing.assert_close(got.gradients[l][b], expected, **f32_tol(scale, TINY_GRAD_DEPTH + K))
     # the maps use it; a batch with one target each equals its items
     for method in (chefer_relevance, grad_rollout, attention_gradcam):
         batch = method(vit, x, t, score="log_probability")
         items = torch.cat([method(vit, x[b : b + 1], t[b], score="log_probability") for b in range(3)])
-        torch.testing.assert_close(batch, items, rtol=1e-4, atol=1e-6)
-        assert not torch.allclose(batch, method(vit, x, t))  # a different question, a different map
+        tol = f32_tol(batch, MAP_DEPTH)
+        torch.testing.assert_close(batch, items, **tol)
+        assert not torch.allclose(batch, method(vit, x, t), **tol)  # a different question, a different map
 
 
 def test_multi_label_log_probability_is_the_scaled_logit_gradient(x):
@@ -216,10 +236,12 @@ def test_multi_label_log_probability_is_the_scaled_logit_gradient(x):
     logit = attention_gradients(vit, x, target=t)
     logp = attention_gradients(vit, x, target=t, score="log_probability")
     for g_logit, g_logp in zip(logit.gradients, logp.gradients):
-        torch.testing.assert_close(g_logp, scale[:, None, None, None] * g_logit, rtol=1e-4, atol=1e-8)
+        # two backward passes (seeds 1 and 1 - sigmoid(y_t)) of the same graph
+        expected = scale[:, None, None, None] * g_logit
+        torch.testing.assert_close(g_logp, expected, **f32_tol(expected, TINY_GRAD_DEPTH))
     batch = chefer_relevance(vit, x, t, score="log_probability")
     items = torch.cat([chefer_relevance(vit, x[b : b + 1], t[b], score="log_probability") for b in range(3)])
-    torch.testing.assert_close(batch, items, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(batch, items, **f32_tol(batch, MAP_DEPTH))
 
 
 def test_is_multi_label_reads_timm_and_hugging_face_configs():
@@ -233,11 +255,12 @@ def test_is_multi_label_reads_timm_and_hugging_face_configs():
     assert is_multi_label(hf)
     assert not is_multi_label(SimpleNamespace(config=SimpleNamespace(problem_type=None)))
     logits = torch.tensor([[0.0, 2.0, -1.0]])
-    torch.testing.assert_close(class_probabilities(logits, True), torch.sigmoid(logits))
-    torch.testing.assert_close(class_probabilities(logits), torch.softmax(logits, -1))
+    tol = f32_tol(1.0, 3)  # exp, a sum over 3, a division
+    torch.testing.assert_close(class_probabilities(logits, True), torch.sigmoid(logits), **tol)
+    torch.testing.assert_close(class_probabilities(logits), torch.softmax(logits, -1), **tol)
     t = torch.tensor([1])
     assert float(target_score(logits, t, "log_probability", multi_label=True)) == pytest.approx(
-        float(np.log(1 / (1 + np.exp(-2.0)))))
+        float(np.log(1 / (1 + np.exp(-2.0)))), abs=tol["atol"])
 
 
 @pytest.mark.parametrize("method", [attention_gradients, attention_gradcam, grad_rollout, chefer_relevance])
@@ -258,16 +281,17 @@ def test_cls_attention_is_the_cls_row_over_patches_on_the_grid(make, prefix):
     assert out.shape == (2, len(model.blocks), 3, gh, gw)
     with torch.no_grad():
         ref = torch.stack(reference_forward(model, x)[1], dim=1)  # B x L x H x N x N
-    assert torch.allclose(out, ref[:, :, :, 0, prefix:].reshape(2, len(model.blocks), 3, gh, gw), atol=1e-5)
+    tol = f32_tol(1.0, depth(model))  # attention weights (<= 1) of another forward
+    assert torch.allclose(out, ref[:, :, :, 0, prefix:].reshape(2, len(model.blocks), 3, gh, gw), **tol)
     # row-major grid: patch (r, c) is token prefix + r * gw + c
-    assert out[1, 2, 1, 2, 3].item() == pytest.approx(ref[1, 2, 1, 0, prefix + 2 * gw + 3].item(), abs=1e-5)
+    assert out[1, 2, 1, 2, 3].item() == pytest.approx(ref[1, 2, 1, 0, prefix + 2 * gw + 3].item(), abs=tol["atol"])
 
 
 def test_raw_attention_is_the_last_layer_cls_row_mean_over_heads(vit, x):
     with torch.no_grad():
         last = reference_forward(vit, x)[1][-1]  # B x H x N x N
     expected = last[:, :, 0, 1:].mean(dim=1).reshape(3, 4, 4)
-    assert torch.allclose(raw_attention(vit, x), expected, atol=1e-6)
+    assert torch.allclose(raw_attention(vit, x), expected, **f32_tol(1.0, TINY_DEPTH + 3))
 
 
 def test_attention_gradcam_matches_a_numpy_reimplementation(vit, x):
@@ -282,7 +306,8 @@ def test_attention_gradcam_matches_a_numpy_reimplementation(vit, x):
     expected = np.maximum(expected, 0).reshape(3, 4, 4)
     out = attention_gradcam(vit, x, target)
     assert out.shape == (3, 4, 4)
-    assert np.allclose(out.numpy(), expected, rtol=1e-4, atol=1e-7)
+    # another forward and backward; the head weights' means over 16 patches, the mean over 3 heads
+    assert np.allclose(out.numpy(), expected, **f32_tol(expected, TINY_GRAD_DEPTH + 16 + 3))
     assert (out > 0).any() and (out == 0).any()  # the clamp is exercised
 
 
@@ -292,11 +317,12 @@ def test_qk_maps_are_sigmoids_of_the_patch_queries_and_keys(vit, x):
         _, _, Q, K = reference_forward(vit, x)
     maps = qk_maps(vit, x, layer=1, head=2, channel=5)
     assert maps.query.shape == maps.key.shape == (3, 4, 4)
-    assert torch.allclose(maps.query, Q[1][:, 2, 1:, 5].sigmoid().reshape(3, 4, 4), atol=1e-5)
-    assert torch.allclose(maps.key, K[1][:, 2, 1:, 5].sigmoid().reshape(3, 4, 4), atol=1e-5)
+    tol = f32_tol(1.0, TINY_DEPTH)  # sigmoids (< 1) of another forward's queries and keys
+    assert torch.allclose(maps.query, Q[1][:, 2, 1:, 5].sigmoid().reshape(3, 4, 4), **tol)
+    assert torch.allclose(maps.key, K[1][:, 2, 1:, 5].sigmoid().reshape(3, 4, 4), **tol)
     every = qk_maps(vit, x, layer=-1, head=0)  # all 16 channels of the last layer
     assert every.query.shape == (3, 16, 4, 4)
-    assert torch.allclose(every.key[:, 7], K[2][:, 0, 1:, 7].sigmoid().reshape(3, 4, 4), atol=1e-5)
+    assert torch.allclose(every.key[:, 7], K[2][:, 0, 1:, 7].sigmoid().reshape(3, 4, 4), **tol)
 
 
 def test_pattern_scores_on_hand_built_channels():
@@ -317,7 +343,7 @@ def test_pattern_scores_on_hand_built_channels():
     # a query that mostly agrees: u_q = (1+1+1-0.5)/(3.5) , key favours 2 of 4 patches
     q2 = torch.tensor([[1.0], [1], [1], [-0.5]])
     k2 = torch.tensor([[1.0], [1], [-1], [-1]])
-    assert one_way_score(q2, k2).item() == pytest.approx((2.5 / 3.5) * 0.5)
+    assert one_way_score(q2, k2).item() == pytest.approx((2.5 / 3.5) * 0.5, abs=f32_tol(1.0, 8)["atol"])
 
 
 def test_rank_qk_channels_returns_the_best_scores_in_order(vit, x):
@@ -325,7 +351,9 @@ def test_rank_qk_channels_returns_the_best_scores_in_order(vit, x):
     assert scores.shape == (3, 3, 16)
     with torch.no_grad():
         _, _, Q, K = reference_forward(vit, x)
-    assert torch.allclose(scores[1], same_region_score(Q[1][:, :, 1:], K[1][:, :, 1:]).mean(0), atol=1e-5)
+    # correlations (|.| <= 1) over 16 patches of another forward's queries and keys, averaged over 3 images
+    assert torch.allclose(scores[1], same_region_score(Q[1][:, :, 1:], K[1][:, :, 1:]).mean(0),
+                          **f32_tol(1.0, TINY_DEPTH + 4 * 16 + 3))
     ranked = rank_qk_channels(vit, x, "same_region", top=5)
     assert len(ranked) == 5 and all(isinstance(r, QKChannel) for r in ranked)
     assert ranked[0].score == pytest.approx(scores.max().item())
@@ -420,16 +448,27 @@ def test_methods_leave_the_model_unchanged_and_return_plain_tensors(name, x):
 def test_gradient_methods_work_when_every_parameter_is_frozen(x):
     model = tiny_vit(seed=12).requires_grad_(False)
     unfrozen = tiny_vit(seed=12)
-    assert torch.allclose(chefer_relevance(model, x, 1), chefer_relevance(unfrozen, x, 1), atol=1e-6)
+    want = chefer_relevance(unfrozen, x, 1)
+    assert torch.allclose(chefer_relevance(model, x, 1), want, **f32_tol(want, MAP_DEPTH))
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_methods_run_on_the_gpu_and_match_the_cpu(vit, x):
     gpu = tiny_vit().cuda()
-    for name, fn in METHODS.items():
-        if name == "rollout":  # discard ranks ties differently across devices; compare without it
-            fn = lambda m, x: rollout(m, x, "max")  # noqa: E731
-        cpu_out, gpu_out = fn(vit, x), fn(gpu, x.cuda())
-        assert gpu_out.device.type == "cuda"
-        assert torch.allclose(gpu_out.cpu(), cpu_out, rtol=1e-3, atol=1e-5), name
+    # float32 arithmetic on both devices: TF32 (cuDNN's default for convolutions on Ampere and later)
+    # would round the patch embedding's inputs to 11 bits, 2^13 times float32's rounding
+    flags = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for name, fn in METHODS.items():
+            if name == "rollout":  # discard ranks values: ties go differently across devices; compare without it
+                fn = lambda m, x: rollout(m, x, "max")  # noqa: E731
+            if name == "grad_rollout":
+                fn = lambda m, x: grad_rollout(m, x)  # noqa: E731
+            cpu_out, gpu_out = fn(vit, x), fn(gpu, x.cuda())
+            assert gpu_out.device.type == "cuda"
+            # each device within the rounding of the forward, backward and per-block products
+            assert torch.allclose(gpu_out.cpu(), cpu_out, **f32_tol(cpu_out, MAP_DEPTH)), name
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags
