@@ -89,6 +89,26 @@ def _tol(values, depth: float, eps: float) -> dict:
 LRP_AMPLIFICATION = 1e3
 
 
+def decided_argmax(scores: torch.Tensor, atol: float) -> torch.Tensor:
+    """``scores.argmax(-1)``, after checking that each row's best two scores lie more than ``2 *
+    atol`` apart (``atol``: one computation's allowance, e.g. ``f32_tol(...)["atol"]``), so that any
+    other computation of them, on any CPU, picks the same index. A failure means the inputs sit at a
+    tie: pick other inputs rather than a looser check."""
+    top2 = scores.detach().topk(2, dim=-1).values
+    gap = top2[..., 0] - top2[..., 1]
+    assert bool((gap > 2 * atol).all()), (
+        f"the top two scores are {float(gap.min()):.3g} apart, within rounding ({2 * atol:.3g}): "
+        "another CPU may pick the other one")
+    return scores.argmax(-1)
+
+
+def assert_near_top(chosen: torch.Tensor, scores: torch.Tensor, atol: float) -> None:
+    """The index a method chose scores within ``2 * atol`` of the best: computed with other rounding,
+    the best of a near-tie may be either (for real-size random models, whose top scores are close)."""
+    picked = scores.detach().gather(-1, torch.as_tensor(chosen).reshape(*scores.shape[:-1], 1))[..., 0]
+    assert bool((picked >= scores.detach().max(-1).values - 2 * atol).all())
+
+
 def module_depth(*modules: torch.nn.Module, tokens: int = 0, grad: bool = False) -> int:
     """``depth`` for :func:`f32_tol`: the summed reduction length of every layer in ``modules``.
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LxmertConfig, LxmertForQuestionAnswering, VisualBertConfig, VisualBertForQuestionAnswering
 
-from conftest import f32_tol, module_depth
+from conftest import decided_argmax, f32_tol, module_depth
 from vitlab import bimodal_faithfulness as bf
 from vitlab.relevance import lxmert_raw_attention, lxmert_relevance
 
@@ -341,7 +341,8 @@ def test_hiding_effect_equals_deleting_the_tokens_by_hand():
                  visual_feats=inputs["visual_feats"][b : b + 1, keep], visual_pos=inputs["visual_pos"][b : b + 1, keep])
         with torch.no_grad():
             p = logits(model(**x)).softmax(-1)[0]
-        assert int(p.argmax()) == int(res["answer_after"][b])
+        # the answer of another batching: the same on every CPU where no two answers tie within rounding
+        assert int(decided_argmax(p, f32_tol(1.0, module_depth(model, tokens=17))["atol"])) == int(res["answer_after"][b])
         # a probability (at most 1) through the model's reductions (7 words + 10 regions)
         assert float(p[res["answer"][b]]) == pytest.approx(float(res["probability_after"][b]),
                                                            abs=f32_tol(1.0, module_depth(model, tokens=17))["atol"])

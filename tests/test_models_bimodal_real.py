@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 import vitlab
-from conftest import f32_tol_deep, module_depth
+from conftest import assert_near_top, f32_tol_deep, module_depth
 from vitlab import models
 from vitlab.relevance import detr_relevance, lxmert_relevance
 
@@ -96,7 +96,9 @@ def test_detr_relevance_runs_end_to_end(detr):
     probs = logits.softmax(-1)[..., :-1]
     depth = module_depth(detr, tokens=6 + 100)  # 3 x 2 features, 100 queries; real-size: random-walk bound
     for b, maps in enumerate(out):  # the explained class is each query's best real class
-        assert torch.equal(maps.labels, probs[b, :2].argmax(-1))
+        # 91 classes of a random DETR lie close together: the method's forward (eager attention)
+        # may pick either of a near-tie, so the label must score within rounding of the best
+        assert_near_top(maps.labels, probs[b, :2], f32_tol_deep(probs, depth)["atol"])
         torch.testing.assert_close(maps.probabilities, probs[b, :2].max(-1).values, **f32_tol_deep(probs, depth))
         one = detr_relevance(detr, x[b:b + 1], queries=[0, 1])[0]  # batch = items
         torch.testing.assert_close(one.maps, maps.maps, **f32_tol_deep(maps.maps, 2 * depth))
@@ -162,7 +164,8 @@ def test_lxmert_relevance_runs_end_to_end(lxmert):
     assert (maps.text[:, 0] == 0).all() and (maps.text.sum(-1) > 0).all() and (maps.image.sum(-1) > 0).all()
     with torch.no_grad():
         logits = lxmert(**inputs).question_answering_score
-    assert torch.equal(maps.target, logits.argmax(-1))  # no target: the predicted answer
+    # no target: the predicted answer (of 3129 close scores: within rounding of the best)
+    assert_near_top(maps.target, logits, f32_tol_deep(logits, module_depth(lxmert, tokens=11))["atol"])
     one = lxmert_relevance(lxmert, {k: v[1:] for k, v in inputs.items()})  # batch = items
     tol = f32_tol_deep([maps.image, maps.text], module_depth(lxmert, tokens=11, grad=True))  # real-size
     torch.testing.assert_close(one.image, maps.image[1:], **tol)
