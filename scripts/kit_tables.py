@@ -1,0 +1,121 @@
+"""Refresh the teacher's kit's counted tables (notebooks/README.md) from the stored notebooks.
+
+    python scripts/kit_tables.py           # check, print what would change
+    python scripts/kit_tables.py --write   # rewrite the tables between their markers
+
+- Every section heading the kit names in *italics* in its "Chapter by chapter" table must be a
+  heading of that chapter (a renamed section makes this fail, naming it).
+- The reading load: words of prose per chapter (markdown cells; a formula counts as one word),
+  without the exercises, and on the room's path (the title cells plus the *run live* and *read*
+  sections), between ``<!-- reading-load -->`` markers.
+- The solutions' stored run times (``scripts/stored_times.py``), between ``<!-- solution-times -->``
+  markers.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stored_times  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NB = ROOT / "notebooks"
+KIT = NB / "README.md"
+WORKSHOP = ["00_vit_primer", "01_qk_sign_patterns", "02_cls_attention_by_layer", "03_attention_rollout",
+            "04_class_specific_maps", "05_faithfulness_saco"]
+ELECTIVES = ["06_lrp_route", "07_class_embedding_projection", "08_activation_maximisation",
+             "09_bimodal_relevance", "11_clip"]
+WPM = 200
+
+
+def sections(stem: str) -> tuple[dict, list]:
+    """Words per section (None: before the first heading) and the headings in order."""
+    cells = json.loads((NB / f"{stem}.ipynb").read_text(encoding="utf-8"))["cells"]
+    words, heads, cur = {}, [], None
+    for cell in cells:
+        if cell["cell_type"] != "markdown":
+            continue
+        for line in "".join(cell["source"]).splitlines():
+            m = re.match(r"^#{1,3} (.*)", line)
+            if m:
+                cur = m.group(1).strip()
+                heads.append(cur)
+                continue
+            line = re.sub(r"\$[^$]*\$", " X ", line)
+            line = re.sub(r"<[^>]+>", " ", line)
+            words[cur] = words.get(cur, 0) + len(re.findall(r"[A-Za-z0-9][\w'’.\-/×]*", line))
+    return words, heads
+
+
+def plan(kit: str) -> dict:
+    """{stem: (run, read, skip)} from the kit's "Chapter by chapter" table."""
+    table = re.search(r"^\| chapter \| run live.*?\n\n", kit, re.S | re.M).group(0)
+    rows = {}
+    for line in table.splitlines()[2:]:
+        if line.strip():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0].strip("`")] = tuple(re.findall(r"\*([^*]+)\*", c) for c in cells[1:4])
+    return rows
+
+
+def reading_load(kit: str) -> tuple[str, list]:
+    rows, missing, counts = plan(kit), [], {}
+    for stem, (run, read, skip) in rows.items():
+        words, heads = sections(stem)
+        missing += [f"{stem}: {h}" for h in run + read + skip if h not in heads]
+        total = sum(words.values())
+        exercises = sum(v for k, v in words.items() if k and k.startswith("Exercises"))
+        room = None
+        if run:
+            room = words.get(None, 0) + words.get(heads[0], 0) + sum(words.get(h, 0) for h in run + read)
+        counts[stem] = (total, total - exercises, room)
+    lines = ["| chapter | prose | without the exercises | on the room's path |", "|---|---:|---:|---:|"]
+    lines += [f"| `{s}` | {t:,} | {n:,} | {'—' if r is None else f'{r:,}'} |" for s, (t, n, r) in counts.items()]
+    lines.append(f"| all chapters | {sum(c[0] for c in counts.values()):,} | {sum(c[1] for c in counts.values()):,} | |")
+    core = sum(counts[s][2] for s in WORKSHOP)
+    el = [counts[s][2] for s in ELECTIVES if s in counts and counts[s][2]]
+    lines.append(f"| **workshop path** (00-05) + one elective | | | {core:,} + {min(el):,} to {max(el):,} |")
+    lines.append("")
+    lines.append(f"At {WPM} words a minute, the room's path alone is about {(core + min(el)) / WPM:.0f}-"
+                 f"{(core + max(el)) / WPM:.0f} minutes of reading out of 180.")
+    return "\n".join(lines), missing
+
+
+def solution_times() -> str:
+    lines = ["| notebook | stored run | longest cell | cells timed | run on (UTC) |", "|---|---:|---|---:|---|"]
+    for nb in sorted((NB / "solutions").glob("*.ipynb")):
+        t = stored_times.stored_times(nb)
+        if t["span"] is None:
+            lines.append(f"| `{nb.stem}` | not timed | | 0 / {t['code']} | |")
+        else:
+            s, i = t["longest"]
+            lines.append(f"| `{nb.stem}` | {stored_times._fmt(t['span'])} | cell {i}: {stored_times._fmt(s)} "
+                         f"| {t['timed']} / {t['code']} | {t['ran']:%Y-%m-%d %H:%M} |")
+    return "\n".join(lines)
+
+
+def replace(text: str, name: str, body: str) -> str:
+    start, end = f"<!-- {name}: written by python scripts/kit_tables.py -->", f"<!-- /{name} -->"
+    a, b = text.index(start) + len(start), text.index(end)
+    return text[:a] + "\n" + body + "\n" + text[b:]
+
+
+def main(argv: list[str]) -> int:
+    kit = KIT.read_text(encoding="utf-8")
+    load, missing = reading_load(kit)
+    if missing:
+        print("headings named in the kit but not in the chapter:", *missing, sep="\n  ", file=sys.stderr)
+        return 1
+    new = replace(replace(kit, "reading-load", load), "solution-times", solution_times())
+    if "--write" in argv:
+        KIT.write_text(new, encoding="utf-8")
+    print(load)
+    print("kit tables " + ("written" if "--write" in argv else "unchanged" if new == kit else "out of date (--write)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
