@@ -156,7 +156,8 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 def _tiny_depth(grad: bool) -> int:
     from timm.models.vision_transformer import VisionTransformer
 
-    return module_depth(VisionTransformer(**TINY), tokens=17, grad=grad)
+    with torch.device("meta"):  # shapes only: no memory, no draw from the random stream
+        return module_depth(VisionTransformer(**TINY), tokens=17, grad=grad)
 
 
 # depth (f32_tol) of the TINY ViT (16 patches + CLS): its forward, and forward + backward
