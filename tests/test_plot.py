@@ -345,6 +345,45 @@ def test_outline_is_white_on_black_and_an_opaque_map_shows_its_own_colours():
     plt.close("all")
 
 
+def test_footprints_box_the_patch_mark_the_centre_and_outline_each_region():
+    f = np.zeros((2, 8, 8))
+    f[0, 2:6, 2:6] = 1.0
+    f[1, 0:3, 0:3] = 2.0
+    inner = np.zeros((8, 8), bool)
+    inner[3:5, 3:5] = True
+    regions = [[inner, f[0] > 0], [f[1] > 0, f[1] > 0]]
+    fig = plot.footprints(list(f), boxes=[(2, 2, 4, 4), (0, 0, 4, 4)], regions=regions, centres=[(3.5, 3.5), (1, 1)],
+                          titles=["a", "b"], region_labels=["50%", "90%"], label="share")
+    axes = _panels(fig)
+    assert len(axes) == 2 and len(_colorbars(fig)) == 1                   # one colour scale for both
+    assert _heat(axes[1]).norm.vmax == 2.0 and _heat(axes[0]).norm.vmax == 2.0
+    box = axes[0].patches[0]
+    assert (box.get_x(), box.get_y(), box.get_width(), box.get_height()) == (1.5, 1.5, 4, 4)
+    assert matplotlib.colors.to_hex(box.get_edgecolor()) == "#00ffff"
+    assert axes[0].lines[0].get_xydata().tolist() == [[3.5, 3.5]]          # the centre: (row, column) -> (x, y)
+    assert len(axes[0].collections) == 2 and len(axes[1].collections) == 2  # one outline per region
+    assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["50%", "90%", "the token's patch"]
+    with pytest.raises(ValueError, match="got 1 boxes for 2 footprints"):
+        plot.footprints(list(f), boxes=[(0, 0, 4, 4)])
+    with pytest.raises(ValueError, match="footprint's shape"):
+        plot.footprints(list(f), boxes=[(0, 0, 4, 4)] * 2, regions=[[np.ones((4, 4))], [np.ones((4, 4))]])
+    plt.close("all")
+
+
+def test_line_plot_shades_each_band_in_its_curve_colour():
+    ax = plot.line_plot({"a": [0.2, 0.5, 0.4], "b": torch.tensor([0.1, 0.1, 0.2])},
+                        bands={"a": ([0.1, 0.4, 0.3], [0.3, 0.6, 0.5])})
+    (band,) = ax.collections
+    assert matplotlib.colors.to_hex(band.get_facecolor()[0][:3]) == matplotlib.colors.to_hex(ax.lines[0].get_color())
+    verts = band.get_paths()[0].vertices
+    assert verts[:, 1].min() == pytest.approx(0.1) and verts[:, 1].max() == pytest.approx(0.6)
+    with pytest.raises(ValueError, match=r"not in series: \['c'\]"):
+        plot.line_plot({"a": [1, 2]}, bands={"c": ([0, 1], [1, 2])})
+    with pytest.raises(ValueError, match="a low and a high value per point"):
+        plot.line_plot({"a": [1, 2]}, bands={"a": ([0], [1])})
+    plt.close("all")
+
+
 def test_attention_matrix_frames_the_cls_row():
     A = torch.softmax(torch.randn(5, 5, generator=torch.Generator().manual_seed(0)), -1)
     ax = plot.attention_matrix(A, num_prefix=1, title="block 0")

@@ -13,7 +13,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from vitlab import localization as loc
-from vitlab.layout import footprint_extent, token_footprints
+from vitlab.layout import footprint_extent, footprint_regions, token_footprints
 from vitlab.shapes.model import ConvStemPatchEmbed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -137,6 +137,38 @@ def test_footprint_extent_of_hand_built_footprints():
         footprint_extent(f, mass=(0.5, 1.5))
     with pytest.raises(ValueError, match="whole number of patches"):
         footprint_extent(torch.ones(3, 3, 8, 8))
+
+
+def test_footprint_regions_are_the_smallest_sets_holding_the_share():
+    f = torch.rand(2, 3, 8, 12, generator=torch.Generator().manual_seed(4)) ** 4
+    reg = footprint_regions(f, mass=(0.5, 0.9))
+    ext = footprint_extent(f, mass=(0.5, 0.9))
+    assert reg.shape == (2, 3, 2, 8, 12) and reg.dtype == torch.bool
+    for r in range(2):
+        for c in range(3):
+            w = (f[r, c] / f[r, c].sum()).double()
+            for q, share in enumerate((0.5, 0.9)):
+                inside = reg[r, c, q]
+                assert int(inside.sum()) == int(ext.area[r, c, q])
+                assert float(w[inside].sum()) >= share - 1e-9                 # it holds the share
+                smallest_in = float(w[inside].min())
+                assert float(w[~inside].max()) <= smallest_in                   # the largest values first
+                assert float(w[inside].sum()) - smallest_in < share             # one pixel fewer would not do
+            assert bool((reg[r, c, 0] <= reg[r, c, 1]).all())                   # nested
+    sq = footprint_regions(f, mass=(0.5, 0.9), shape="square")          # 2 x 3 patches of 4 x 4 px
+    for r in range(2):
+        for c in range(3):
+            for q, share in enumerate((0.5, 0.9)):
+                side = int(ext.side[r, c, q])
+                w = (f[r, c] / f[r, c].sum()).double()
+                assert float(w[sq[r, c, q]].sum()) >= share - 1e-9
+                rows, cols = sq[r, c, q].any(1).nonzero()[:, 0], sq[r, c, q].any(0).nonzero()[:, 0]
+                cy, cx = r * 4 + 1.5, c * 4 + 1.5                               # the patch centre
+                # a square of that side centred on the patch, as far as the image reaches
+                assert rows.tolist() == [y for y in range(8) if abs(y - cy) <= (side - 1) / 2]
+                assert cols.tolist() == [x for x in range(12) if abs(x - cx) <= (side - 1) / 2]
+    with pytest.raises(ValueError, match="'pixels' or 'square'"):
+        footprint_regions(f, shape="disc")
 
 
 def test_token_footprints_refuses_bad_input_and_leaves_the_model_as_it_was():

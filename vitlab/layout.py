@@ -323,3 +323,36 @@ def footprint_extent(footprints, mass=(0.5, 0.9)) -> FootprintExtent:
     return FootprintExtent(centre=centre.reshape(*grid, 2).float(), offset=(centre - patch_centre).reshape(*grid, 2).float(),
                            own_patch=own.reshape(grid).float(), area=torch.stack(area, -1).reshape(*grid, len(q)).float(),
                            side=torch.stack(side, -1).reshape(*grid, len(q)).float(), mass=q, patch=(ph, pw))
+
+
+def footprint_regions(footprints, mass=(0.5, 0.9), shape: str = "pixels") -> torch.Tensor:
+    """``gh x gw x Q x H x W`` booleans: for every token and share ``mass[q]``, the region holding
+    that share of its footprint. ``shape="pixels"``: the smallest set of pixels that does (the
+    largest values first; its size is :attr:`FootprintExtent.area`); ``"square"``: the smallest
+    square centred on the token's patch that does (its side is :attr:`FootprintExtent.side`,
+    cut off at the image's edge). For drawing where a token's input gradient lies."""
+    if shape not in ("pixels", "square"):
+        raise ValueError(f"shape must be 'pixels' or 'square', got {shape!r}")
+    f = torch.as_tensor(footprints).detach().double()
+    if f.ndim != 4:
+        raise ValueError(f"footprints must be gh x gw x H x W, got shape {tuple(f.shape)}")
+    ext = footprint_extent(f, mass)                                   # checks the values and shares
+    gh, gw, H, W = f.shape
+    Q = len(ext.mass)
+    if shape == "square":
+        ph, pw = ext.patch
+        r, c = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
+        cy, cx = r * ph + (ph - 1) / 2, c * pw + (pw - 1) / 2                 # gh x gw
+        ys, xs = torch.arange(H, dtype=torch.float64), torch.arange(W, dtype=torch.float64)
+        dy = (ys[None, None, :] - cy[..., None]).abs()                        # gh x gw x H
+        dx = (xs[None, None, :] - cx[..., None]).abs()                        # gh x gw x W
+        cheb = torch.maximum(dy[..., :, None], dx[..., None, :])              # gh x gw x H x W
+        half = (ext.side.double() - 1) / 2                                    # gh x gw x Q
+        return cheb[:, :, None] <= half[..., None, None] + 1e-9
+    flat = f.reshape(gh * gw, H * W)
+    order = flat.argsort(1, descending=True)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(H * W).expand(gh * gw, -1))  # 0 = the largest value
+    area = ext.area.reshape(gh * gw, -1).long()                       # T x Q
+    out = rank[:, None, :] < area[:, :, None]
+    return out.reshape(gh, gw, Q, H, W)

@@ -328,6 +328,56 @@ def attention_matrix(A, num_prefix: int = 1, ax=None, title: str | None = None, 
     return ax
 
 
+def footprints(maps: Sequence, boxes: Sequence[tuple[int, int, int, int]], regions=None, centres=None,
+               titles: Sequence[str] | None = None, region_labels: Sequence[str] | None = None,
+               size: float = 2.8, scale: str = "linear", label: str | None = None, cmap=None):
+    """What tokens read: one panel per footprint (``H x W`` weights over the input pixels, e.g.
+    :func:`vitlab.layout.token_footprints` of one token divided by its sum), all on one colour
+    scale, with the token's own patch boxed in cyan (``boxes``: ``(top, left, height, width)`` in
+    pixels, one per panel), its centre marked with a cyan cross (``centres``: ``(row, column)``
+    per panel, optional) and, for each panel, the outlines of ``regions`` (a sequence of ``H x W``
+    masks per panel, e.g. :func:`vitlab.layout.footprint_regions`: the smallest areas holding
+    50% and 90% of it) in white, solid for the first, dashed for the next, named in a legend by
+    ``region_labels``. Returns the Figure."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Rectangle
+
+    flat = [_to_numpy_map(m) for m in maps]
+    n = len(flat)
+    if n == 0:
+        raise ValueError("footprints needs at least one map")
+    for name, seq in (("boxes", boxes), ("titles", titles), ("centres", centres), ("regions", regions)):
+        if seq is not None and len(seq) != n:
+            raise ValueError(f"got {len(seq)} {name} for {n} footprints")
+    ms = map_scale(flat, scale, cmap=cmap)
+    fig, axes = plt.subplots(1, n, squeeze=False, layout="constrained", figsize=(size * n + 0.9, size + 0.5))
+    styles = ("solid", "dashed", "dotted", "dashdot")
+    for i, (ax, m) in enumerate(zip(axes[0], flat)):
+        _draw_map(ax, m, ms, "nearest")
+        top, left, h, w = boxes[i]
+        ax.add_patch(Rectangle((left - 0.5, top - 0.5), w, h, fill=False, edgecolor="cyan", linewidth=1.5))
+        if centres is not None:
+            ax.plot([centres[i][1]], [centres[i][0]], marker="x", color="cyan", markersize=8, mew=2)
+        if regions is not None:
+            for k, region in enumerate(regions[i]):
+                r = np.asarray(region.detach().cpu() if isinstance(region, torch.Tensor) else region, dtype=float)
+                if r.shape != m.shape:
+                    raise ValueError(f"regions must have the footprint's shape {m.shape}, got {r.shape}")
+                ax.contour(np.arange(r.shape[1]), np.arange(r.shape[0]), r, levels=[0.5], colors="white",
+                           linewidths=1.3, linestyles=styles[k % len(styles)])
+        if titles is not None:
+            ax.set_title(titles[i], fontsize=9)
+    if regions is not None and region_labels is not None:
+        handles = [Line2D([], [], color="white", linestyle=styles[k % len(styles)], label=t)
+                   for k, t in enumerate(region_labels)]
+        handles.append(Line2D([], [], color="cyan", linewidth=1.5, label="the token's patch"))
+        leg = axes[0, 0].legend(handles=handles, loc="lower left", fontsize=7, facecolor="0.3", framealpha=0.9)
+        for text in leg.get_texts():
+            text.set_color("white")
+    _add_colorbar(fig, ms, axes, label)
+    return fig
+
+
 # ---------------------------------------------------------------------------------------------
 # grids of maps
 
@@ -645,13 +695,28 @@ def image_grid(images: Sequence, titles: Sequence[str] | None = None, ncols: int
     return fig
 
 
-def line_plot(series: dict, x=None, xlabel: str = "", ylabel: str = "", title: str | None = None, ax=None):
-    """Several named curves on one Axes (e.g. a measure per layer). Returns the Axes."""
+def line_plot(series: dict, x=None, xlabel: str = "", ylabel: str = "", title: str | None = None, ax=None,
+              bands: dict | None = None):
+    """Several named curves on one Axes (e.g. a measure per layer). ``bands`` maps a curve's
+    name to ``(low, high)`` sequences, e.g. 95% intervals, drawn as a shaded band in the curve's
+    colour. Returns the Axes."""
     if ax is None:
         _, ax = plt.subplots(figsize=(5, 3))
+    bands = dict(bands or {})
+    unknown = sorted(set(bands) - set(series))
+    if unknown:
+        raise ValueError(f"bands names curves that are not in series: {unknown}")
+    as_array = lambda v: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v, dtype=float)
     for label, ys in series.items():
-        ys = ys.detach().cpu().numpy() if isinstance(ys, torch.Tensor) else np.asarray(ys)
-        ax.plot(np.arange(len(ys)) if x is None else x, ys, marker="o", ms=3, label=label)
+        ys = as_array(ys)
+        xs = np.arange(len(ys)) if x is None else x
+        (line,) = ax.plot(xs, ys, marker="o", ms=3, label=label)
+        if label in bands:
+            low, high = (as_array(v) for v in bands[label])
+            if low.shape != ys.shape or high.shape != ys.shape:
+                raise ValueError(f"the band of {label!r} needs a low and a high value per point ({len(ys)}), "
+                                 f"got {low.shape} and {high.shape}")
+            ax.fill_between(xs, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:
