@@ -145,25 +145,6 @@ CHAPTERS: tuple[Chapter, ...] = (
              Paper("Nicolas Carion et al. (ECCV 2020), *End-to-End Object Detection with Transformers* "
                    "(DETR)", "https://arxiv.org/abs/2005.12872", "Carion")),
             "solutions/09_bimodal_relevance_solutions.ipynb"),
-    Chapter("11_clip",
-            "what a map of an image-text pair means in a dual encoder, Chefer et al.'s rule on both of "
-            "CLIP's towers (and which blocks it should walk), raw attention, rollout, GradCAM, Grad-ECLIP, "
-            "LeGrad and the decomposition of the image embedding (per-head maps, mean-ablation of layers, "
-            "zero-shot segmentation), graded on held-out scenes: pointing at the shape a prompt names, "
-            "segmentation IoU, deletion curves and SaCo of the pair's score, and the words of the caption",
-            (_CHEFER_GENERIC,
-             Paper("Alec Radford et al. (ICML 2021), *Learning Transferable Visual Models From Natural Language "
-                   "Supervision* (CLIP)", "https://arxiv.org/abs/2103.00020", "Learning Transferable Visual Models"),
-             Paper("Chenyang Zhao, Kun Wang, Xingyu Zeng, Rui Zhao & Antoni B. Chan (ICML 2024), *Gradient-based "
-                   "Visual Explanation for Transformer-based CLIP* (Grad-ECLIP)",
-                   "https://proceedings.mlr.press/v235/zhao24p.html", "Gradient-based Visual Explanation"),
-             Paper("Walid Bousselham, Angie Boggust, Sofian Chaybouti, Hendrik Strobelt & Hilde Kuehne (ICCV 2025), "
-                   "*LeGrad: An Explainability Method for Vision Transformers via Feature Formation Sensitivity*",
-                   "https://arxiv.org/abs/2404.03214", "LeGrad"),
-             Paper("Yossi Gandelsman, Alexei A. Efros & Jacob Steinhardt (ICLR 2024), *Interpreting CLIP's Image "
-                   "Representation via Text-Based Decomposition*", "https://arxiv.org/abs/2310.05916",
-                   "Interpreting CLIP's Image Representation")),
-            "solutions/11_clip_solutions.ipynb"),
 )
 
 
