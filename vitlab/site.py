@@ -117,15 +117,17 @@ CHAPTERS: tuple[Chapter, ...] = (
             "solutions/05_faithfulness_saco_solutions.ipynb"),
     Chapter("07_class_embedding_projection",
             "every token's hidden state, block by block, read as class scores through the model's "
-            "own norm and head: identifiability, attention against MLP, key-value memories, context "
-            "interventions, and the projection as an explanation map",
+            "own norm and head: identifiability on and off the object, attention against MLP, "
+            "key-value memories, context interventions, the projection as an explanation map and its "
+            "token-removal test, and what leaks through a patch embedding wider than a patch",
             (Paper("Martina G. Vilas, Timothy Schaumlöffel & Gemma Roig (NeurIPS 2023), *Analyzing "
                    "Vision Transformers for Image Classification in Class Embedding Space*",
                    "https://arxiv.org/abs/2310.18969", "Vilas"),),
             "solutions/07_class_embedding_projection_solutions.ipynb"),
     Chapter("08_activation_maximisation",
-            "images optimised to make one unit or class fire, why they come out patchy, how to "
-            "measure the patch seams, and what a continuity constraint between patches costs",
+            "images optimised to make one unit or class fire (the FFT parametrisation), why they come "
+            "out patchy, how to measure the patch seams, and what a continuity constraint between "
+            "patches costs",
             (Paper("Amin Ghiasi et al. (2022), *What do Vision Transformers Learn? A Visual Exploration*",
                    "https://arxiv.org/abs/2212.06727", "Ghiasi"),
              Paper("Chris Olah, Alexander Mordvintsev & Ludwig Schubert (Distill 2017), *Feature "
