@@ -86,26 +86,21 @@ CHAPTERS: tuple[Chapter, ...] = (
             (_BLOG,), "solutions/01_qk_sign_patterns_solutions.ipynb"),
     Chapter("02_cls_attention_by_layer",
             "the class token's attention in every block and head, its entropy, and the share of it "
-            "that lands on the object, measured on scenes with known masks, with intervals; what else a "
-            "bright patch can be (high-norm tokens)",
+            "that lands on the object, measured on scenes with known masks; high-norm artifact tokens",
             (_BLOG, _DARCET), "solutions/02_cls_attention_by_layer_solutions.ipynb"),
     Chapter("03_attention_rollout",
             "attention rollout through the residual stream, the blog's head fusion and discarding, "
             "what vitlab does differently from the reference code, and how to grade the settings "
-            "on held-out scenes, with intervals and paired differences",
+            "on held-out scenes",
             (Paper("Samira Abnar & Willem Zuidema (ACL 2020), *Quantifying Attention Flow in "
                    "Transformers*", "https://arxiv.org/abs/2005.00928", "Abnar"),
              _BLOG), "solutions/03_attention_rollout_solutions.ipynb"),
     Chapter("03a_appendix_token_offsets",
-            "which pixels a token stands for: where a convolutional stem centres each token, how far "
-            "its input gradient reaches (its footprint, measured), and how the grades against masks "
-            "change when that is counted",
+            "which pixels a token stands for when a convolutional stem embeds the patches, and what "
+            "a grid half a patch off does to grading maps against masks",
             (Paper("Tete Xiao et al. (NeurIPS 2021), *Early Convolutions Help Transformers See Better*",
-                   "https://arxiv.org/abs/2106.14881", "Early Convolutions Help Transformers"),
-             Paper("Wenjie Luo, Yujia Li, Raquel Urtasun & Richard Zemel (NeurIPS 2016), *Understanding "
-                   "the Effective Receptive Field in Deep Convolutional Neural Networks*",
-                   "https://arxiv.org/abs/1701.04128", "Effective Receptive Field")),
-            "solutions/03a_appendix_token_offsets_solutions.ipynb"),
+                   "https://arxiv.org/abs/2106.14881", "Early Convolutions Help Transformers"),),
+            None),
     Chapter("04_class_specific_maps",
             "class-specific maps: the blog's gradient rollout and Chefer et al.'s relevance (eq. 5-6), "
             "what the reference code gets wrong, and what a class's logit must mean for its map",
