@@ -81,29 +81,36 @@ CHAPTERS: tuple[Chapter, ...] = (
             "solutions/00_vit_primer_solutions.ipynb"),
     Chapter("01_qk_sign_patterns",
             "where a head's attention comes from (queries times keys, channel by channel), how to "
-            "look at one channel as an image, and how to find the blog's one-way and two-way "
+            "look at one channel as an image, and how to find the blog's one-way and two-flow "
             "channels with a score instead of by eye",
             (_BLOG,), "solutions/01_qk_sign_patterns_solutions.ipynb"),
     Chapter("02_cls_attention_by_layer",
             "the class token's attention in every block and head, its entropy, and the share of it "
-            "that lands on the object, measured on scenes with known masks; high-norm artifact tokens",
+            "that lands on the object, measured on scenes with known masks, with intervals; what else a "
+            "bright patch can be (high-norm tokens)",
             (_BLOG, _DARCET), "solutions/02_cls_attention_by_layer_solutions.ipynb"),
     Chapter("03_attention_rollout",
             "attention rollout through the residual stream, the blog's head fusion and discarding, "
             "what vitlab does differently from the reference code, and how to grade the settings "
-            "on held-out scenes",
+            "on held-out scenes, with intervals and paired differences",
             (Paper("Samira Abnar & Willem Zuidema (ACL 2020), *Quantifying Attention Flow in "
                    "Transformers*", "https://arxiv.org/abs/2005.00928", "Abnar"),
              _BLOG), "solutions/03_attention_rollout_solutions.ipynb"),
     Chapter("03a_appendix_token_offsets",
-            "which pixels a token stands for when a convolutional stem embeds the patches, and what "
-            "a grid half a patch off does to grading maps against masks",
+            "which pixels a token stands for: where a convolutional stem centres each token, how far "
+            "its input gradient reaches (its footprint, measured), and how the grades against masks "
+            "change when that is counted",
             (Paper("Tete Xiao et al. (NeurIPS 2021), *Early Convolutions Help Transformers See Better*",
-                   "https://arxiv.org/abs/2106.14881", "Early Convolutions Help Transformers"),),
-            None),
+                   "https://arxiv.org/abs/2106.14881", "Early Convolutions Help Transformers"),
+             Paper("Wenjie Luo, Yujia Li, Raquel Urtasun & Richard Zemel (NeurIPS 2016), *Understanding "
+                   "the Effective Receptive Field in Deep Convolutional Neural Networks*",
+                   "https://arxiv.org/abs/1701.04128", "Effective Receptive Field")),
+            "solutions/03a_appendix_token_offsets_solutions.ipynb"),
     Chapter("04_class_specific_maps",
             "class-specific maps: the blog's gradient rollout and Chefer et al.'s relevance (eq. 5-6), "
-            "what the reference code gets wrong, and what a class's logit must mean for its map",
+            "what the reference code gets wrong, how often each map points at the object asked for "
+            "(with intervals) and why GradCAM points at the other one, and what a class's logit must "
+            "mean for its map (sigmoid and softmax heads, the log-probability)",
             (_BLOG, _CHEFER_GENERIC), "solutions/04_class_specific_maps_solutions.ipynb"),
     Chapter("05_faithfulness_saco",
             "plausible against faithful maps: cumulative perturbation curves, SaCo computed by hand "
@@ -147,6 +154,25 @@ CHAPTERS: tuple[Chapter, ...] = (
              Paper("Nicolas Carion et al. (ECCV 2020), *End-to-End Object Detection with Transformers* "
                    "(DETR)", "https://arxiv.org/abs/2005.12872", "Carion")),
             "solutions/09_bimodal_relevance_solutions.ipynb"),
+    Chapter("11_clip",
+            "what a map of an image-text pair means in a dual encoder, Chefer et al.'s rule on both of "
+            "CLIP's towers (and which blocks it should walk), raw attention, rollout, GradCAM, Grad-ECLIP, "
+            "LeGrad and the decomposition of the image embedding (per-head maps, mean-ablation of layers, "
+            "zero-shot segmentation), graded on held-out scenes: pointing at the shape a prompt names, "
+            "segmentation IoU, deletion curves and SaCo of the pair's score, and the words of the caption",
+            (_CHEFER_GENERIC,
+             Paper("Alec Radford et al. (ICML 2021), *Learning Transferable Visual Models From Natural Language "
+                   "Supervision* (CLIP)", "https://arxiv.org/abs/2103.00020", "Learning Transferable Visual Models"),
+             Paper("Chenyang Zhao, Kun Wang, Xingyu Zeng, Rui Zhao & Antoni B. Chan (ICML 2024), *Gradient-based "
+                   "Visual Explanation for Transformer-based CLIP* (Grad-ECLIP)",
+                   "https://proceedings.mlr.press/v235/zhao24p.html", "Gradient-based Visual Explanation"),
+             Paper("Walid Bousselham, Angie Boggust, Sofian Chaybouti, Hendrik Strobelt & Hilde Kuehne (ICCV 2025), "
+                   "*LeGrad: An Explainability Method for Vision Transformers via Feature Formation Sensitivity*",
+                   "https://arxiv.org/abs/2404.03214", "LeGrad"),
+             Paper("Yossi Gandelsman, Alexei A. Efros & Jacob Steinhardt (ICLR 2024), *Interpreting CLIP's Image "
+                   "Representation via Text-Based Decomposition*", "https://arxiv.org/abs/2310.05916",
+                   "Interpreting CLIP's Image Representation")),
+            "solutions/11_clip_solutions.ipynb"),
 )
 
 
