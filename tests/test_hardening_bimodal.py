@@ -16,12 +16,13 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 import vitlab
-from vitlab import chapters as ch
+from vitlab.bimodal_faithfulness import text_occlusion
 from vitlab import evaluate as ev
 from vitlab import faithfulness as fa
 from vitlab.relevance import (
-    AttentionEvent, detr_gradcam, detr_raw_attention, detr_relevance, detr_rollout, initial_relevances,
-    lxmert_gradcam, lxmert_raw_attention, lxmert_relevance, lxmert_rollout, propagate,
+    AttentionEvent, detr_detections, detr_gradcam, detr_method_maps, detr_raw_attention, detr_relevance,
+    detr_rollout, grade_detr, initial_relevances, lxmert_gradcam, lxmert_method_maps, lxmert_raw_attention,
+    lxmert_relevance, lxmert_rollout, propagate,
 )
 
 from conftest import TINY, f32_tol, f64_tol, module_depth, randomize
@@ -142,10 +143,10 @@ def test_chapter_maps_of_a_set_equal_each_question_asked_alone():
     lengths = [len(shapes_lxmert.tokenizer.tokenize(t)) for t in qs.text]
     assert len(set(lengths)) > 1  # the set pads its shorter questions
     methods = ("rollout", "GradCAM", "relevance")
-    maps = ch.lxmert_method_maps(shapes_lxmert, x, qs, methods=methods, batch_size=4)
+    maps = lxmert_method_maps(shapes_lxmert, x, qs, methods=methods, batch_size=4)
     depth = module_depth(shapes_lxmert, tokens=60, grad=True)
     for q in range(len(qs)):
-        alone = ch.lxmert_method_maps(shapes_lxmert, x, qs.select([q]), methods=methods)
+        alone = lxmert_method_maps(shapes_lxmert, x, qs.select([q]), methods=methods)
         for name in methods:
             tol = f64_tol([alone[name].image, alone[name].text], depth)
             torch.testing.assert_close(maps[name].image[q], alone[name].image[0], **tol)
@@ -355,8 +356,8 @@ def test_propagate_gives_every_item_its_own_identity():
 def test_detr_method_maps_without_detections_keep_the_map_shape(detr):
     x = torch.randn(2, 3, 64, 48)
     methods = ("relevance", "raw attention", "rollout", "GradCAM")
-    some = ch.detr_method_maps(detr, x, [[1], []], methods=methods)
-    none = ch.detr_method_maps(detr, x, [[], []], methods=methods)
+    some = detr_method_maps(detr, x, [[1], []], methods=methods)
+    none = detr_method_maps(detr, x, [[], []], methods=methods)
     for name in methods:
         assert none[name].shape == (0, *some[name].shape[1:]) and some[name].shape[0] == 1
 
@@ -368,13 +369,13 @@ def test_detr_cryptic_cases_say_what_is_wrong(detr):
     with pytest.raises(ValueError, match=r"pixel_mask must be B x H x W = 2 x 64 x 48 .* got \(1, 64, 48\)"):
         detr_rollout(detr, x, queries=[0], pixel_mask=torch.ones(1, 64, 48, dtype=torch.long))
     with pytest.raises(ValueError, match=r"threshold must be a probability in \[0, 1\), got '0\.5'"):
-        ch.detr_detections(detr, x, threshold="0.5")
+        detr_detections(detr, x, threshold="0.5")
     with pytest.raises(ValueError, match=r"threshold must be a probability in \[0, 1\), got '0\.5'"):
         detr_relevance(detr, x, threshold="0.5")
     masks, labels = np.zeros((2, 2, 64, 48), dtype=bool), np.zeros((2, 2), dtype=np.int64)
     masks[:, 0, :10, :10] = masks[:, 1, 30:40, 30:40] = True
     with pytest.raises(ValueError, match=r"nothing to grade: no query's .* above threshold=0\.99999 in any of the 2"):
-        ch.grade_detr(detr, x, masks, labels, threshold=0.99999)
+        grade_detr(detr, x, masks, labels, threshold=0.99999)
 
 
 def test_lxmert_cryptic_cases_say_what_is_wrong(lx):
@@ -406,8 +407,8 @@ def test_shapes_questions_longer_than_the_model_reads(shapes_lxmert):
                    answer=["no"] * 2, answer_id=np.array([10, 10]), named=np.array([0, 0]), target=np.array([-1, -1]))
     x = torch.zeros(1, 3, 112, 112)
     with forwards_counted(shapes_lxmert) as calls:
-        for call in (lambda: ch.lxmert_method_maps(shapes_lxmert, x, qs, methods=("rollout",)),
-                     lambda: ch.text_occlusion(shapes_lxmert, x, qs)):
+        for call in (lambda: lxmert_method_maps(shapes_lxmert, x, qs, methods=("rollout",)),
+                     lambda: text_occlusion(shapes_lxmert, x, qs)):
             with pytest.raises(ValueError, match=r"has 16 words and punctuation marks, but the model reads at most 14"):
                 call()
     assert not calls

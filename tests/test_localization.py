@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import TINY_GRAD_DEPTH, f32_tol, f64_tol
-from vitlab import chapters as ch
+from vitlab.layout import patch_centres, token_centres
 from vitlab import localization as loc
 
 
@@ -69,10 +69,14 @@ def test_bad_shapes_are_value_errors():
 from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
 from vitlab.attention import (  # noqa: E402
-    attention_gradcam, attention_gradients, cls_attention, raw_attention,
+    attention_gradcam, attention_gradients, cls_attention, cls_attention_profile, raw_attention,
 )
-from vitlab.relevance import chefer_relevance  # noqa: E402
-from vitlab.rollout import grad_rollout, rollout  # noqa: E402
+from vitlab.relevance import (  # noqa: E402
+    CLASS_METHODS, asked_object_maps, chefer_relevance, grade_asked_object, maps_from_gradients,
+)
+from vitlab.rollout import (  # noqa: E402
+    grad_rollout, grade_rollout_settings, rollout, rollout_from_attentions, rollout_settings_maps,
+)
 
 
 def _tiny_vit(seed=0):
@@ -145,7 +149,7 @@ def test_chance_pointing_is_the_share_of_hit_patches():
 def test_cls_attention_profile_matches_cls_attention():
     model = _tiny_vit()
     x, masks, _ = _inputs(5)
-    prof = ch.cls_attention_profile(model, x, masks[:, 0], batch_size=2)   # batches of 2, 2, 1
+    prof = cls_attention_profile(model, x, masks[:, 0], batch_size=2)   # batches of 2, 2, 1
     cls = cls_attention(model, x)
     assert prof.mass.shape == prof.entropy.shape == (5, 3, 3)
     close64(prof.mass, loc.layer_mass_on_object(cls, masks[:, 0]))
@@ -159,7 +163,7 @@ def test_rollout_from_attentions_equals_rollout(fusion, ratio):
     x, _, _ = _inputs(3)
     from vitlab.attention import _recorded_attentions
     attentions, layout = _recorded_attentions(model, x)
-    close64(ch.rollout_from_attentions(attentions, layout, fusion, ratio),
+    close64(rollout_from_attentions(attentions, layout, fusion, ratio),
             rollout(model, x, head_fusion=fusion, discard_ratio=ratio))
 
 
@@ -167,7 +171,7 @@ def test_grade_rollout_settings_equals_per_setting_grading():
     model = _tiny_vit()
     x, masks, _ = _inputs(7)
     settings = [("mean", 0.0), ("max", 0.9)]
-    rows = ch.grade_rollout_settings(model, x, masks[:, 0], settings, batch_size=3)
+    rows = grade_rollout_settings(model, x, masks[:, 0], settings, batch_size=3)
     assert [(r["head_fusion"], r["discard_ratio"], r["n"]) for r in rows] == [("mean", 0.0, 7), ("max", 0.9, 7)]
     for r, (f, d) in zip(rows, settings):
         maps = rollout(model, x, head_fusion=f, discard_ratio=d)
@@ -177,17 +181,17 @@ def test_grade_rollout_settings_equals_per_setting_grading():
         assert r["touch"] == pytest.approx(float(loc.pointing_game(maps, masks[:, 0], loc.TOUCH).float().mean()))
         assert r["touch"] >= r["pointing"]
     with pytest.raises(ValueError, match="head_fusion"):
-        ch.grade_rollout_settings(model, x, masks[:, 0], [("median", 0.0)])
+        grade_rollout_settings(model, x, masks[:, 0], [("median", 0.0)])
     with pytest.raises(ValueError, match="one B x H x W mask per input"):
-        ch.grade_rollout_settings(model, x, masks[:3, 0], settings)
+        grade_rollout_settings(model, x, masks[:3, 0], settings)
 
 
 def test_maps_from_gradients_equal_the_methods():
     model = _tiny_vit()
     x, _, labels = _inputs(4)
     target = labels[:, 1]
-    maps = ch.maps_from_gradients(attention_gradients(model, x, target), ("max", 0.5), grad_discard_ratio=0.3)
-    assert tuple(maps) == ch.CLASS_METHODS
+    maps = maps_from_gradients(attention_gradients(model, x, target), ("max", 0.5), grad_discard_ratio=0.3)
+    assert tuple(maps) == CLASS_METHODS
     close64(maps["raw attention"], raw_attention(model, x))
     close64(maps["rollout"], rollout(model, x, "max", 0.5))
     close64(maps["GradCAM"], attention_gradcam(model, x, target))
@@ -198,18 +202,18 @@ def test_maps_from_gradients_equal_the_methods():
 def test_grade_asked_object_equals_asking_one_object_at_a_time():
     model = _tiny_vit()
     x, masks, labels = _inputs(5)
-    rows = {r["method"]: r for r in ch.grade_asked_object(model, x, labels, masks, batch_size=2)}
-    assert list(rows) == list(ch.CLASS_METHODS)
-    per_ask = {m: [] for m in ch.CLASS_METHODS}
-    per_other = {m: [] for m in ch.CLASS_METHODS}
-    per_touch = {m: [] for m in ch.CLASS_METHODS}
+    rows = {r["method"]: r for r in grade_asked_object(model, x, labels, masks, batch_size=2)}
+    assert list(rows) == list(CLASS_METHODS)
+    per_ask = {m: [] for m in CLASS_METHODS}
+    per_other = {m: [] for m in CLASS_METHODS}
+    per_touch = {m: [] for m in CLASS_METHODS}
     for k in range(2):
-        maps = ch.maps_from_gradients(attention_gradients(model, x, labels[:, k]))
-        for m in ch.CLASS_METHODS:
+        maps = maps_from_gradients(attention_gradients(model, x, labels[:, k]))
+        for m in CLASS_METHODS:
             per_ask[m].append(loc.pointing_game(maps[m], masks[:, k]))
             per_other[m].append(loc.pointing_game(maps[m], masks[:, 1 - k]))
             per_touch[m].append(loc.pointing_game(maps[m], masks[:, k], min_coverage=1e-6))
-    for m in ch.CLASS_METHODS:
+    for m in CLASS_METHODS:
         hits = torch.stack(per_ask[m], 1)                            # B x 2
         assert rows[m]["asked"] == pytest.approx(float(hits.float().mean()))
         assert rows[m]["all_asks"] == pytest.approx(float(hits.all(1).float().mean()))
@@ -218,24 +222,24 @@ def test_grade_asked_object_equals_asking_one_object_at_a_time():
         assert rows[m]["asked_touch"] == pytest.approx(float(torch.stack(per_touch[m], 1).float().mean()))
     # a class-agnostic map is the same for both asks: it cannot hit both disjoint objects
     assert rows["raw attention"]["all_asks"] == 0.0 and rows["rollout"]["all_asks"] == 0.0
-    one = ch.grade_asked_object(model, x, labels[:, :1], masks[:, :1])
+    one = grade_asked_object(model, x, labels[:, :1], masks[:, :1])
     assert "other" not in one[0] and one[0]["asked"] == pytest.approx(
         float(torch.stack(per_ask["raw attention"], 1)[:, 0].float().mean()))
     with pytest.raises(ValueError, match="labels B x K"):
-        ch.grade_asked_object(model, x, labels, masks[:, :1])
+        grade_asked_object(model, x, labels, masks[:, :1])
 
 
 def test_token_centres_of_a_plain_patchify_vit_are_the_patch_centres():
     model = _tiny_vit()                                          # 32 px, 8 px patches
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    centres = ch.token_centres(model, x)                         # random weights: inside the patch
+    centres = token_centres(model, x)                         # random weights: inside the patch
     assert centres.shape == (4, 4, 2)
-    assert (centres - ch.patch_centres((4, 4), (32, 32))).abs().max() < 3.5
+    assert (centres - patch_centres((4, 4), (32, 32))).abs().max() < 3.5
     with torch.no_grad():
         model.patch_embed.proj.weight.fill_(1.0)                 # every pixel of the patch counts the same
     # the float64 model's centres (coordinates < 32), returned in float32: one rounding
-    torch.testing.assert_close(ch.token_centres(model, x), ch.patch_centres((4, 4), (32, 32)), **f32_tol(32.0, 1))
-    np.testing.assert_allclose(ch.patch_centres((2, 2), (8, 8))[1, 0].numpy(), [5.5, 1.5])
+    torch.testing.assert_close(token_centres(model, x), patch_centres((4, 4), (32, 32)), **f32_tol(32.0, 1))
+    np.testing.assert_allclose(patch_centres((2, 2), (8, 8))[1, 0].numpy(), [5.5, 1.5])
 
 
 def test_token_centres_see_a_stem_that_looks_up_and_left():
@@ -245,19 +249,19 @@ def test_token_centres_see_a_stem_that_looks_up_and_left():
     with torch.no_grad():
         conv.weight.zero_()
         conv.weight[:, :, 0, 0] = 1.0
-    centres = ch.token_centres(model, torch.randn(1, 3, 32, 32, dtype=torch.float64))
+    centres = token_centres(model, torch.randn(1, 3, 32, 32, dtype=torch.float64))
     np.testing.assert_allclose(centres[1, 2].numpy(), [8.0, 16.0], **f32_tol(32.0, 1))
 
 
 def test_shift_masks_moves_content_and_fills_background():
     m = torch.zeros(1, 4, 4, dtype=torch.bool)
     m[0, 0, 0] = m[0, 3, 3] = True
-    down = ch.shift_masks(m, 1, 2)
+    down = loc.shift_masks(m, 1, 2)
     assert down.dtype == torch.float32 and down.sum() == 1 and down[0, 1, 2] == 1   # (3, 3) left the image
-    up = ch.shift_masks(m, -3, -3)
+    up = loc.shift_masks(m, -3, -3)
     assert up.sum() == 1 and up[0, 0, 0] == 1
-    assert ch.shift_masks(m, 4, 0).sum() == 0
-    torch.testing.assert_close(ch.shift_masks(m, 0, 0), m.float())
+    assert loc.shift_masks(m, 4, 0).sum() == 0
+    torch.testing.assert_close(loc.shift_masks(m, 0, 0), m.float())
 
 
 def test_grade_maps_scores_and_empty_maps():
@@ -271,7 +275,7 @@ def test_grade_maps_scores_and_empty_maps():
 def test_rollout_settings_maps_stack_the_settings():
     model = _tiny_vit()
     x, _, _ = _inputs(5)
-    maps = ch.rollout_settings_maps(model, x, [("min", 0.0), ("max", 0.5)], batch_size=2)
+    maps = rollout_settings_maps(model, x, [("min", 0.0), ("max", 0.5)], batch_size=2)
     assert maps.shape == (2, 5, 4, 4)
     close64(maps[1], rollout(model, x, "max", 0.5))
 
@@ -279,8 +283,8 @@ def test_rollout_settings_maps_stack_the_settings():
 def test_asked_object_maps_are_the_maps_of_each_ask():
     model = _tiny_vit()
     x, _, labels = _inputs(3)
-    maps = ch.asked_object_maps(model, x, labels, batch_size=2, grad_discard_ratio=0.2)
-    assert set(maps) == set(ch.CLASS_METHODS) and maps["Chefer relevance"].shape == (3, 2, 4, 4)
+    maps = asked_object_maps(model, x, labels, batch_size=2, grad_discard_ratio=0.2)
+    assert set(maps) == set(CLASS_METHODS) and maps["Chefer relevance"].shape == (3, 2, 4, 4)
     close64(maps["Chefer relevance"][:, 1], chefer_relevance(model, x, labels[:, 1]))
     close64(maps["gradient rollout"][:, 0], grad_rollout(model, x, labels[:, 0], discard_ratio=0.2))
 

@@ -136,3 +136,20 @@ def test_explorer_shows_the_current_figure_as_png(model, x):
     ex.sliders["head"].value = 2
     assert ex.image_widget.value[:8] == b"\x89PNG\r\n\x1a\n" and ex.image_widget.value != first
     assert plt.get_fignums() == []                     # redraws leave no open figures behind
+
+
+def test_explorer_output_reads_without_a_widget_manager(model, x):
+    import base64
+
+    ex = widgets.QKExplorer(model, x[:1], block=2, head=1, channel=5)
+    bundle = ex._repr_mimebundle_()
+    view = bundle["application/vnd.jupyter.widget-view+json"]
+    assert view["model_id"] == ex.widget.model_id                   # the live widget, where it can run
+    first = base64.b64decode(bundle["image/png"])
+    assert first == ex.image_widget.value                           # elsewhere: this setting's figure
+    assert bundle["text/plain"].startswith("QKExplorer at block 2, head 1, channel 5")
+    assert "VBox" not in bundle["text/plain"]
+    ex.sliders["channel"].value = 6                                 # a new setting: a new picture and sentence
+    moved = ex._repr_mimebundle_()
+    assert base64.b64decode(moved["image/png"]) == ex.image_widget.value != first
+    assert "channel 6" in moved["text/plain"]

@@ -40,7 +40,7 @@ _EXPORTS = {
     "class_probabilities": "vitlab.targets",
     "project": "vitlab.projection",            # every token, block by block, as class logits (chapter 7)
 }
-_SUBMODULES = {"plot", "images", "shapes", "imgfocus", "localization", "chapters", "faithfulness", "actmax", "widgets",
+_SUBMODULES = {"plot", "images", "shapes", "imgfocus", "localization", "faithfulness", "actmax", "widgets",
                "projection", "evaluate", "gradients",
                "gradeclip", "legrad", "clip_decomposition"}  # CLIP: Grad-ECLIP, LeGrad, the embedding's decomposition
 

@@ -13,6 +13,9 @@
 - :func:`attention_gradients` -- every layer's attention with d(target logit)/d(attention),
   from one forward and one backward for the whole batch; the gradient methods of
   :mod:`vitlab.rollout` and :mod:`vitlab.relevance` build on it.
+- :func:`cls_attention_profile` -- chapter 2's measurement: per scene, block and head, the
+  share of the class token's attention on the object and its entropy (graded with
+  :mod:`vitlab.localization`), one forward per batch.
 
 Every map is per sample, on the patch grid read from :func:`vitlab.token_layout`, and
 nothing here hooks or patches the model: :func:`vitlab.record` does that and restores it.
@@ -201,6 +204,14 @@ def chunk_size(model, x: torch.Tensor, layout: TokenLayout, gradients: bool = Fa
     """
     per_sample = attention_size(model, layout.num_tokens) * x.element_size() * (2 if gradients else 1)
     return max(1, int(MEMORY_BUDGET) // max(1, per_sample))
+
+
+def _batches(n: int, batch_size: int):
+    """Slices ``0 .. n`` in runs of ``batch_size`` (a positive int, else ``ValueError``)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    for start in range(0, n, batch_size):
+        yield slice(start, min(start + batch_size, n))
 
 
 def _in_chunks(method, model, x: torch.Tensor, layout: TokenLayout, gradients: bool = False, **kwargs):
@@ -577,3 +588,42 @@ def token_norms(model, x: torch.Tensor, blocks=None, ratio: float = 3.0) -> Toke
     high = norms > ratio * norms.median(dim=-1, keepdim=True).values
     grid = rec.layout.patches_to_grid
     return TokenNorms(grid(norms), grid(high), blocks, float(ratio))
+
+
+# ---------------------------------------------------------------------------------------------
+# Graded against masks: the class token's attention, block by block and head by head
+# ---------------------------------------------------------------------------------------------
+
+
+class CLSProfile(NamedTuple):
+    """Where the class token looks, layer by layer, from :func:`cls_attention_profile`.
+
+    Attributes:
+        mass: ``B x layers x heads`` share of each head's CLS-to-patch attention on the object.
+        entropy: ``B x layers x heads`` normalised entropy of the same maps (1 = uniform).
+        area: ``B`` object area share (the chance level of ``mass``).
+    """
+
+    mass: torch.Tensor
+    entropy: torch.Tensor
+    area: torch.Tensor
+
+
+def cls_attention_profile(model, x: torch.Tensor, masks, batch_size: int = 50) -> CLSProfile:
+    """Per sample, layer and head: the class token's attention share on the object and its entropy.
+
+    ``x``: ``B x 3 x H x W`` inputs; ``masks``: ``B x H' x W'`` object masks at the model's
+    input resolution (or any multiple of the patch grid). One forward per batch of
+    ``batch_size`` (:func:`vitlab.attention.cls_attention`).
+    """
+    from vitlab.localization import _as_tensor, attention_entropy, layer_mass_on_object, object_area
+
+    masks = _as_tensor(masks)
+    if masks.ndim != 3 or masks.shape[0] != x.shape[0]:
+        raise ValueError(f"need one B x H x W mask per input: {x.shape[0]} inputs, masks {tuple(masks.shape)}")
+    mass, entropy = [], []
+    for s in _batches(x.shape[0], batch_size):
+        cls = cls_attention(model, x[s])  # b x L x heads x gh x gw
+        mass.append(layer_mass_on_object(cls, masks[s]))
+        entropy.append(attention_entropy(cls))
+    return CLSProfile(torch.cat(mass), torch.cat(entropy), object_area(masks))

@@ -49,7 +49,14 @@ one-hot), so that a deleted token takes its position with it.
 - :func:`perturbation_curve` -- maps in, :class:`PerturbationCurve` out;
 - :func:`perturbation_test` -- the same, computing the maps with a method first
   (``lxmert_relevance``, ``lxmert_raw_attention``, ...);
-- :func:`bootstrap_interval` -- an interval for a mean of per-question values;
+- :func:`perturbation_grid` -- the four tests of many methods' maps at once (an input that
+  several curves perturb the same way runs once); :func:`perturbation_rows` (a table row per
+  method) and :func:`perturbation_verdicts` (does the paper's ordering hold, beyond a paired
+  interval?);
+- :func:`bootstrap_interval` -- an interval for a mean of per-question values (the bootstrap of
+  :func:`vitlab.localization.mean_interval`);
+- single-token tests of ``shapes-lxmert``'s maps: :func:`text_occlusion` (each word replaced by
+  ``[UNK]``) and :func:`lxmert_answers_without` (chosen image tokens hidden);
 - what image tokens carry (why LXMERT's maps pick corner patches): :func:`image_token_roles`
   (attention received by each token from [CLS], its value norm, their product per layer),
   :func:`hiding_effect` (the answer after deleting chosen tokens), :func:`corner_tokens`.
@@ -57,6 +64,7 @@ one-hot), so that a deleted token takes its position with it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -65,6 +73,8 @@ __all__ = [
     "IMAGE_KEYS", "PERTURBATION_STEPS", "TEXT_KEYS", "VISUALBERT_IMAGE_STEPS", "PerturbationCurve",
     "bootstrap_interval", "corner_tokens", "hiding_effect", "image_token_roles", "keep_end_for", "kept_indices",
     "perturbation_curve", "perturbation_test", "token_inputs",
+    "PERTURBATION_TESTS", "Verdict", "lxmert_answers_without", "perturbation_grid", "perturbation_rows",
+    "perturbation_verdicts", "text_occlusion",
 ]
 
 #: Fractions of the removable tokens removed, as in the reference's ``pert_steps`` (LXMERT, image
@@ -124,17 +134,18 @@ def _trapezoid(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def bootstrap_interval(values, level: float = 0.95, n: int = 2000, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval for the mean of per-question ``values`` (e.g.
-    :attr:`PerturbationCurve.question_auc`): ``n`` resamples with replacement, seeded."""
+    :attr:`PerturbationCurve.question_auc`): ``n`` resamples with replacement, seeded; the
+    resampling of :func:`vitlab.localization.mean_interval`, so the same values and seed give
+    the same interval."""
+    from vitlab.localization import _bootstrap
+
     v = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values, dtype=np.float64).ravel()
     if v.size == 0 or not np.isfinite(v).all():
         raise ValueError(f"bootstrap_interval needs finite values, got {v.size} values"
                          f"{'' if v.size == 0 else ' with NaN or inf'}")
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, v.size, size=(n, v.size))].mean(1)
-    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
+    return _bootstrap(v, level, n, seed)
 
 
 def kept_indices(scores: torch.Tensor, step: float, positive: bool) -> torch.Tensor:
@@ -472,3 +483,245 @@ def hiding_effect(model, inputs: dict, hide, batch_size: int = 256) -> dict:
         model.train(was_training)
     return {"answer": answer, "answer_after": after, "changed": answer != after, "probability": p0,
             "probability_after": p1}
+
+
+# ---------------------------------------------------------------------------------------------
+# Many maps at once: the four tests of every method (chapter 9), and two single-token tests
+# ---------------------------------------------------------------------------------------------
+
+
+#: The four tests of each model: (modality, positive).
+PERTURBATION_TESTS: tuple[tuple[str, bool], ...] = (("image", True), ("image", False), ("text", True),
+                                                    ("text", False))
+
+
+def _kept_sets(maps: torch.Tensor, mask: torch.Tensor, modality: str, positive: bool, steps, keep_end: int):
+    """Per question and step, the token indices kept (ascending), as :func:`bimodal_faithfulness
+    .perturbation_curve` keeps them: image all tokens, text ``[CLS]``, the kept words, the last
+    ``keep_end`` real tokens."""
+    out = []
+    for b in range(maps.shape[0]):
+        if modality == "image":
+            out.append([tuple(kept_indices(maps[b], s, positive).tolist()) for s in steps])
+            continue
+        n = int(mask[b].sum())
+        rows = []
+        for s in steps:
+            inner = (kept_indices(maps[b, 1 : n - keep_end], s, positive) + 1).tolist()
+            rows.append(tuple([0] + inner + list(range(n - keep_end, n))))
+        out.append(rows)
+    return out
+
+
+def _run_kept(model, inputs: dict, modality: str, items: list, batch_size: int) -> list[int]:
+    """The model's top-1 answer for each ``(question, kept token indices)`` of ``items``: the
+    kept tokens alone, in their order (no kept image token: one blank token, as
+    :mod:`vitlab.bimodal_faithfulness` does); one forward per batch of items that keep as many
+    tokens."""
+    from vitlab.attention import _batches
+
+    keys = IMAGE_KEYS if modality == "image" else TEXT_KEYS
+    preds = [0] * len(items)
+    by_count: dict[int, list[int]] = {}
+    for i, (_, kept) in enumerate(items):
+        by_count.setdefault(len(kept), []).append(i)
+    for count, idx in by_count.items():
+        for s in _batches(len(idx), batch_size):
+            chosen = idx[s]
+            rows = torch.as_tensor([items[i][0] for i in chosen])
+            batch = {}
+            for k, v in inputs.items():
+                v = v[rows.to(v.device)]
+                if k in keys and count == 0:
+                    v = torch.zeros(len(chosen), 1, *v.shape[2:], dtype=v.dtype, device=v.device)
+                    if k == "visual_attention_mask":
+                        v += 1
+                elif k in keys:
+                    sel = torch.as_tensor([items[i][1] for i in chosen], device=v.device)
+                    v = v.gather(1, sel.reshape(*sel.shape, *([1] * (v.ndim - 2))).expand(-1, -1, *v.shape[2:]))
+                batch[k] = v
+            for i, p in zip(chosen, _logits(model(**batch)).argmax(-1).tolist()):
+                preds[i] = int(p)
+    return preds
+
+
+def perturbation_grid(model, inputs: dict, maps: dict, answers, tests=PERTURBATION_TESTS, steps=None,
+                      keep_end: int | None = None, batch_size: int = 256) -> dict:
+    """The perturbation tests of Chefer et al. (2021, sec. 5) for many maps at once.
+
+    ``maps``: method -> ``{"image": B x N, "text": B x T}`` (the maps of ``B`` questions);
+    ``tests``: ``(modality, positive)`` pairs. Returns ``(method, modality, positive)`` ->
+    :class:`vitlab.bimodal_faithfulness.PerturbationCurve`, each equal to
+    ``perturbation_curve(model, inputs, maps[method][modality], modality, positive, answers,
+    steps, keep_end=keep_end)``. Faster: an input that several curves perturb the same way
+    (every curve's step 0; the same words kept from a short question by several steps or
+    methods) runs once. Questions never share a forward's result, so a batch gives what its
+    questions give one by one. ``steps``: default
+    :data:`vitlab.bimodal_faithfulness.PERTURBATION_STEPS`; ``answers``: ``B`` true answer ids;
+    ``keep_end``: None follows the model (:func:`vitlab.bimodal_faithfulness.keep_end_for`: 2 for
+    VisualBERT, whose answer token before ``[SEP]`` stays, 1 otherwise). The model runs in eval mode without gradients and is left as it was.
+    """
+    steps = tuple(float(s) for s in (PERTURBATION_STEPS if steps is None else steps))
+    if not isinstance(inputs, dict):
+        raise TypeError(f"inputs must be a dict of the model's keyword inputs, got {type(inputs).__name__}")
+    if not maps or not tests:
+        raise ValueError("perturbation_grid needs at least one method's maps and one (modality, positive) test")
+    inputs = token_inputs(model, inputs)
+    keep_end = keep_end_for(model) if keep_end is None else keep_end
+    answers = torch.as_tensor(answers).detach().long().cpu()
+    checked = {}
+    for name, per in maps.items():
+        for modality, positive in tests:
+            if modality not in per:
+                raise ValueError(f"maps[{name!r}] has no {modality!r} map (keys {tuple(per)})")
+            m = torch.as_tensor(per[modality]).detach().cpu()
+            _check(inputs, m, modality, answers, steps, keep_end)
+            checked[name, modality] = m
+    mask = inputs["attention_mask"].cpu()
+    B = mask.shape[0]
+    kept = {(name, modality, positive): _kept_sets(checked[name, modality], mask, modality, positive, steps, keep_end)
+            for name in maps for modality, positive in tests}
+    was_training = model.training
+    model.eval()
+    out = {}
+    try:
+        with torch.no_grad():
+            for modality in dict.fromkeys(m for m, _ in tests):
+                slot: dict[tuple, int] = {}
+                for key, sets in kept.items():
+                    if key[1] == modality:
+                        for b in range(B):
+                            for k in sets[b]:
+                                slot.setdefault((b, k), len(slot))
+                preds = _run_kept(model, inputs, modality, list(slot), batch_size)
+                for key, sets in kept.items():
+                    if key[1] != modality:
+                        continue
+                    p = torch.tensor([[preds[slot[b, k]] for k in sets[b]] for b in range(B)], dtype=torch.long)
+                    n_kept = torch.tensor([[len(k) for k in sets[b]] for b in range(B)], dtype=torch.long)
+                    out[key] = PerturbationCurve(modality, key[2], steps, p == answers[:, None], n_kept, p)
+    finally:
+        model.train(was_training)
+    return {key: out[key] for key in kept}
+
+
+def perturbation_rows(curves: dict, tests=PERTURBATION_TESTS, seed: int = 0) -> list[dict]:
+    """One table row per method: each test's AUC with its 95% bootstrap interval over questions
+    (:func:`vitlab.bimodal_faithfulness.bootstrap_interval`), e.g. ``0.487 [0.465, 0.507]``."""
+    rows = []
+    for name in dict.fromkeys(k[0] for k in curves):
+        row = {"method": name}
+        for modality, positive in tests:
+            c = curves[name, modality, positive]
+            lo, hi = bootstrap_interval(c.question_auc, seed=seed)
+            row[f"{modality} {'pos ↓' if positive else 'neg ↑'}"] = f"{c.auc:.3f} [{lo:.3f}, {hi:.3f}]"
+        rows.append(row)
+    return rows
+
+
+class Verdict(NamedTuple):
+    """The paper's ordering on one test (from :func:`perturbation_verdicts`).
+
+    Attributes:
+        modality, positive: the test.
+        auc: the reference method's AUC; best_other / best_auc: the best other method and its AUC
+            (lowest for positive, highest for negative).
+        low, high: 95% bootstrap interval of the per-question AUC difference reference - best other.
+        holds: the interval lies on the reference's side of 0 (below for positive, above for
+            negative); ``tie``: it contains 0.
+    """
+
+    modality: str
+    positive: bool
+    auc: float
+    best_other: str
+    best_auc: float
+    low: float
+    high: float
+    holds: bool
+    tie: bool
+
+
+def perturbation_verdicts(curves: dict, reference: str = "relevance", tests=PERTURBATION_TESTS,
+                          seed: int = 0) -> list[Verdict]:
+    """Per test: is ``reference`` better than every other method (lowest AUC on positive,
+    highest on negative, as Chefer et al. 2021 claim for their relevance), beyond a 95%
+    interval? Paired: the interval is the bootstrap of the per-question AUC difference between
+    ``reference`` and the best of the others (:func:`vitlab.bimodal_faithfulness.bootstrap_interval`)."""
+    out = []
+    for modality, positive in tests:
+        ref = curves[reference, modality, positive]
+        others = {k[0]: c for k, c in curves.items() if k[1:] == (modality, positive) and k[0] != reference}
+        if not others:
+            raise ValueError(f"no other method than {reference!r} to compare on {modality}, "
+                             f"{'positive' if positive else 'negative'}")
+        best = (min if positive else max)(others, key=lambda m: others[m].auc)
+        lo, hi = bootstrap_interval(ref.question_auc - others[best].question_auc, seed=seed)
+        holds = hi < 0 if positive else lo > 0
+        out.append(Verdict(modality, positive, ref.auc, best, others[best].auc, lo, hi, holds, lo <= 0 <= hi))
+    return out
+
+
+def text_occlusion(model, x: torch.Tensor, questions, batch_size: int = 100, features=None) -> torch.Tensor:
+    """How much each word of each question matters to the answer: the drop of the answer's
+    logit when that word is replaced by ``[UNK]`` (a faithfulness test for text maps).
+
+    ``model``: ``shapes-lxmert``; ``x``, ``questions`` as :func:`lxmert_method_maps`. The
+    answer is the model's own on the intact question. Returns ``Q x L`` (questions padded to
+    one length ``L``, token positions as in the text maps): NaN at ``[CLS]``, ``[SEP]`` and
+    padding. One forward per batch and word position.
+    """
+    from vitlab.attention import _batches
+    from vitlab.record import eval_mode
+    from vitlab.relevance.lxmert import _encoded_questions, lxmert_scene_features
+
+    tok = model.tokenizer
+    scenes = x.shape[0] if features is None else features[0].shape[0]
+    ids, mask, scene = _encoded_questions(model, scenes, questions, "text_occlusion")
+    feats, boxes = lxmert_scene_features(model, x, batch_size) if features is None else features
+    word = (mask == 1) & (ids != tok.cls_id) & (ids != tok.sep_id)
+    out = torch.full(ids.shape, float("nan"))
+    with torch.no_grad(), eval_mode(model):
+        for s in _batches(len(questions), batch_size):
+            ib, mb = ids[s], mask[s]
+            xb = dict(visual_feats=feats[scene[s]], visual_pos=boxes[scene[s]])
+            logits = model(input_ids=ib, attention_mask=mb, **xb).question_answering_score
+            answer = logits.argmax(-1, keepdim=True)
+            base = logits.gather(1, answer)[:, 0]
+            for pos in torch.nonzero(word[s].any(0)).flatten().tolist():
+                rows = word[s][:, pos]
+                ib2 = ib.clone()
+                ib2[rows, pos] = tok.unk_id
+                occluded = model(input_ids=ib2[rows], attention_mask=mb[rows], **{k: v[rows] for k, v in xb.items()})
+                drop = base[rows] - occluded.question_answering_score.gather(1, answer[rows])[:, 0]
+                out[torch.arange(s.start, s.stop)[rows], pos] = drop.float().cpu()
+    return out
+
+
+def lxmert_answers_without(model, x: torch.Tensor, questions, drop, batch_size: int = 100,
+                           features=None) -> torch.Tensor:
+    """``shapes-lxmert``'s answers when some image tokens are hidden from it: ``Q`` answer ids.
+
+    ``drop``: ``Q x N`` bool, the image tokens (patches) question q may not see; they are
+    masked out of every attention to the image (``visual_attention_mask`` = 0), as if they
+    were not there. A faithfulness test for image maps: hide the patch a map calls most
+    relevant and see whether the answer changes. ``x``, ``questions`` as
+    :func:`lxmert_method_maps`.
+    """
+    from vitlab.attention import _batches
+    from vitlab.record import eval_mode
+    from vitlab.relevance.lxmert import _encoded_questions, lxmert_scene_features
+
+    drop = torch.as_tensor(drop, dtype=torch.bool)
+    feats, boxes = lxmert_scene_features(model, x, batch_size) if features is None else features
+    if drop.shape != (len(questions), feats.shape[1]):
+        raise ValueError(f"drop must be Q x N = {len(questions)} x {feats.shape[1]} (questions x image tokens), "
+                         f"got {tuple(drop.shape)}")
+    ids, mask, scene = _encoded_questions(model, feats.shape[0], questions, "lxmert_answers_without")
+    out = []
+    with torch.no_grad(), eval_mode(model):
+        for s in _batches(len(questions), batch_size):
+            logits = model(input_ids=ids[s], attention_mask=mask[s], visual_feats=feats[scene[s]],
+                           visual_pos=boxes[scene[s]], visual_attention_mask=(~drop[s]).to(feats.dtype))
+            out.append(logits.question_answering_score.argmax(-1))
+    return torch.cat(out)

@@ -20,12 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-
-def _batches(n: int, batch_size: int):
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    for start in range(0, n, batch_size):
-        yield slice(start, min(start + batch_size, n))
+from vitlab.attention import _batches
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,8 +63,8 @@ def pixel_saliency(saliency, x: torch.Tensor) -> torch.Tensor:
 
 #: Model families that are not image classifiers, with where the tutorial grades them.
 _NOT_CLASSIFIERS = {
-    "lxmert": "LXMERT answers questions; chapter 9 grades its maps (vitlab.chapters.grade_lxmert)",
-    "detr": "DETR detects objects; chapter 9 grades its maps (vitlab.chapters.grade_detr)",
+    "lxmert": "LXMERT answers questions; chapter 9 grades its maps (vitlab.relevance.grade_lxmert)",
+    "detr": "DETR detects objects; chapter 10 grades its maps (vitlab.relevance.grade_detr)",
     "visual_bert": "VisualBERT answers questions about an image",
 }
 

@@ -16,7 +16,9 @@ A patch token stands for more pixels than its patch: :func:`token_footprints` me
 strongly each token's vector depends on each input pixel (its input-gradient footprint), and
 :func:`footprint_extent` summarises it per token (centre, the share inside its own patch, and
 the area and centred square holding a given share of it). Maps over the patch grid are graded
-against patches; these say what a patch's token actually read.
+against patches; these say what a patch's token actually read. :func:`token_centres` gives
+the centre of each token's receptive field after the patch embedding (a convolutional stem
+moves it off the patch centre, :func:`patch_centres`).
 """
 from __future__ import annotations
 
@@ -356,3 +358,48 @@ def footprint_regions(footprints, mass=(0.5, 0.9), shape: str = "pixels") -> tor
     area = ext.area.reshape(gh * gw, -1).long()                       # T x Q
     out = rank[:, None, :] < area[:, :, None]
     return out.reshape(gh, gw, Q, H, W)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which pixels does a token stand for? Its receptive-field centre
+# ---------------------------------------------------------------------------------------------
+
+
+def token_centres(model, x: torch.Tensor) -> torch.Tensor:
+    """Receptive-field centre of every patch token after the patch embedding: ``gh x gw x 2``.
+
+    For token t, the centroid (row, column in input pixels) of ``|d embed_t / d x|`` summed
+    over channels, embedding dimensions and the batch ``x`` (``B x 3 x H x W``). With a
+    plain patchify convolution it is the patch centre; a convolutional stem can move it
+    (e.g. stride-2 3x3 convolutions with padding 1 centre a token on its patch's top-left
+    corner). Maps over the patch grid are graded against patches, so an offset here shifts
+    every map relative to what its tokens saw. timm ViTs only (``model.patch_embed``).
+    """
+    pe = getattr(model, "patch_embed", None)
+    if pe is None or not hasattr(pe, "grid_size"):
+        raise ValueError("token_centres needs a timm ViT (a model with patch_embed.grid_size)")
+    gh, gw = (int(g) for g in pe.grid_size)
+    H, W = x.shape[-2:]
+    with torch.enable_grad():
+        xin = x.detach().clone().requires_grad_(True)
+        emb = pe(xin)  # B x N x C (timm flattens) or B x C x gh x gw
+        if emb.ndim == 4:
+            emb = emb.flatten(2).transpose(1, 2)
+        ys = torch.arange(H, dtype=torch.float32)[:, None].expand(H, W)
+        xs = torch.arange(W, dtype=torch.float32)[None, :].expand(H, W)
+        out = torch.empty(gh * gw, 2)
+        for t in range(gh * gw):
+            (g,) = torch.autograd.grad(emb[:, t].sum(), xin, retain_graph=t < gh * gw - 1)
+            w = g.abs().sum(dim=(0, 1)).float()  # H x W
+            total = w.sum().clamp_min(torch.finfo(w.dtype).tiny)
+            out[t, 0], out[t, 1] = (w * ys).sum() / total, (w * xs).sum() / total
+    return out.reshape(gh, gw, 2)
+
+
+def patch_centres(grid: tuple[int, int], size: tuple[int, int]) -> torch.Tensor:
+    """Centre (row, column in pixels) of every patch of a ``grid`` over an image of ``size``."""
+    (gh, gw), (H, W) = grid, size
+    ph, pw = H / gh, W / gw
+    cy = torch.arange(gh, dtype=torch.float32) * ph + (ph - 1) / 2
+    cx = torch.arange(gw, dtype=torch.float32) * pw + (pw - 1) / 2
+    return torch.stack(torch.meshgrid(cy, cx, indexing="ij"), dim=-1)

@@ -15,8 +15,13 @@ pixel mask, so a map over the patch grid can be graded, not just looked at:
   each object of a scene asked for in turn;
 - :func:`grow_masks` — masks grown by a margin, to grade a map by what its tokens read
   (a token reads more than its patch: :func:`vitlab.layout.token_footprints`);
+  :func:`shift_masks` — masks moved by whole pixels (a stem that moves token centres,
+  :func:`vitlab.layout.token_centres`); :func:`object_gaps` — how far apart two objects lie;
 - :func:`top_token_hits` — the same question for a text map: is the highest token one of the
   words that should carry the relevance (the shape a caption names), with its chance level;
+  :func:`top_token_is` — is it the one given position (a question's named word);
+- :func:`map_change` — how much one map differs from another (top entry moved, L1 distance of
+  the normalised maps), e.g. a rollout setting against vanilla rollout;
 - uncertainty of a grade over a sample of scenes: :func:`rate` (a hit rate with its Wilson
   interval), :func:`mean_interval` (a mean with its bootstrap interval) and
   :func:`paired_difference` (two grades of the same scenes), each an :class:`Estimate`;
@@ -345,10 +350,19 @@ def mean_interval(values, level: float = 0.95, n_boot: int = 2000, seed: int = 0
     if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 1:
         raise ValueError(f"n_boot must be a positive int, got {n_boot!r}")
     v = _values(values, "mean_interval")
+    low, high = _bootstrap(v, lv, n_boot, seed)
+    return Estimate(float(v.mean()), low, high, int(v.size))
+
+
+def _bootstrap(v: np.ndarray, level: float, n_boot: int, seed: int) -> tuple[float, float]:
+    """The percentile bootstrap of the mean of checked float64 ``v``: ``n_boot`` resamples with
+    replacement drawn by ``np.random.default_rng(seed)``, the middle ``level`` of their means.
+    The one resampling behind every interval of a mean here and in
+    :func:`vitlab.bimodal_faithfulness.bootstrap_interval`."""
     rng = np.random.default_rng(seed)
     means = v[rng.integers(0, v.size, size=(n_boot, v.size))].mean(1)
-    low, high = np.quantile(means, [(1 - lv) / 2, (1 + lv) / 2])
-    return Estimate(float(v.mean()), float(low), float(high), int(v.size))
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
 
 
 def paired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> Estimate:
@@ -536,3 +550,78 @@ def segmentation_ap(detections: list[dict], truths: list[dict],
     if 0.5 in res["per_threshold"]:
         res["ap50"] = res["per_threshold"][0.5]
     return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks moved, objects apart, text maps' top token, two maps compared
+# ---------------------------------------------------------------------------------------------
+
+
+def shift_masks(masks, down: int, right: int) -> torch.Tensor:
+    """Move the content of ``... x H x W`` masks ``down`` and ``right`` pixels (negative: up,
+    left); what enters at the border is background (False / 0)."""
+    m = _as_tensor(masks)
+    H, W = m.shape[-2:]
+    out = torch.zeros_like(m)
+    down, right = int(down), int(right)
+    if abs(down) >= H or abs(right) >= W:
+        return out
+    src_y = slice(max(0, -down), H - max(0, down))
+    dst_y = slice(max(0, down), H - max(0, -down))
+    src_x = slice(max(0, -right), W - max(0, right))
+    dst_x = slice(max(0, right), W - max(0, -right))
+    out[..., dst_y, dst_x] = m[..., src_y, src_x]
+    return out
+
+
+def object_gaps(masks) -> np.ndarray:
+    """Per scene: the shortest distance in pixels between its two objects (``S x 2 x H x W``
+    masks; 0 when they touch or overlap)."""
+    from scipy.ndimage import distance_transform_edt
+
+    m = np.asarray(_as_tensor(masks).numpy(), dtype=bool)
+    if m.ndim != 4 or m.shape[1] != 2:
+        raise ValueError(f"masks must be S x 2 x H x W, got shape {m.shape}")
+    out = np.empty(len(m))
+    for i, (a, b) in enumerate(m):
+        if not a.any() or not b.any():
+            raise ValueError(f"scene {i} has an empty object mask")
+        out[i] = distance_transform_edt(~a)[b].min()
+    return out
+
+
+def top_token_is(scores: torch.Tensor, positions, valid=None) -> np.ndarray:
+    """Per row: is the highest score at ``positions[row]``? ``scores``: ``Q x L`` (NaN marks a
+    position that does not count, e.g. a token :func:`text_occlusion` does not occlude);
+    ``valid``: optional ``Q x L`` bool of the positions that may count. A row has a top token
+    only if some position counts: rows with none (all NaN or none valid) give False, as do rows
+    with ``positions`` < 0. Infinite scores are refused (``ValueError``)."""
+    s = torch.as_tensor(scores, dtype=torch.float64).clone()
+    if s.ndim != 2:
+        raise ValueError(f"scores must be Q x L (one row per question), got shape {tuple(s.shape)}")
+    if bool(torch.isinf(s).any()):
+        raise ValueError("scores hold inf: a top token is undefined there; mark positions that do not count "
+                         "with NaN or with valid=False")
+    pos = np.asarray(positions)
+    if pos.shape != (s.shape[0],):
+        raise ValueError(f"positions must hold one position per row ({s.shape[0]}), got shape {pos.shape}")
+    counts = ~torch.isnan(s)
+    if valid is not None:
+        valid = torch.as_tensor(valid, dtype=torch.bool)
+        if tuple(valid.shape) != tuple(s.shape):
+            raise ValueError(f"valid must be Q x L like scores, {tuple(s.shape)}, got {tuple(valid.shape)}")
+        counts &= valid
+    top = s.masked_fill(~counts, float("-inf")).argmax(-1).numpy()
+    return (top == pos) & (pos >= 0) & counts.any(-1).numpy()
+
+
+def map_change(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """How much map ``b`` differs from map ``a``, per question (``Q x ...`` each): ``"top_moved"``
+    (bool, the highest entry is elsewhere), ``"l1"`` (the L1 distance of the two maps each
+    divided by its sum, in [0, 2]; 0 where both maps are 0)."""
+    a, b = a.flatten(1).double(), b.flatten(1).double()
+    if a.shape != b.shape:
+        raise ValueError(f"the maps must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    na = a / a.sum(1, keepdim=True).clamp_min(1e-300)
+    nb = b / b.sum(1, keepdim=True).clamp_min(1e-300)
+    return {"top_moved": (a.argmax(1) != b.argmax(1)).numpy(), "l1": (na - nb).abs().sum(1).numpy()}

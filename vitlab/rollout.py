@@ -19,14 +19,22 @@ Only the CLS row of R is needed, so it is propagated as a row vector,
 ``r = e_cls @ a_L @ ... @ a_1`` (:func:`rollout_row`; :func:`fused_rollout_row` folds the
 normalisation in): the same numbers as the full product (:func:`rollout_matrix`) at a
 fraction of the cost.
+
+Chapter 3 grades many settings at once: :func:`rollout_from_attentions` computes one setting
+from an already recorded forward, :func:`rollout_settings_maps` every setting from one
+recording per batch, and :func:`grade_rollout_settings` grades them against object masks
+(pointing game and mass on the object, :mod:`vitlab.localization`).
 """
 from __future__ import annotations
 
 import numbers
+from typing import Sequence
 
 import torch
 
-from vitlab.attention import _attention_gradients, _in_chunks, _recorded_attentions, checked_layout
+from vitlab.attention import (
+    _attention_gradients, _batches, _in_chunks, _recorded_attentions, checked_layout, require_cls,
+)
 from vitlab.layout import TokenLayout
 
 HEAD_FUSIONS = ("mean", "min", "max")
@@ -233,3 +241,67 @@ def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0
         for A, G in zip(ag.attentions, ag.gradients)  # layer l with its own gradient
     ]
     return _cls_readout(fused, ag.layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Many settings from one recording, graded against masks
+# ---------------------------------------------------------------------------------------------
+
+
+def rollout_from_attentions(attentions: Sequence[torch.Tensor], layout, head_fusion: str = "mean",
+                            discard_ratio: float = 0.0) -> torch.Tensor:
+    """:func:`vitlab.rollout.rollout` from already recorded attentions: ``B x gh x gw``.
+
+    ``attentions``: one ``B x heads x N x N`` post-softmax tensor per block (first first);
+    ``layout``: the model's :class:`~vitlab.layout.TokenLayout`. Same numbers as
+    ``rollout(model, x, head_fusion, discard_ratio)``, without another forward.
+    """
+    check_head_fusion(head_fusion)
+    check_discard_ratio(discard_ratio)
+    layers = [residual_normalize(discard_lowest(fuse_heads(A, head_fusion), discard_ratio)) for A in attentions]
+    return max_normalize(layout.patches_to_grid(rollout_row(layers, index=0)))
+
+
+def rollout_settings_maps(model, x: torch.Tensor, settings: Sequence[tuple[str, float]],
+                          batch_size: int = 50) -> torch.Tensor:
+    """Attention rollout of every input for several settings: ``S x B x gh x gw``.
+
+    ``settings``: ``(head_fusion, discard_ratio)`` pairs. Each batch of ``batch_size``
+    inputs is recorded once and every setting is computed from that recording
+    (:func:`rollout_from_attentions`); entry ``[s]`` equals
+    ``vitlab.rollout.rollout(model, x, *settings[s])``.
+    """
+    settings = [(str(f), float(d)) for f, d in settings]
+    if not settings:
+        raise ValueError("settings must hold at least one (head_fusion, discard_ratio) pair")
+    per_batch = []
+    for s in _batches(x.shape[0], batch_size):
+        attentions, layout = _recorded_attentions(model, x[s])
+        require_cls(layout, "rollout_settings_maps")
+        per_batch.append(torch.stack([rollout_from_attentions(attentions, layout, f, d) for f, d in settings]))
+    return torch.cat(per_batch, dim=1)
+
+
+def grade_rollout_settings(model, x: torch.Tensor, masks, settings: Sequence[tuple[str, float]],
+                           batch_size: int = 50, min_coverage: float = 0.5) -> list[dict]:
+    """Pointing game and mass on the object of attention rollout, for several settings at once.
+
+    Args:
+        model: a ViT with a class token (eval mode).
+        x: ``B x 3 x H x W`` inputs; ``masks``: ``B x H' x W'`` one object mask per input.
+        settings: ``(head_fusion, discard_ratio)`` pairs.
+        batch_size: inputs per forward (:func:`rollout_settings_maps`: one recording per
+            batch serves every setting).
+        min_coverage: see :func:`pointing_game`.
+
+    Returns one dict per setting, in order: ``head_fusion``, ``discard_ratio`` and the
+    scores of :func:`grade_maps` (``pointing``, ``touch``, ``mass``, ``n``).
+    """
+    from vitlab.localization import _as_tensor, grade_maps
+
+    masks = _as_tensor(masks)
+    if masks.ndim != 3 or masks.shape[0] != x.shape[0]:
+        raise ValueError(f"need one B x H x W mask per input: {x.shape[0]} inputs, masks {tuple(masks.shape)}")
+    maps = rollout_settings_maps(model, x, settings, batch_size)
+    return [{"head_fusion": str(f), "discard_ratio": float(d), **grade_maps(m, masks, min_coverage)}
+            for (f, d), m in zip(settings, maps)]

@@ -114,14 +114,34 @@ CHAPTERS: tuple[Chapter, ...] = (
             (_BLOG, _CHEFER_GENERIC), "solutions/04_class_specific_maps_solutions.ipynb"),
     Chapter("05_faithfulness_saco",
             "plausible against faithful maps: cumulative perturbation curves, SaCo computed by hand "
-            "and with vitlab, and a leaderboard of every method of the series with confidence intervals",
+            "and with vitlab, input x gradient and Integrated Gradients, and a leaderboard of the "
+            "series' maps so far with intervals: like-for-like pairs (with the fair single-block "
+            "gradient baseline), how the ranking moves with SaCo's K, and the SaCo paper's table",
             (Paper("Junyi Wu, Weitai Kang, Hao Tang, Yuan Hong & Yan Yan (CVPR 2024), *On the "
                    "Faithfulness of Vision Transformer Explanations*", "https://arxiv.org/abs/2404.01415",
                    "On the Faithfulness of Vision Transformer Explanations"),
              Paper("Hila Chefer, Shir Gur & Lior Wolf (CVPR 2021), *Transformer Interpretability "
                    "Beyond Attention Visualization*", "https://arxiv.org/abs/2012.09838",
-                   "Transformer Interpretability Beyond Attention Visualization")),
+                   "Transformer Interpretability Beyond Attention Visualization"),
+             Paper("Mukund Sundararajan, Ankur Taly & Qiqi Yan (ICML 2017), *Axiomatic Attribution "
+                   "for Deep Networks*", "https://arxiv.org/abs/1703.01365",
+                   "Axiomatic Attribution for Deep Networks")),
             "solutions/05_faithfulness_saco_solutions.ipynb"),
+    Chapter("06_lrp_route",
+            "layer-wise relevance propagation built up from conservation on a two-layer network "
+            "(the z and z+ rules, checked by hand), the rules a transformer needs (attention "
+            "products, softmax, LayerNorm, GELU, residual additions), full and partial LRP, "
+            "Transformer attribution and AttnLRP on two-object scenes, and their rows on chapter "
+            "05's leaderboard",
+            (Paper("Sebastian Bach et al. (PLOS ONE 2015), *On Pixel-Wise Explanations for Non-Linear "
+                   "Classifier Decisions by Layer-Wise Relevance Propagation*",
+                   "https://doi.org/10.1371/journal.pone.0130140", "On Pixel-Wise Explanations"),
+             Paper("Hila Chefer, Shir Gur & Lior Wolf (CVPR 2021), *Transformer Interpretability "
+                   "Beyond Attention Visualization*", "https://arxiv.org/abs/2012.09838",
+                   "Transformer Interpretability Beyond Attention Visualization"),
+             Paper("Reduan Achtibat et al. (ICML 2024), *AttnLRP: Attention-Aware Layer-Wise Relevance "
+                   "Propagation for Transformers*", "https://arxiv.org/abs/2402.05602", "AttnLRP: Attention-Aware")),
+            "solutions/06_lrp_route_solutions.ipynb"),
     Chapter("07_class_embedding_projection",
             "every token's hidden state, block by block, read as class scores through the model's "
             "own norm and head: identifiability on and off the object, attention against MLP, "

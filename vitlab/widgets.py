@@ -181,10 +181,28 @@ class _Explorer(abc.ABC):
         self.image_widget.value = buf.getvalue()
         self.draws += 1
 
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        """The widget, and for every place that cannot run it a picture and a sentence.
+
+        A front end with a widget manager (Jupyter with a kernel, or a page that rendered the
+        saved widget state) shows the sliders. Everywhere else (GitHub, ``nbconvert`` without
+        widget state, a plain-text console) the richest other entry is used: ``image/png`` is
+        the figure of the sliders' current setting, and ``text/plain`` says what the output is
+        instead of ipywidgets' ``VBox(children=(HBox(...`` repr.
+        """
+        import base64
+
+        bundle = dict(self.widget._repr_mimebundle_() or {})
+        bundle["image/png"] = base64.b64encode(self.image_widget.value).decode("ascii")
+        setting = ", ".join(f"{name} {value}" for name, value in self.values().items())
+        bundle["text/plain"] = (f"{type(self).__name__} at {setting}: sliders over the figure; "
+                                "they move in a running notebook")
+        return bundle
+
     def _ipython_display_(self):
         from IPython.display import display
 
-        display(self.widget)
+        display(self._repr_mimebundle_(), raw=True)
 
 
 class QKExplorer(_Explorer):

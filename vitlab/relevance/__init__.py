@@ -7,10 +7,16 @@ model family.
   docstring lists every choice made where the paper or its reference code leaves room);
 - :mod:`vitlab.relevance.vit`: a ViT (one modality): :func:`chefer_relevance`,
   :func:`relevance_matrix`, :func:`relevance_row`, and the same rule on the last block alone,
-  :func:`last_block_relevance`;
+  :func:`last_block_relevance`; chapter 4's class-specific maps of every method from one
+  recording (:func:`maps_from_gradients`, :func:`asked_object_maps`) and their grades against
+  the asked object (:func:`grade_asked_object`);
 - :mod:`vitlab.relevance.lxmert`: LXMERT's image and text relevance and the paper's baselines
-  (raw attention, rollout, GradCAM);
-- :mod:`vitlab.relevance.detr`: DETR's map per detected object and the same baselines;
+  (raw attention, rollout, GradCAM); every method's maps of many questions
+  (:func:`lxmert_method_maps`, the rule ablations :func:`lxmert_relevance_variants`) graded
+  against the scenes' objects (:func:`grade_lxmert`, chapter 9);
+- :mod:`vitlab.relevance.visualbert`: the same for VisualBERT and ViLT (:func:`grade_visualbert`);
+- :mod:`vitlab.relevance.detr`: DETR's map per detected object and the same baselines; every
+  detection's maps graded against the objects (:func:`grade_detr`, chapter 10);
 - :mod:`vitlab.relevance.clip`: CLIP's image and text relevance of a pair's score (both towers)
   and the same baselines;
 - :mod:`vitlab.relevance._common`: what the bimodal families share (their map types, the
@@ -18,22 +24,31 @@ model family.
 
 Every name is importable from ``vitlab.relevance`` itself.
 """
-from vitlab.relevance._common import BimodalMaps, DetectionMaps, attention_matrix_gradcam
+from vitlab.relevance._common import BIMODAL_METHODS, BimodalMaps, DetectionMaps, attention_matrix_gradcam
 from vitlab.relevance.clip import (
     CLIP_INPUTS, ClipMaps, clip_gradcam, clip_raw_attention, clip_relevance, clip_rollout, end_of_text,
 )
-from vitlab.relevance.detr import detr_gradcam, detr_raw_attention, detr_relevance, detr_rollout
+from vitlab.relevance.detr import (
+    DetectionGrades, detr_detections, detr_gradcam, detr_method_maps, detr_raw_attention, detr_relevance, detr_rollout,
+    grade_detr,
+)
 from vitlab.relevance.engine import (
     AttentionEvent, Relevances, Step, bimodal_rule, head_averaged_relevance, initial_relevances,
     normalized_self_relevance, propagate, read_rows, self_attention_events, self_attention_rule,
 )
 from vitlab.relevance.lxmert import (
-    LXMERT_INPUTS, lxmert_gradcam, lxmert_raw_attention, lxmert_relevance, lxmert_rollout,
+    LXMERT_ABLATIONS, LXMERT_INPUTS, QuestionGrades, grade_lxmert, lxmert_gradcam, lxmert_method_maps,
+    lxmert_raw_attention, lxmert_relevance, lxmert_relevance_variants, lxmert_rollout, lxmert_scene_features,
+    named_word_positions,
 )
-from vitlab.relevance.vit import chefer_relevance, last_block_relevance, relevance_matrix, relevance_row
+from vitlab.relevance.vit import (
+    CLASS_METHODS, asked_object_maps, chefer_relevance, grade_asked_object, last_block_relevance, maps_from_gradients,
+    relevance_matrix, relevance_row,
+)
 from vitlab.relevance.visualbert import (
-    VILT_INPUTS, VISUALBERT_INPUTS, answer_rows, vilt_gradcam, vilt_raw_attention, vilt_relevance, vilt_rollout,
-    visualbert_gradcam, visualbert_raw_attention, visualbert_relevance, visualbert_rollout,
+    VILT_INPUTS, VISUALBERT_INPUTS, VISUALBERT_METHODS, answer_rows, grade_visualbert, vilt_gradcam, vilt_raw_attention,
+    vilt_relevance, vilt_rollout, visualbert_gradcam, visualbert_method_maps, visualbert_raw_attention,
+    visualbert_relevance, visualbert_rollout,
 )
 
 __all__ = [
@@ -45,4 +60,10 @@ __all__ = [
     "read_rows", "relevance_matrix", "relevance_row", "self_attention_events", "self_attention_rule",
     "VILT_INPUTS", "VISUALBERT_INPUTS", "answer_rows", "vilt_gradcam", "vilt_raw_attention", "vilt_relevance",
     "vilt_rollout", "visualbert_gradcam", "visualbert_raw_attention", "visualbert_relevance", "visualbert_rollout",
+    # many maps at once, graded against the scenes' objects (chapters 4, 9 and 10)
+    "CLASS_METHODS", "maps_from_gradients", "asked_object_maps", "grade_asked_object",
+    "BIMODAL_METHODS", "LXMERT_ABLATIONS", "QuestionGrades", "grade_lxmert", "lxmert_method_maps",
+    "lxmert_relevance_variants", "lxmert_scene_features", "named_word_positions",
+    "VISUALBERT_METHODS", "grade_visualbert", "visualbert_method_maps",
+    "DetectionGrades", "detr_detections", "detr_method_maps", "grade_detr",
 ]

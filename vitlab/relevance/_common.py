@@ -185,3 +185,20 @@ def attention_matrix_gradcam(attn: torch.Tensor, grad: torch.Tensor, entries: to
         count = entries.sum(dim=(-2, -1), keepdim=True).clamp(min=1)
         w = (grad * entries).sum(dim=(-2, -1), keepdim=True) / count
     return (w * attn).mean(dim=-3).clamp(min=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The methods chapter 9 compares on LXMERT and DETR
+# ---------------------------------------------------------------------------------------------
+
+
+#: The methods chapters 9 and 10 compare, in table order (the same names for LXMERT and DETR).
+BIMODAL_METHODS: tuple[str, ...] = ("relevance", "relevance + backbone", "raw attention", "rollout", "GradCAM")
+
+
+def _checked_methods(methods) -> tuple[str, ...]:
+    methods = tuple(methods)
+    unknown = [m for m in methods if m not in BIMODAL_METHODS]
+    if not methods or unknown:
+        raise ValueError(f"methods must be names from {BIMODAL_METHODS}, got {methods!r}")
+    return methods

@@ -1,15 +1,18 @@
-"""Relevance and the paper's baselines for Hugging Face DETR (encoder-decoder; chapter 9)."""
+"""Relevance and the paper's baselines for Hugging Face DETR (encoder-decoder; chapter 10), and every
+method's map of every detection graded against the scenes' objects (:func:`grade_detr`)."""
 from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from vitlab.attention import check_images
+from vitlab.attention import _batches, check_images
 from vitlab.relevance._common import (
-    DetectionMaps, _attention_grads, _backbone_prefix, _events, _last, _recorded_forward,
-    _require_family, _rollout, _sizes, attention_matrix_gradcam,
+    BIMODAL_METHODS, DetectionMaps, _attention_grads, _backbone_prefix, _checked_methods, _events, _last,
+    _recorded_forward, _require_family, _rollout, _sizes, attention_matrix_gradcam,
 )
 from vitlab.relevance.engine import propagate, read_rows
 
@@ -256,3 +259,156 @@ def detr_gradcam(model, pixel_values: torch.Tensor, queries=None, threshold: flo
     cam = attention_matrix_gradcam(A, torch.zeros_like(A) if g is None else g, entries)  # K x B x Q x N
     rows = read_rows(cam, index)  # K x B x N
     return _per_image(found, rows, rec.feature_grid)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 10: every method's map of every detection, graded against the scenes' objects
+# ---------------------------------------------------------------------------------------------
+
+
+def _detr_methods() -> dict:
+    return {
+        "relevance": detr_relevance,
+        "relevance + backbone": lambda m, x, queries: detr_relevance(m, x, queries=queries, backbone=True),
+        "raw attention": detr_raw_attention,
+        "rollout": detr_rollout,
+        "GradCAM": detr_gradcam,
+    }
+
+
+def detr_detections(model, x: torch.Tensor, threshold: float = 0.9, batch_size: int = 100) -> list[dict]:
+    """DETR's detections per image: ``{"queries", "labels", "scores", "boxes"}`` (boxes
+    ``(x0, y0, x1, y1)`` in [0, 1]) for the queries whose best real class has a probability
+    above ``threshold`` (the "no object" class left out). One forward per batch, no gradient."""
+    from vitlab.record import eval_mode
+
+    method = "detr_detections"
+    _require_family(model, "detr", method)
+    threshold = check_threshold(threshold, method)
+    check_images(x, method)
+    out = []
+    with torch.no_grad(), eval_mode(model):
+        for s in _batches(x.shape[0], batch_size):
+            res = model(pixel_values=x[s])
+            prob = res.logits.softmax(-1)[..., :-1]
+            scores, labels = prob.max(-1)
+            cx, cy, w, h = res.pred_boxes.unbind(-1)
+            boxes = torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], -1)
+            for b in range(scores.shape[0]):
+                keep = torch.nonzero(scores[b] > threshold).flatten()
+                out.append({"queries": keep, "labels": labels[b, keep], "scores": scores[b, keep],
+                            "boxes": boxes[b, keep]})
+    return out
+
+
+def detr_method_maps(model, x: torch.Tensor, queries, methods=BIMODAL_METHODS, batch_size: int = 100) -> dict:
+    """Every method's map of every given query: method -> ``D x gh x gw`` (detections in image
+    order, then query order). ``queries``: one list of query indices per image of ``x`` (e.g.
+    ``[d["queries"] for d in detr_detections(...)]``). The ``relevance + backbone`` maps lie on
+    the backbone's patch grid, the others on DETR's feature grid (the same grid for
+    ``shapes-detr``).
+
+    The gradient methods run one backward per batch with K slots, K = the most detections of
+    any image in the batch; so the images are batched by their number of detections (fewest
+    first; images without any are skipped), which keeps K close to every image's own count.
+    With no detection in any image every entry is ``0 x gh x gw``, the grid read from the
+    method's map of query 0 of the first image (one extra forward per method).
+    """
+    methods = _checked_methods(methods)
+    check_images(x, "detr_method_maps")
+    table = _detr_methods()
+    if isinstance(queries, (str, bytes)) or not hasattr(queries, "__len__") or len(queries) != x.shape[0]:
+        got = f"{len(queries)} lists" if hasattr(queries, "__len__") else type(queries).__name__
+        raise ValueError(f"detr_method_maps: queries must hold one list of query indices per image: {got} for "
+                         f"{x.shape[0]} images")
+    queries = [torch.as_tensor(q, dtype=torch.long).reshape(-1) for q in queries]
+    counts = np.array([len(q) for q in queries])
+    order = [i for i in np.argsort(counts, kind="stable") if counts[i] > 0]
+    out = {}
+    for name in methods:
+        if not order:  # nothing detected: no map, on the grid this method's maps have
+            out[name] = table[name](model, x[:1], queries=[torch.zeros(1, dtype=torch.long)])[0].maps[:0]
+            continue
+        per_image: list[torch.Tensor | None] = [None] * len(queries)
+        for s in _batches(len(order), batch_size):
+            idx = order[s]
+            for i, d in zip(idx, table[name](model, x[idx], queries=[queries[i] for i in idx])):
+                per_image[i] = d.maps
+        out[name] = torch.cat([m for m in per_image if m is not None])
+    return out
+
+
+class DetectionGrades(NamedTuple):
+    """Where each method's map of each detection points (from :func:`grade_detr`).
+
+    Attributes:
+        methods: the method names, in row order.
+        scene, query, label, score: ``D`` each: the image, the query, its class and probability.
+        box: ``D x 4`` predicted box ``(x0, y0, x1, y1)`` in [0, 1].
+        matched: ``D``, the object (0 or 1) whose box overlaps the detection's most (-1: neither).
+        iou: ``D``, that overlap (intersection over union with the object's mask box).
+        class_correct: ``D`` bool, the detection's class is the matched object's.
+        on_detected: ``M x D`` bool, the map's top patch lies on the matched object.
+        on_other: ``M x D`` bool, it lies on the scene's other object.
+        chance: ``D``, the hit rate of a random top patch on the matched object.
+        maps: method -> ``D x gh x gw``.
+    """
+
+    methods: tuple
+    scene: np.ndarray
+    query: np.ndarray
+    label: np.ndarray
+    score: np.ndarray
+    box: np.ndarray
+    matched: np.ndarray
+    iou: np.ndarray
+    class_correct: np.ndarray
+    on_detected: np.ndarray
+    on_other: np.ndarray
+    chance: np.ndarray
+    maps: dict
+
+
+def grade_detr(model, x: torch.Tensor, masks, labels, threshold: float = 0.9, methods=BIMODAL_METHODS,
+               batch_size: int = 100, min_coverage: float = 0.5) -> DetectionGrades:
+    """Detect (:func:`detr_detections`), explain every detection with every method, and grade
+    the maps against the two objects of each scene (``masks``: ``S x 2 x H x W``, ``labels``:
+    ``S x 2`` classes). Each detection is matched to the object whose mask's bounding box it
+    overlaps most (duplicates of one object all match it); a detection overlapping neither
+    (``matched`` -1) counts as a miss for every method."""
+    from vitlab.localization import _as_tensor, chance_pointing, pointing_game
+    from vitlab.shapes.qa import object_boxes
+    from vitlab.shapes.train_detr import box_iou
+
+    masks = _as_tensor(masks)
+    labels = np.asarray(labels)
+    if masks.ndim != 4 or masks.shape[:2] != (x.shape[0], 2) or labels.shape != (x.shape[0], 2):
+        raise ValueError(f"need masks S x 2 x H x W and labels S x 2 for the {x.shape[0]} scenes of x; "
+                         f"got masks {tuple(masks.shape)}, labels {labels.shape}")
+    dets = detr_detections(model, x, threshold, batch_size)
+    if not any(len(d["queries"]) for d in dets):
+        raise ValueError(f"grade_detr: nothing to grade: no query's best class has a probability above "
+                         f"threshold={threshold} in any of the {x.shape[0]} images; lower the threshold")
+    maps = detr_method_maps(model, x, [d["queries"] for d in dets], methods, batch_size)
+    methods = tuple(maps)
+    H, W = masks.shape[-2:]
+    gt = object_boxes(masks.numpy().astype(bool)) / np.array([W, H, W, H], dtype=np.float32)  # S x 2 x 4
+    scene = np.concatenate([np.full(len(d["queries"]), i) for i, d in enumerate(dets)]).astype(np.int64)
+    cat = lambda k: torch.cat([d[k] for d in dets]).numpy()  # noqa: E731
+    query, label, score, box = cat("queries"), cat("labels"), cat("scores"), cat("boxes")
+    iou = np.stack([box_iou(box[i:i + 1], gt[s])[0] for i, s in enumerate(scene)]) if len(scene) else np.zeros((0, 2))
+    matched = np.where(iou.max(1) > 0, iou.argmax(1), -1) if len(scene) else np.zeros(0, dtype=np.int64)
+    best_iou = iou.max(1) if len(scene) else np.zeros(0)
+    m = np.clip(matched, 0, 1)
+    class_correct = (matched >= 0) & (label == labels[scene, m])
+    m_det = masks[torch.as_tensor(scene), torch.as_tensor(m)]
+    m_oth = masks[torch.as_tensor(scene), torch.as_tensor(1 - m)]
+    ok = matched >= 0
+    on_det, on_oth = [], []
+    for name in methods:
+        on_det.append(pointing_game(maps[name], m_det, min_coverage).numpy() & ok)
+        on_oth.append(pointing_game(maps[name], m_oth, min_coverage).numpy() & ok)
+    grid = tuple(next(iter(maps.values())).shape[1:])
+    return DetectionGrades(methods, scene, query, label, score, box, matched, best_iou, class_correct,
+                           np.stack(on_det), np.stack(on_oth), chance_pointing(m_det, grid, min_coverage).numpy(),
+                           maps)

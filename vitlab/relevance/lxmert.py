@@ -1,15 +1,18 @@
-"""Relevance and the paper's baselines for Hugging Face LXMERT (co-attention; chapter 9)."""
+"""Relevance and the paper's baselines for Hugging Face LXMERT (co-attention; chapter 9), and every
+method's maps of many questions graded against the scenes' objects (:func:`grade_lxmert`)."""
 from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from vitlab.attention import check_batch_values, check_images
+from vitlab.attention import _batches, check_batch_values, check_images
 from vitlab.relevance._common import (
-    BimodalMaps, _attention_grads, _backbone_prefix, _events, _last, _recorded_forward,
-    _require_family, _rollout, _sizes, attention_matrix_gradcam,
+    BIMODAL_METHODS, BimodalMaps, _attention_grads, _backbone_prefix, _checked_methods, _events, _last,
+    _recorded_forward, _require_family, _rollout, _sizes, attention_matrix_gradcam,
 )
 from vitlab.relevance.engine import propagate
 
@@ -349,3 +352,203 @@ def lxmert_gradcam(model, inputs: dict, target=None) -> BimodalMaps:
     text = text.clone()
     text[:, 0] = 0
     return BimodalMaps(image, text, t, logits.detach())
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 9: every method's maps of many questions, graded against the scenes' objects
+# ---------------------------------------------------------------------------------------------
+
+
+def _lxmert_methods() -> dict:
+    return {
+        "relevance": lxmert_relevance,
+        "relevance + backbone": lambda m, inputs: lxmert_relevance(m, inputs, backbone=True),
+        "raw attention": lxmert_raw_attention,
+        "rollout": lxmert_rollout,
+        "GradCAM": lxmert_gradcam,
+    }
+
+
+def named_word_positions(tokenizer, questions) -> np.ndarray:
+    """Position of the named class word in each tokenised question (``[CLS]`` = 0), -1 where
+    the question names no class (``which``). ``questions``: :class:`vitlab.shapes.qa.Questions`."""
+    from vitlab.shapes.data import CLASSES
+
+    pos = np.full(len(questions), -1, dtype=np.int64)
+    for i, (text, named) in enumerate(zip(questions.text, questions.named)):
+        if named >= 0:
+            tokens = tokenizer.tokenize(text)
+            pos[i] = tokens.index(CLASSES[int(named)])
+    return pos
+
+
+def _encoded_questions(model, scenes: int, questions, method: str):
+    """``(input_ids, attention_mask, scene)`` of ``questions`` for ``shapes-lxmert``, checked
+    before any forward: every question within the model's positions (its tokens within its
+    vocabulary) and every ``questions.scene`` an index into the ``scenes`` scenes."""
+    ids, mask = model.encode(list(questions.text))
+    _check_tokens(model.config, {"input_ids": ids, "attention_mask": mask}, method)
+    scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
+    if scene.shape != (len(questions),):
+        raise ValueError(f"{method}: questions.scene must hold one scene index per question, got shape "
+                         f"{tuple(scene.shape)} for {len(questions)} questions")
+    if len(scene) and (scene.min() < 0 or scene.max() >= scenes):
+        raise ValueError(f"{method}: questions.scene holds scene {int(scene.max() if scene.max() >= scenes else scene.min())}, "
+                         f"but there are {scenes} scenes (0 .. {scenes - 1}); ask questions about the scenes given")
+    return ids, mask, scene
+
+
+def lxmert_scene_features(model, x: torch.Tensor, batch_size: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shapes-lxmert``'s visual inputs for every scene, once: ``(feats S x N x C, boxes S x N x 4)``
+    (the frozen ViT's tokens and their grid boxes). The functions below that take ``features=``
+    accept them, so that several calls on the same scenes run the ViT once."""
+    from vitlab.record import eval_mode
+
+    check_images(x, "lxmert_scene_features")
+    feats, pos = [], []
+    with torch.no_grad(), eval_mode(model):
+        for s in _batches(x.shape[0], batch_size):
+            f, p = model.visual_inputs(x[s])
+            feats.append(f)
+            pos.append(p)
+    return torch.cat(feats), torch.cat(pos)
+
+
+def lxmert_method_maps(model, x: torch.Tensor, questions, methods=BIMODAL_METHODS,
+                       batch_size: int = 100, features=None) -> dict:
+    """Image and text maps of every method for every question about the scenes ``x``.
+
+    ``model``: ``shapes-lxmert``; ``x``: ``S x 3 x H x W`` preprocessed scenes; ``questions``:
+    :class:`vitlab.shapes.qa.Questions` about them (``questions.scene`` indexes ``x``). Each
+    method explains the model's own answer. Returns method -> :class:`vitlab.relevance.BimodalMaps`
+    over all questions (``image``: ``Q x gh x gw`` on the backbone's patch grid, ``text``:
+    ``Q x L``, the questions padded to one length ``L``, 0 on the padding). One forward (and
+    one backward) per batch and method. Padding changes no map: every method gives each
+    question the map it gives that question asked alone (the methods leave ``[PAD]`` tokens
+    out, see :func:`vitlab.relevance.lxmert_rollout`).
+    """
+    methods = _checked_methods(methods)
+    table = _lxmert_methods()
+    ids, mask, scene = _encoded_questions(model, x.shape[0], questions, "lxmert_method_maps")
+    grid = tuple(int(g) for g in model.backbone.patch_embed.grid_size)
+    feats, pos = lxmert_scene_features(model, x, batch_size) if features is None else features
+    out = {}
+    for name in methods:
+        parts = []
+        for s in _batches(len(questions), batch_size):
+            if name == "relevance + backbone":  # relevance through the ViT: the pixels go in
+                images = dict(pixel_values=x[scene[s]])
+            else:  # the frozen ViT's tokens, computed once per scene, are the same input
+                images = dict(visual_feats=feats[scene[s]], visual_pos=pos[scene[s]])
+            parts.append(table[name](model, dict(input_ids=ids[s], attention_mask=mask[s], **images)))
+        image = torch.cat([p.image for p in parts]).reshape(len(questions), *grid)
+        out[name] = BimodalMaps(image, torch.cat([p.text for p in parts]),
+                                torch.cat([p.target for p in parts]), torch.cat([p.logits for p in parts]))
+    return out
+
+
+class QuestionGrades(NamedTuple):
+    """Where each method's maps point, per question (from :func:`grade_lxmert`).
+
+    Attributes:
+        methods: the method names, in row order.
+        correct: ``Q`` bool, the model answered the question right.
+        has_target: ``Q`` bool, the answer is about one object (not ``is there a ...? no``).
+        on_target: ``M x Q`` bool, the top image patch lies on that object (pointing game).
+        on_other: ``M x Q`` bool, it lies on the scene's other object.
+        chance: ``Q``, the hit rate of a random top patch on the target object.
+        named_position: ``Q``, the named class word's token position (-1: none named).
+        named_top: ``M x Q`` bool, the named word is the most relevant text token (False
+            where none is named).
+        maps: method -> :class:`vitlab.relevance.BimodalMaps` (as :func:`lxmert_method_maps`).
+    """
+
+    methods: tuple
+    correct: np.ndarray
+    has_target: np.ndarray
+    on_target: np.ndarray
+    on_other: np.ndarray
+    chance: np.ndarray
+    named_position: np.ndarray
+    named_top: np.ndarray
+    maps: dict
+
+
+def _grade_question_maps(model, maps: dict, masks, questions, min_coverage: float, text_valid) -> QuestionGrades:
+    """Pointing (image maps) and the named word (text maps) of every method's maps, per question."""
+    from vitlab.localization import chance_pointing, pointing_game
+
+    from vitlab.localization import top_token_is
+
+    methods = tuple(maps)
+    scene = torch.as_tensor(np.asarray(questions.scene), dtype=torch.long)
+    target = torch.as_tensor(np.asarray(questions.target), dtype=torch.long)
+    has_target = target >= 0
+    t = target.clamp(min=0)
+    m_target, m_other = masks[scene, t], masks[scene, 1 - t]
+    grid = tuple(next(iter(maps.values())).image.shape[1:])
+    pos = named_word_positions(model.tokenizer, questions)
+    on_target, on_other, named_top = [], [], []
+    for name in methods:
+        image = maps[name].image
+        on_target.append((pointing_game(image, m_target, min_coverage) & has_target).numpy())
+        on_other.append((pointing_game(image, m_other, min_coverage) & has_target).numpy())
+        named_top.append(top_token_is(maps[name].text, pos, valid=text_valid))
+    correct = (maps[methods[0]].logits.argmax(-1) == torch.as_tensor(questions.answer_id)).numpy()
+    return QuestionGrades(methods, correct, has_target.numpy(), np.stack(on_target), np.stack(on_other),
+                          chance_pointing(m_target, grid, min_coverage).numpy(), pos, np.stack(named_top), maps)
+
+
+def grade_lxmert(model, x: torch.Tensor, masks, questions, methods=BIMODAL_METHODS, batch_size: int = 100,
+                 min_coverage: float = 0.5, features=None) -> QuestionGrades:
+    """Grade every method's LXMERT maps against the objects of two-object scenes.
+
+    ``masks``: ``S x 2 x H x W`` (the two objects of each scene in ``x``); the target object
+    of question q is ``questions.target[q]`` (-1: none, e.g. "is there a star? no"), the other
+    object is the scene's other one. The top patch lies "on" an object when it covers at least
+    ``min_coverage`` of the patch (:func:`pointing_game`). Text: is the named class word the
+    highest of the text map (``[CLS]`` is 0 there, padding never counts)? ``features``: the
+    scenes' visual inputs from :func:`lxmert_scene_features`, if already computed.
+    """
+    from vitlab.localization import _as_tensor
+
+    masks = _as_tensor(masks)
+    if masks.ndim != 4 or masks.shape[:2] != (x.shape[0], 2):
+        raise ValueError(f"masks must be S x 2 x H x W for the {x.shape[0]} scenes of x, got {tuple(masks.shape)}")
+    maps = lxmert_method_maps(model, x, questions, methods, batch_size, features)
+    _, attn_mask = model.encode(list(questions.text))
+    return _grade_question_maps(model, maps, masks, questions, min_coverage, attn_mask == 1)
+
+
+#: The variants of :func:`lxmert_relevance_variants`: name -> ``lxmert_relevance`` keywords.
+LXMERT_ABLATIONS: dict = {
+    "relevance": {},
+    "without eq. 11": {"eq11": False},
+    "sequential co-attention": {"simultaneous": False},
+    "without self-relevance in eq. 10": {"self_in_eq10": False},
+}
+
+
+def lxmert_relevance_variants(model, x: torch.Tensor, questions, variants=None, batch_size: int = 100,
+                              features=None) -> dict:
+    """``lxmert_relevance`` of every question with each rule left out: variant -> BimodalMaps.
+
+    ``variants``: name -> keyword arguments of :func:`vitlab.relevance.lxmert_relevance`
+    (default :data:`LXMERT_ABLATIONS`). As :func:`lxmert_method_maps` otherwise (image maps
+    ``Q x gh x gw``); each variant explains the model's own answer.
+    """
+    variants = dict(LXMERT_ABLATIONS if variants is None else variants)
+    if not variants:
+        raise ValueError("variants must name at least one set of lxmert_relevance keywords")
+    ids, mask, scene = _encoded_questions(model, x.shape[0], questions, "lxmert_relevance_variants")
+    grid = tuple(int(g) for g in model.backbone.patch_embed.grid_size)
+    feats, pos = lxmert_scene_features(model, x, batch_size) if features is None else features
+    out = {}
+    for name, kwargs in variants.items():
+        parts = [lxmert_relevance(model, dict(input_ids=ids[s], attention_mask=mask[s], visual_feats=feats[scene[s]],
+                                              visual_pos=pos[scene[s]]), **kwargs)
+                 for s in _batches(len(questions), batch_size)]
+        out[name] = BimodalMaps(torch.cat([p.image for p in parts]).reshape(len(questions), *grid),
+                                torch.cat([p.text for p in parts]), torch.cat([p.target for p in parts]),
+                                torch.cat([p.logits for p in parts]))
+    return out

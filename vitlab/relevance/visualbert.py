@@ -45,17 +45,21 @@ import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from vitlab.attention import _batches
 from vitlab.relevance._common import (
     BimodalMaps, _attention_grads, _recorded_forward, _require_gradients_possible, _rollout,
     attention_matrix_gradcam,
 )
 from vitlab.relevance.engine import propagate, read_rows, self_attention_events
+from vitlab.relevance.lxmert import QuestionGrades, _encoded_questions, _grade_question_maps, lxmert_scene_features
 
 __all__ = [
     "VILT_INPUTS", "VISUALBERT_INPUTS", "answer_rows", "vilt_gradcam", "vilt_raw_attention", "vilt_relevance",
     "vilt_rollout", "visualbert_gradcam", "visualbert_raw_attention", "visualbert_relevance", "visualbert_rollout",
+    "VISUALBERT_METHODS", "grade_visualbert", "visualbert_method_maps",
 ]
 
 #: What the VisualBERT methods accept in ``inputs``: the tokenised questions (``attention_mask``
@@ -387,3 +391,70 @@ for _f in (visualbert_relevance, visualbert_raw_attention, visualbert_rollout, v
 for _f in (vilt_relevance, vilt_raw_attention, vilt_rollout, vilt_gradcam):
     _f.__doc__ += _VILT_ARGS
 del _f
+
+
+# ---------------------------------------------------------------------------------------------
+# Chapter 9: the single-stream model's maps of many questions, graded as LXMERT's
+# ---------------------------------------------------------------------------------------------
+
+
+def _visualbert_methods() -> dict:
+    return {
+        "relevance": visualbert_relevance,
+        "raw attention": visualbert_raw_attention,
+        "rollout": visualbert_rollout,
+        "GradCAM": visualbert_gradcam,
+    }
+
+
+#: The methods chapter 9 compares for ``shapes-visualbert``, in table order (no backbone variant: the
+#: single-stream relevance stops at VisualBERT's input tokens).
+VISUALBERT_METHODS: tuple[str, ...] = ("relevance", "raw attention", "rollout", "GradCAM")
+
+
+def visualbert_method_maps(model, x: torch.Tensor, questions, methods=VISUALBERT_METHODS, batch_size: int = 100,
+                           features=None) -> dict:
+    """Image and text maps of every method for every question, for ``shapes-visualbert``.
+
+    As :func:`lxmert_method_maps` (same arguments and returns; ``features`` the frozen ViT's
+    tokens of :func:`lxmert_scene_features`, which ``shapes-visualbert`` reads too, as
+    ``visual_feats``). The maps are the row of the token VisualBERT answers from
+    (``attention_mask.sum(1) - 2``, the ``?``), its own text entry 0
+    (:mod:`vitlab.relevance.visualbert`). One forward (and one backward) per batch and method.
+    """
+    methods = tuple(methods)
+    unknown = [m for m in methods if m not in VISUALBERT_METHODS]
+    if not methods or unknown:
+        raise ValueError(f"methods must be names from {VISUALBERT_METHODS}, got {methods!r}")
+    table = _visualbert_methods()
+    ids, mask, scene = _encoded_questions(model, x.shape[0], questions, "visualbert_method_maps")
+    grid = tuple(int(g) for g in model.backbone.patch_embed.grid_size)
+    feats = (lxmert_scene_features(model, x, batch_size) if features is None else features)[0]
+    out = {}
+    for name in methods:
+        parts = [table[name](model, dict(input_ids=ids[s], attention_mask=mask[s], visual_feats=feats[scene[s]]))
+                 for s in _batches(len(questions), batch_size)]
+        image = torch.cat([p.image for p in parts]).reshape(len(questions), *grid)
+        out[name] = BimodalMaps(image, torch.cat([p.text for p in parts]),
+                                torch.cat([p.target for p in parts]), torch.cat([p.logits for p in parts]))
+    return out
+
+
+def grade_visualbert(model, x: torch.Tensor, masks, questions, methods=VISUALBERT_METHODS, batch_size: int = 100,
+                     min_coverage: float = 0.5, features=None) -> QuestionGrades:
+    """Grade every method's ``shapes-visualbert`` maps against the objects, as :func:`grade_lxmert`.
+
+    Same measures and arguments. Text: the named class word must be the highest of the word
+    tokens; ``[CLS]`` and ``[SEP]`` do not count (VisualBERT's answer row is the ``?``, whose
+    own entry is 0, and its ``[CLS]`` is a token like any other, not the answer's own).
+    """
+    from vitlab.localization import _as_tensor
+
+    masks = _as_tensor(masks)
+    if masks.ndim != 4 or masks.shape[:2] != (x.shape[0], 2):
+        raise ValueError(f"masks must be S x 2 x H x W for the {x.shape[0]} scenes of x, got {tuple(masks.shape)}")
+    maps = visualbert_method_maps(model, x, questions, methods, batch_size, features)
+    _, mask = model.encode(list(questions.text))
+    positions = torch.arange(mask.shape[1])
+    words = (mask == 1) & (positions > 0) & (positions < mask.sum(1, keepdim=True) - 1)
+    return _grade_question_maps(model, maps, masks, questions, min_coverage, words)

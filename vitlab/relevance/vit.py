@@ -4,11 +4,16 @@ modality (eq. 6 over every block), read at the CLS row; and the same rule on the
 blocks adds."""
 from __future__ import annotations
 
-
+import numpy as np
 import torch
 
-from vitlab.attention import _attention_gradients, _in_chunks, checked_layout
+from vitlab.attention import (
+    _attention_gradients, _batches, _in_chunks, attention_gradients, checked_layout, gradcam_cls_row, require_cls,
+)
 from vitlab.relevance.engine import head_averaged_relevance, propagate, self_attention_events
+from vitlab.rollout import (
+    discard_lowest, grad_fuse_heads, max_normalize, residual_normalize, rollout_from_attentions, rollout_row,
+)
 
 
 # --- the ViT case: one modality --------------------------------------------------------------------
@@ -93,3 +98,84 @@ def last_block_relevance(model, x: torch.Tensor, target=None, score: str = "logi
     ag = _attention_gradients(model, x, target, layers=[-1], score=score, method="last_block_relevance")
     abar = head_averaged_relevance(ag.attentions[-1], ag.gradients[-1])  # B x N x N
     return ag.layout.patches_to_grid(abar[:, 0, :])  # CLS row, patch columns: B x gh x gw
+
+
+# ---------------------------------------------------------------------------------------------
+# Every class-specific map of chapter 4 from one recording, graded against masks
+# ---------------------------------------------------------------------------------------------
+
+
+#: The methods :func:`maps_from_gradients` computes, class-agnostic ones first.
+CLASS_METHODS = ("raw attention", "rollout", "GradCAM", "gradient rollout", "Chefer relevance")
+
+
+def maps_from_gradients(ag, rollout_setting: tuple[str, float] = ("mean", 0.0),
+                        grad_discard_ratio: float = 0.0) -> dict[str, torch.Tensor]:
+    """Every map of :data:`CLASS_METHODS` from one :func:`vitlab.attention.attention_gradients`.
+
+    Same numbers as ``raw_attention``, ``rollout(model, x, *rollout_setting)``,
+    ``attention_gradcam``, ``grad_rollout(model, x, target, grad_discard_ratio)`` and
+    ``chefer_relevance`` called on the model, each ``B x gh x gw``; the first two do not
+    depend on the target class.
+    """
+    layout = ag.layout
+    require_cls(layout, "maps_from_gradients")
+    P = layout.num_prefix
+    A_last, G_last = ag.attentions[-1], ag.gradients[-1]
+    grad_layers = [residual_normalize(discard_lowest(grad_fuse_heads(A, G), grad_discard_ratio))
+                   for A, G in zip(ag.attentions, ag.gradients)]
+    return {
+        "raw attention": layout.patches_to_grid(A_last[:, :, 0, :].mean(dim=1)),
+        "rollout": rollout_from_attentions(ag.attentions, layout, *rollout_setting),
+        "GradCAM": layout.patches_to_grid(gradcam_cls_row(A_last[:, :, 0, P:], G_last[:, :, 0, P:])),
+        "gradient rollout": max_normalize(layout.patches_to_grid(rollout_row(grad_layers, index=0))),
+        "Chefer relevance": layout.patches_to_grid(relevance_matrix(ag.attentions, ag.gradients)[:, 0, :]),
+    }
+
+
+def asked_object_maps(model, x: torch.Tensor, labels, batch_size: int = 50,
+                      rollout_setting: tuple[str, float] = ("mean", 0.0),
+                      grad_discard_ratio: float = 0.0, score: str = "logit") -> dict[str, torch.Tensor]:
+    """Every map of :data:`CLASS_METHODS` for every input and every class in ``labels``.
+
+    ``labels``: ``B x K`` classes (e.g. the K objects of each scene). Returns method ->
+    ``B x K x gh x gw``, entry ``[b, k]`` being the map of input b asked for class
+    ``labels[b, k]`` (:func:`maps_from_gradients`). One forward and one backward per batch
+    covers all K asks (the batch is repeated K times). ``score``: what the gradients
+    differentiate, the asked class's ``"logit"`` or its ``"log_probability"``.
+    """
+    labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    if labels.ndim != 2 or labels.shape[0] != x.shape[0]:
+        raise ValueError(f"need labels B x K for B = {x.shape[0]} inputs; got labels {tuple(labels.shape)}")
+    B, K = labels.shape
+    out = {m: [] for m in CLASS_METHODS}
+    for s in _batches(B, batch_size):
+        b = s.stop - s.start
+        xb = x[s].repeat(K, 1, 1, 1)  # ask k occupies rows k*b .. (k+1)*b - 1
+        ag = attention_gradients(model, xb, labels[s].T.reshape(-1), score=score)
+        for name, m in maps_from_gradients(ag, rollout_setting, grad_discard_ratio).items():
+            out[name].append(m.reshape(K, b, *m.shape[1:]).transpose(0, 1))  # b x K x gh x gw
+    return {name: torch.cat(v) for name, v in out.items()}
+
+
+def grade_asked_object(model, x: torch.Tensor, labels, masks, batch_size: int = 50, min_coverage: float = 0.5,
+                       rollout_setting: tuple[str, float] = ("mean", 0.0),
+                       grad_discard_ratio: float = 0.0) -> list[dict]:
+    """For every method of :data:`CLASS_METHODS`: does the map point at the object of the asked class?
+
+    Each scene holds K objects (``labels``: ``B x K`` classes, ``masks``: ``B x K x H x W``).
+    Each object is asked for in turn (``target`` = its class); a method scores a hit when
+    the highest patch of its map lies on the asked object (:func:`pointing_game`).
+    :func:`asked_object_maps` then :func:`grade_asked`; see the latter for the keys.
+    """
+    from vitlab.localization import _as_tensor, grade_asked
+
+    labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
+    masks = _as_tensor(masks)
+    if labels.ndim != 2 or masks.ndim != 4 or masks.shape[:2] != labels.shape or labels.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"need labels B x K and masks B x K x H x W for B = {x.shape[0]} inputs; "
+            f"got labels {tuple(labels.shape)}, masks {tuple(masks.shape)}"
+        )
+    maps = asked_object_maps(model, x, labels, batch_size, rollout_setting, grad_discard_ratio)
+    return grade_asked(maps, masks, min_coverage)

@@ -14,7 +14,7 @@ from seeds that training never uses (training seeds start at 1,000,000):
    often the own object's removal costs more. For a multi-label head: how often removing the
    object switches its class off (probability < 0.5) and removing the other leaves it on;
 4. class-specific explanations on the two-object scenes, each object asked for in turn
-   (:func:`vitlab.chapters.asked_object_maps`): how often the top patch of Chefer relevance
+   (:func:`vitlab.relevance.asked_object_maps`): how often the top patch of Chefer relevance
    and of gradient rollout lies on the asked object (touch: any of its pixels; strict: at least
    half the patch) or on the other one, explaining the class's logit and its log-probability;
 5. the pointing game of the last block's CLS attention, averaged over heads, on the
@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from vitlab.attention import raw_attention
-from vitlab.chapters import asked_object_maps
 from vitlab.localization import TOUCH, grade_asked, mask_to_grid
 from vitlab.localization import pointing_game as pointing_game_on_grid
+from vitlab.relevance import asked_object_maps
 from vitlab.shapes.data import make_scenes, remove_objects, scenes_to_tensor
 from vitlab.targets import SCORES, is_multi_label
 

@@ -1,4 +1,4 @@
-"""vitlab.chapters' chapter-5 helpers: LXMERT and DETR maps graded against the scenes' masks.
+"""vitlab.relevance's grade_lxmert and grade_detr (chapters 9 and 10): LXMERT and DETR maps graded against the scenes' masks.
 
 Each graded entry is checked against the method run on its own (one question or one image at a
 time) and the measure computed here from its definition; the shipped shapes-lxmert /
@@ -12,9 +12,12 @@ import torch
 
 import vitlab
 from conftest import f32_tol, f64_tol, module_depth
-from vitlab import chapters as ch
-from vitlab.localization import TOUCH, mask_to_grid
-from vitlab.relevance import detr_gradcam, detr_relevance, lxmert_relevance, lxmert_rollout
+from vitlab.bimodal_faithfulness import lxmert_answers_without, text_occlusion
+from vitlab.localization import TOUCH, mask_to_grid, object_gaps, top_token_is
+from vitlab.relevance import (
+    detr_gradcam, detr_relevance, grade_detr, grade_lxmert, lxmert_method_maps, lxmert_relevance,
+    lxmert_rollout, lxmert_scene_features, named_word_positions,
+)
 from vitlab.shapes import CLASSES, make_scenes, scenes_to_tensor
 from vitlab.shapes.model import MEAN, STD
 from vitlab.shapes.qa import make_questions
@@ -59,7 +62,7 @@ def on_object(grid_map: torch.Tensor, mask: np.ndarray, min_coverage: float) -> 
 
 def test_named_word_positions_point_at_the_class_word(lxmert, scenes):
     qs = make_questions(scenes, seed=5, per_scene=3)
-    pos = ch.named_word_positions(lxmert.tokenizer, qs)
+    pos = named_word_positions(lxmert.tokenizer, qs)
     for q in range(len(qs)):
         tokens = lxmert.tokenizer.tokenize(qs.text[q])
         if qs.named[q] >= 0:
@@ -70,7 +73,7 @@ def test_named_word_positions_point_at_the_class_word(lxmert, scenes):
 
 def test_grade_lxmert_equals_each_question_on_its_own(lxmert, scenes, x):
     qs = make_questions(scenes, seed=5, per_scene=2)
-    g = ch.grade_lxmert(lxmert, x, scenes.masks, qs, methods=("relevance", "rollout"), batch_size=5,
+    g = grade_lxmert(lxmert, x, scenes.masks, qs, methods=("relevance", "rollout"), batch_size=5,
                         min_coverage=TOUCH)
     assert g.methods == ("relevance", "rollout") and g.on_target.shape == (2, len(qs))
     ids, mask = lxmert.encode(list(qs.text))
@@ -102,14 +105,14 @@ def test_grade_lxmert_equals_each_question_on_its_own(lxmert, scenes, x):
 def test_grade_lxmert_rejects_masks_that_do_not_fit(lxmert, scenes, x):
     qs = make_questions(scenes, seed=5, per_scene=1)
     with pytest.raises(ValueError, match="S x 2 x H x W"):
-        ch.grade_lxmert(lxmert, x, scenes.masks[:, :1], qs)
+        grade_lxmert(lxmert, x, scenes.masks[:, :1], qs)
     with pytest.raises(ValueError, match="methods"):
-        ch.grade_lxmert(lxmert, x, scenes.masks, qs, methods=("nope",))
+        grade_lxmert(lxmert, x, scenes.masks, qs, methods=("nope",))
 
 
 def test_text_occlusion_is_the_logit_drop_of_each_replaced_word(lxmert, scenes, x):
     qs = make_questions(scenes, seed=9, per_scene=1)
-    occ = ch.text_occlusion(lxmert, x, qs, batch_size=4)
+    occ = text_occlusion(lxmert, x, qs, batch_size=4)
     tok = lxmert.tokenizer
     for q in range(len(qs)):
         ids, mask = lxmert.encode([qs.text[q]])
@@ -131,13 +134,13 @@ def test_text_occlusion_is_the_logit_drop_of_each_replaced_word(lxmert, scenes, 
 
 def test_top_token_is():
     s = torch.tensor([[float("nan"), 1.0, 3.0], [5.0, 2.0, 1.0], [0.0, 1.0, 2.0]])
-    assert ch.top_token_is(s, [2, 0, -1]).tolist() == [True, True, False]
+    assert top_token_is(s, [2, 0, -1]).tolist() == [True, True, False]
     valid = torch.tensor([[True] * 3, [False, True, True], [True] * 3])
-    assert ch.top_token_is(s, [2, 0, 2], valid).tolist() == [True, False, True]
+    assert top_token_is(s, [2, 0, 2], valid).tolist() == [True, False, True]
 
 
 def test_grade_detr_equals_each_image_on_its_own(detr, scenes, x):
-    g = ch.grade_detr(detr, x, scenes.masks, scenes.labels, threshold=0.5,
+    g = grade_detr(detr, x, scenes.masks, scenes.labels, threshold=0.5,
                       methods=("relevance", "GradCAM"), batch_size=4)
     assert len(g.scene) > 0 and g.on_detected.shape == (2, len(g.scene))
     with torch.no_grad():
@@ -186,11 +189,11 @@ def test_object_gaps_measures_the_shortest_pixel_distance():
     masks[0, 1, 2:5, 9:12] = True      # columns 4 and 9: 5 pixels apart
     masks[1, 0, 0:3, 0:3] = True
     masks[1, 1, 6:9, 6:9] = True       # (2, 2) to (6, 6): diagonal 4 * sqrt(2)
-    np.testing.assert_allclose(ch.object_gaps(masks), [5.0, 4 * np.sqrt(2)])
+    np.testing.assert_allclose(object_gaps(masks), [5.0, 4 * np.sqrt(2)])
     masks[0, 1] = masks[0, 0]
-    assert ch.object_gaps(masks)[0] == 0
+    assert object_gaps(masks)[0] == 0
     with pytest.raises(ValueError, match="S x 2"):
-        ch.object_gaps(masks[:, :1])
+        object_gaps(masks[:, :1])
 
 
 def test_answers_without_hidden_tokens_equal_a_model_that_never_saw_them(lxmert, scenes, x):
@@ -200,8 +203,8 @@ def test_answers_without_hidden_tokens_equal_a_model_that_never_saw_them(lxmert,
     n = 49
     g = torch.Generator().manual_seed(0)
     drop = torch.rand(len(qs), n, generator=g) < 0.3
-    got = ch.lxmert_answers_without(lxmert, x, qs, drop, batch_size=5)
-    none = ch.lxmert_answers_without(lxmert, x, qs, torch.zeros(len(qs), n, dtype=torch.bool))
+    got = lxmert_answers_without(lxmert, x, qs, drop, batch_size=5)
+    none = lxmert_answers_without(lxmert, x, qs, torch.zeros(len(qs), n, dtype=torch.bool))
     ids, mask = lxmert.encode(list(qs.text))
     with torch.no_grad():
         for q in range(len(qs)):
@@ -213,20 +216,20 @@ def test_answers_without_hidden_tokens_equal_a_model_that_never_saw_them(lxmert,
             full = lxmert(pixel_values=x[qs.scene[q]][None], input_ids=a, attention_mask=m)
             assert int(none[q]) == int(full.question_answering_score.argmax())
     with pytest.raises(ValueError, match="Q x N"):
-        ch.lxmert_answers_without(lxmert, x, qs, drop[:, :5])
+        lxmert_answers_without(lxmert, x, qs, drop[:, :5])
 
 
 def test_precomputed_scene_features_give_the_same_results(lxmert, scenes, x):
     qs = make_questions(scenes, seed=13, per_scene=2)
-    features = ch.lxmert_scene_features(lxmert, x, batch_size=4)
+    features = lxmert_scene_features(lxmert, x, batch_size=4)
     assert features[0].shape[:2] == (len(x), 49) and features[1].shape == (len(x), 49, 4)
     drop = torch.zeros(len(qs), 49, dtype=torch.bool)
     drop[:, :10] = True
-    assert torch.equal(ch.lxmert_answers_without(lxmert, x, qs, drop, features=features),
-                       ch.lxmert_answers_without(lxmert, x, qs, drop))
-    occ = ch.text_occlusion(lxmert, x, qs)
-    torch.testing.assert_close(ch.text_occlusion(lxmert, x, qs, features=features), occ, equal_nan=True,
+    assert torch.equal(lxmert_answers_without(lxmert, x, qs, drop, features=features),
+                       lxmert_answers_without(lxmert, x, qs, drop))
+    occ = text_occlusion(lxmert, x, qs)
+    torch.testing.assert_close(text_occlusion(lxmert, x, qs, features=features), occ, equal_nan=True,
                                **f32_tol(occ, 1))  # float64 drops, each rounded once to float32
-    a = ch.lxmert_method_maps(lxmert, x, qs, methods=("relevance",), features=features)["relevance"]
-    b = ch.lxmert_method_maps(lxmert, x, qs, methods=("relevance",))["relevance"]
+    a = lxmert_method_maps(lxmert, x, qs, methods=("relevance",), features=features)["relevance"]
+    b = lxmert_method_maps(lxmert, x, qs, methods=("relevance",))["relevance"]
     torch.testing.assert_close(a.image, b.image, **f64_tol(b.image, depth(lxmert, True)))

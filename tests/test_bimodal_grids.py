@@ -1,4 +1,4 @@
-"""vitlab.chapters' chapter-5 helpers for VisualBERT, the perturbation grid and the rule ablations.
+"""Chapter 9's many-maps helpers: VisualBERT's grades, the perturbation grid and the rule ablations.
 
 The grid is checked against vitlab.bimodal_faithfulness.perturbation_curve (one curve at a time)
 and against a plain loop that deletes the tokens and reruns the model question by question;
@@ -13,9 +13,11 @@ from transformers import LxmertConfig, LxmertForQuestionAnswering, VisualBertCon
 
 import vitlab
 from vitlab import bimodal_faithfulness as bf
-from vitlab import chapters as ch
-from vitlab.localization import TOUCH, mask_to_grid
-from vitlab.relevance import lxmert_relevance, visualbert_gradcam, visualbert_relevance
+from vitlab.localization import TOUCH, map_change, mask_to_grid, paired_difference
+from vitlab.relevance import (
+    LXMERT_ABLATIONS, grade_visualbert, lxmert_relevance, lxmert_relevance_variants, visualbert_gradcam,
+    visualbert_relevance,
+)
 from vitlab.shapes import make_scenes, scenes_to_tensor
 from vitlab.shapes.model import MEAN, STD
 from vitlab.shapes.qa import make_questions
@@ -73,8 +75,8 @@ def test_the_grid_equals_each_curve_the_plain_loop_and_its_questions_alone(famil
     maps = random_maps(inputs)
     keep_end = 1 if family == "lxmert" else 2
     answers = torch.randint(0, 6, (inputs["input_ids"].shape[0],), generator=torch.Generator().manual_seed(5))
-    grid = ch.perturbation_grid(model, inputs, maps, answers, keep_end=keep_end, batch_size=5)
-    assert set(grid) == {(m, mod, pos) for m in maps for mod, pos in ch.PERTURBATION_TESTS}
+    grid = bf.perturbation_grid(model, inputs, maps, answers, keep_end=keep_end, batch_size=5)
+    assert set(grid) == {(m, mod, pos) for m in maps for mod, pos in bf.PERTURBATION_TESTS}
     checked = [(m, mod, pos) for m, mod, pos in grid if m == "a" or (m == "b" and mod == "text")]
     for name, modality, positive in checked + [("flat", "image", True)]:
         curve = grid[name, modality, positive]
@@ -88,7 +90,7 @@ def test_the_grid_equals_each_curve_the_plain_loop_and_its_questions_alone(famil
         assert grid[name, modality, positive].predictions.numpy().tolist() == loop.tolist()
     assert len(set(grid["a", "image", True].predictions.flatten().tolist())) > 1   # the answers do vary
     rows = [1, 4]                                                      # batch = items
-    sub = ch.perturbation_grid(model, {k: v[rows] for k, v in inputs.items()},
+    sub = bf.perturbation_grid(model, {k: v[rows] for k, v in inputs.items()},
                                {m: {k: v[rows] for k, v in d.items()} for m, d in maps.items()}, answers[rows],
                                keep_end=keep_end)
     for key, curve in sub.items():
@@ -100,17 +102,17 @@ def test_the_grid_leaves_the_model_as_it_was_and_refuses_bad_maps():
     maps = random_maps(inputs)
     model.train()
     answers = torch.zeros(7, dtype=torch.long)
-    ch.perturbation_grid(model, inputs, {"a": maps["a"]}, answers, tests=[("image", True)])
+    bf.perturbation_grid(model, inputs, {"a": maps["a"]}, answers, tests=[("image", True)])
     assert model.training
     model.eval()
     with pytest.raises(ValueError, match="has no 'text' map"):
-        ch.perturbation_grid(model, inputs, {"a": {"image": maps["a"]["image"]}}, answers)
+        bf.perturbation_grid(model, inputs, {"a": {"image": maps["a"]["image"]}}, answers)
     bad = {"image": maps["a"]["image"].clone(), "text": maps["a"]["text"]}
     bad["image"][2, 1] = float("nan")
     with pytest.raises(ValueError, match="NaN or inf"):
-        ch.perturbation_grid(model, inputs, {"bad": bad}, answers)
+        bf.perturbation_grid(model, inputs, {"bad": bad}, answers)
     with pytest.raises(ValueError, match="at least one"):
-        ch.perturbation_grid(model, inputs, {}, answers)
+        bf.perturbation_grid(model, inputs, {}, answers)
 
 
 def curve(correct, positive=True):
@@ -125,32 +127,32 @@ def test_verdicts_rows_and_paired_differences_are_the_bootstrap_of_the_right_val
     roll = curve([[1, 1, 0]] * 8)                                       # .75
     rand = curve([[1, 1, 1]] * 8)                                       # 1
     curves = {("relevance", "image", True): rel, ("rollout", "image", True): roll, ("random", "image", True): rand}
-    (v,) = ch.perturbation_verdicts(curves, tests=[("image", True)])
+    (v,) = bf.perturbation_verdicts(curves, tests=[("image", True)])
     assert v.best_other == "rollout" and v.auc == pytest.approx(0.375) and v.best_auc == pytest.approx(0.75)
     lo, hi = bf.bootstrap_interval(rel.question_auc - roll.question_auc)
     assert (v.low, v.high) == (lo, hi) and v.holds and not v.tie and hi < 0
-    mean, lo2, hi2 = ch.paired_difference(rel.question_auc, roll.question_auc)
+    mean, lo2, hi2 = paired_difference(rel.question_auc, roll.question_auc)[:3]
     assert mean == pytest.approx(-0.375) and (lo2, hi2) == (lo, hi)
     # on negative the best other is the highest AUC, and relevance is worse: does not hold
     neg = {(k[0], "image", False): bf.PerturbationCurve("image", False, c.steps, c.correct, c.kept, c.predictions)
            for k, c in curves.items()}
-    (w,) = ch.perturbation_verdicts(neg, tests=[("image", False)])
+    (w,) = bf.perturbation_verdicts(neg, tests=[("image", False)])
     assert w.best_other == "random" and not w.holds and w.high < 0
-    (row,) = [r for r in ch.perturbation_rows(curves, tests=[("image", True)]) if r["method"] == "rollout"]
+    (row,) = [r for r in bf.perturbation_rows(curves, tests=[("image", True)]) if r["method"] == "rollout"]
     lo3, hi3 = bf.bootstrap_interval(roll.question_auc)
     assert row["image pos ↓"] == f"0.750 [{lo3:.3f}, {hi3:.3f}]"
     with pytest.raises(ValueError, match="no other method"):
-        ch.perturbation_verdicts({("relevance", "image", True): rel}, tests=[("image", True)])
+        bf.perturbation_verdicts({("relevance", "image", True): rel}, tests=[("image", True)])
 
 
 def test_map_change():
     a = torch.tensor([[0.0, 1.0, 3.0], [2.0, 2.0, 0.0]])
     b = torch.tensor([[0.0, 3.0, 1.0], [1.0, 1.0, 0.0]])
-    c = ch.map_change(a, b)
+    c = map_change(a, b)
     assert c["top_moved"].tolist() == [True, False]
     assert c["l1"] == pytest.approx([1.0, 0.0])                          # |.25-.75| + |.75-.25|; same shares
     with pytest.raises(ValueError, match="same shape"):
-        ch.map_change(a, b[:, :2])
+        map_change(a, b[:, :2])
 
 
 # ---------------------------------------------------------------- the shipped models
@@ -176,7 +178,7 @@ def test_grade_visualbert_equals_each_question_on_its_own(scenes, x):
     vb = vitlab.load_model("shapes-visualbert").double()
     depth = module_depth(vb, tokens=60, grad=True)  # 49 patches and a question
     qs = make_questions(scenes, seed=4, per_scene=2)
-    g = ch.grade_visualbert(vb, x, scenes.masks, qs, methods=("relevance", "GradCAM"), batch_size=4,
+    g = grade_visualbert(vb, x, scenes.masks, qs, methods=("relevance", "GradCAM"), batch_size=4,
                             min_coverage=TOUCH)
     assert g.methods == ("relevance", "GradCAM") and g.on_target.shape == (2, len(qs))
     ids, mask = vb.encode(list(qs.text))
@@ -206,11 +208,11 @@ def test_relevance_variants_are_lxmert_relevance_with_each_switch(scenes, x):
     lx = vitlab.load_model("shapes-lxmert").double()
     depth = module_depth(lx, tokens=60, grad=True)
     qs = make_questions(scenes, seed=4, per_scene=1)
-    variants = ch.lxmert_relevance_variants(lx, x, qs, batch_size=3)
-    assert list(variants) == list(ch.LXMERT_ABLATIONS)
+    variants = lxmert_relevance_variants(lx, x, qs, batch_size=3)
+    assert list(variants) == list(LXMERT_ABLATIONS)
     ids, mask = lx.encode(list(qs.text))
     xq = x[torch.as_tensor(qs.scene)]
-    for name, kwargs in ch.LXMERT_ABLATIONS.items():
+    for name, kwargs in LXMERT_ABLATIONS.items():
         ref = lxmert_relevance(lx, dict(pixel_values=xq, input_ids=ids, attention_mask=mask), **kwargs)
         tol = f64_tol([ref.image, ref.text], depth)
         torch.testing.assert_close(variants[name].image.flatten(1), ref.image, **tol)
