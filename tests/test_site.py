@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import http.server
 import json
+import re
 import shutil
 import subprocess
 import threading
@@ -93,6 +94,27 @@ def test_every_notebook_is_a_chapter_and_cites_the_papers_of_its_header():
         intro = " ".join(intro.split())                                        # titles wrap across lines
         for paper in ch.papers:
             assert paper.cite in intro, f"{ch.stem}: its first cell does not cite {paper.label}"
+
+
+def test_every_chapter_names_the_modules_it_calls():
+    """The header's "Code behind it" line: each path exists, and the chapter's code cells use a
+    name defined in that module (so a reader who opens the file finds what the chapter calls)."""
+    import importlib
+    import inspect
+
+    root = ROOT
+    for ch in site.CHAPTERS:
+        assert ch.code, f"{ch.stem}: no module named in its header"
+        nb = json.loads((ROOT / "notebooks" / f"{ch.stem}.ipynb").read_text())
+        code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+        for path in ch.code:
+            assert (root / path).exists(), f"{ch.stem}: {path} does not exist"
+            mod = importlib.import_module(path.rstrip("/").removesuffix(".py").replace("/", "."))
+            defined = {n for n, v in vars(mod).items() if not n.startswith("_")
+                       and (inspect.isfunction(v) or inspect.isclass(v))
+                       and (getattr(v, "__module__", "") or "").startswith(mod.__name__)}
+            used = {n for n in defined if re.search(rf"\b{n}\b", code)}
+            assert used, f"{ch.stem}: names none of {path}'s functions in its code cells"
 
 
 def test_code_spans_naming_a_notebook_become_links(tmp_path):

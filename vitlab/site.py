@@ -55,6 +55,7 @@ class Chapter:
     learn: str
     papers: tuple[Paper, ...]
     solutions: str | None       # path from notebooks/, or None
+    code: tuple[str, ...] = ()  # the vitlab modules behind the chapter, main one first (paths from the root)
 
 
 _BLOG = Paper("Jacob Gildenblat (2020), *Exploring Explainability for Vision Transformers* "
@@ -78,24 +79,28 @@ CHAPTERS: tuple[Chapter, ...] = (
              _DARCET,
              Paper("Nelson Elhage et al. (2021), *A Mathematical Framework for Transformer Circuits*",
                    "https://transformer-circuits.pub/2021/framework/index.html", "Elhage")),
-            "solutions/00_vit_primer_solutions.ipynb"),
+            "solutions/00_vit_primer_solutions.ipynb",
+            code=("vitlab/record/", "vitlab/layout.py", "vitlab/attention.py")),
     Chapter("01_qk_sign_patterns",
             "where a head's attention comes from (queries times keys, channel by channel), how to "
             "look at one channel as an image, and how to find the blog's one-way and two-flow "
             "channels with a score instead of by eye",
-            (_BLOG,), "solutions/01_qk_sign_patterns_solutions.ipynb"),
+            (_BLOG,), "solutions/01_qk_sign_patterns_solutions.ipynb",
+            code=("vitlab/attention.py", "vitlab/widgets.py")),
     Chapter("02_cls_attention_by_layer",
             "the class token's attention in every block and head, its entropy, and the share of it "
             "that lands on the object, measured on scenes with known masks, with intervals; what else a "
             "bright patch can be (high-norm tokens)",
-            (_BLOG, _DARCET), "solutions/02_cls_attention_by_layer_solutions.ipynb"),
+            (_BLOG, _DARCET), "solutions/02_cls_attention_by_layer_solutions.ipynb",
+            code=("vitlab/attention.py", "vitlab/localization.py", "vitlab/widgets.py")),
     Chapter("03_attention_rollout",
             "attention rollout through the residual stream, the blog's head fusion and discarding, "
             "what vitlab does differently from the reference code, and how to grade the settings "
             "on held-out scenes, with intervals and paired differences",
             (Paper("Samira Abnar & Willem Zuidema (ACL 2020), *Quantifying Attention Flow in "
                    "Transformers*", "https://arxiv.org/abs/2005.00928", "Abnar"),
-             _BLOG), "solutions/03_attention_rollout_solutions.ipynb"),
+             _BLOG), "solutions/03_attention_rollout_solutions.ipynb",
+            code=("vitlab/rollout.py", "vitlab/localization.py")),
     Chapter("03a_appendix_token_offsets",
             "which pixels a token stands for: where a convolutional stem centres each token, how far "
             "its input gradient reaches (its footprint, measured), and how the grades against masks "
@@ -105,13 +110,15 @@ CHAPTERS: tuple[Chapter, ...] = (
              Paper("Wenjie Luo, Yujia Li, Raquel Urtasun & Richard Zemel (NeurIPS 2016), *Understanding "
                    "the Effective Receptive Field in Deep Convolutional Neural Networks*",
                    "https://arxiv.org/abs/1701.04128", "Effective Receptive Field")),
-            "solutions/03a_appendix_token_offsets_solutions.ipynb"),
+            "solutions/03a_appendix_token_offsets_solutions.ipynb",
+            code=("vitlab/layout.py", "vitlab/localization.py")),
     Chapter("04_class_specific_maps",
             "class-specific maps: the blog's gradient rollout and Chefer et al.'s relevance (eq. 5-6), "
             "what the reference code gets wrong, how often each map points at the object asked for "
             "(with intervals) and why GradCAM points at the other one, and what a class's logit must "
             "mean for its map (sigmoid and softmax heads, the log-probability)",
-            (_BLOG, _CHEFER_GENERIC), "solutions/04_class_specific_maps_solutions.ipynb"),
+            (_BLOG, _CHEFER_GENERIC), "solutions/04_class_specific_maps_solutions.ipynb",
+            code=("vitlab/relevance/vit.py", "vitlab/rollout.py", "vitlab/localization.py")),
     Chapter("05_faithfulness_saco",
             "plausible against faithful maps: cumulative perturbation curves, SaCo computed by hand "
             "and with vitlab, input x gradient and Integrated Gradients, and a leaderboard of the "
@@ -126,7 +133,8 @@ CHAPTERS: tuple[Chapter, ...] = (
              Paper("Mukund Sundararajan, Ankur Taly & Qiqi Yan (ICML 2017), *Axiomatic Attribution "
                    "for Deep Networks*", "https://arxiv.org/abs/1703.01365",
                    "Axiomatic Attribution for Deep Networks")),
-            "solutions/05_faithfulness_saco_solutions.ipynb"),
+            "solutions/05_faithfulness_saco_solutions.ipynb",
+            code=("vitlab/faithfulness.py", "vitlab/evaluate.py", "vitlab/gradients.py")),
     Chapter("06_lrp_route",
             "layer-wise relevance propagation built up from conservation on a two-layer network "
             "(the z and z+ rules, checked by hand), the rules a transformer needs (attention "
@@ -141,7 +149,8 @@ CHAPTERS: tuple[Chapter, ...] = (
                    "Transformer Interpretability Beyond Attention Visualization"),
              Paper("Reduan Achtibat et al. (ICML 2024), *AttnLRP: Attention-Aware Layer-Wise Relevance "
                    "Propagation for Transformers*", "https://arxiv.org/abs/2402.05602", "AttnLRP: Attention-Aware")),
-            "solutions/06_lrp_route_solutions.ipynb"),
+            "solutions/06_lrp_route_solutions.ipynb",
+            code=("vitlab/lrp.py", "vitlab/evaluate.py")),
     Chapter("07_class_embedding_projection",
             "every token's hidden state, block by block, read as class scores through the model's "
             "own norm and head: identifiability on and off the object, attention against MLP, "
@@ -150,7 +159,8 @@ CHAPTERS: tuple[Chapter, ...] = (
             (Paper("Martina G. Vilas, Timothy Schaumlöffel & Gemma Roig (NeurIPS 2023), *Analyzing "
                    "Vision Transformers for Image Classification in Class Embedding Space*",
                    "https://arxiv.org/abs/2310.18969", "Vilas"),),
-            "solutions/07_class_embedding_projection_solutions.ipynb"),
+            "solutions/07_class_embedding_projection_solutions.ipynb",
+            code=("vitlab/projection.py",)),
     Chapter("08_activation_maximisation",
             "images optimised to make one unit or class fire (the FFT parametrisation), why they come "
             "out patchy, how to measure the patch seams, and what a continuity constraint between "
@@ -159,21 +169,36 @@ CHAPTERS: tuple[Chapter, ...] = (
                    "https://arxiv.org/abs/2212.06727", "Ghiasi"),
              Paper("Chris Olah, Alexander Mordvintsev & Ludwig Schubert (Distill 2017), *Feature "
                    "Visualization*", "https://distill.pub/2017/feature-visualization/", "Olah")),
-            "solutions/08_activation_maximisation_solutions.ipynb"),
+            "solutions/08_activation_maximisation_solutions.ipynb",
+            code=("vitlab/actmax/",)),
     Chapter("09_bimodal_relevance",
-            "relevance for models that read text and image (VisualBERT's one stream, LXMERT's "
-            "co-attention) and for a decoder (DETR): the update rules on a toy graph and each one "
-            "switched off, maps per question and per detected object, graded by pointing, by the "
-            "paper's per-modality perturbation tests against attention and LRP baselines, and as "
-            "segmentations",
+            "relevance for models that read a question and an image, LXMERT (co-attention) and "
+            "VisualBERT (one stream): the update rules worked out on a toy graph, image and text maps "
+            "per question, graded by pointing at the answer's object, by hiding the top patch and by "
+            "the paper's per-modality perturbation tests against attention and LRP baselines",
             (_CHEFER_GENERIC,
              Paper("Liunian Harold Li et al. (2019), *VisualBERT: A Simple and Performant Baseline for "
                    "Vision and Language*", "https://arxiv.org/abs/1908.03557", "Li"),
              Paper("Hao Tan & Mohit Bansal (EMNLP 2019), *LXMERT: Learning Cross-Modality Encoder "
-                   "Representations from Transformers*", "https://arxiv.org/abs/1908.07490", "Tan & Bansal"),
+                   "Representations from Transformers*", "https://arxiv.org/abs/1908.07490", "Tan & Bansal")),
+            "solutions/09_bimodal_relevance_solutions.ipynb",
+            code=("vitlab/relevance/lxmert.py", "vitlab/relevance/visualbert.py", "vitlab/bimodal_faithfulness.py", "vitlab/bimodal_lrp.py")),
+    Chapter("09a_appendix_bimodal_ablations",
+            "what each of LXMERT's relevance rules changes when it is switched off (eq. 10's "
+            "self-relevance, eq. 11, the order of the two co-attention directions), which word an answer "
+            "depends on when the words are hidden one at a time, and how much the corner patches, "
+            "background in most scenes, weigh in the maps and the answers",
+            (_CHEFER_GENERIC,), "solutions/09a_appendix_bimodal_ablations_solutions.ipynb",
+            code=("vitlab/relevance/lxmert.py", "vitlab/bimodal_faithfulness.py")),
+    Chapter("10_detr",
+            "relevance for an encoder-decoder, the detector DETR: the rules for object queries that "
+            "attend to an encoded image, one map per detected object, graded by pointing and, as the "
+            "paper does, as a segmentation of the object (mask IoU, mask AP) against its baselines",
+            (_CHEFER_GENERIC,
              Paper("Nicolas Carion et al. (ECCV 2020), *End-to-End Object Detection with Transformers* "
                    "(DETR)", "https://arxiv.org/abs/2005.12872", "Carion")),
-            "solutions/09_bimodal_relevance_solutions.ipynb"),
+            "solutions/10_detr_solutions.ipynb",
+            code=("vitlab/relevance/detr.py",)),
     Chapter("11_clip",
             "what a map of an image-text pair means in a dual encoder, Chefer et al.'s rule on both of "
             "CLIP's towers (and which blocks it should walk), raw attention, rollout, GradCAM, Grad-ECLIP, "
@@ -192,7 +217,8 @@ CHAPTERS: tuple[Chapter, ...] = (
              Paper("Yossi Gandelsman, Alexei A. Efros & Jacob Steinhardt (ICLR 2024), *Interpreting CLIP's Image "
                    "Representation via Text-Based Decomposition*", "https://arxiv.org/abs/2310.05916",
                    "Interpreting CLIP's Image Representation")),
-            "solutions/11_clip_solutions.ipynb"),
+            "solutions/11_clip_solutions.ipynb",
+            code=("vitlab/relevance/clip.py", "vitlab/gradeclip.py", "vitlab/legrad.py", "vitlab/clip_decomposition.py")),
 )
 
 
@@ -232,6 +258,7 @@ def header_markdown(ch: Chapter, times: dict) -> str:
         HEADER_MARK,
         f"- **You will learn:** {ch.learn}.",
         f"- **Follows:** {papers}.",
+        f"- **Code behind it:** {', '.join(f'`{m}`' for m in ch.code)}.",
         f"- **Run time:** {_run_time(ch.stem, times)}.",
         f"- **Solutions:** {solutions}.",
         ("- **Run it yourself:** `bash scripts/setup.sh`, then `.venv/bin/jupyter lab` and open "
