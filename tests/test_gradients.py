@@ -122,5 +122,8 @@ def test_integrated_gradients_batch_model_errors(vit, x):
         integrated_gradients(vit, x, steps=0)
     with pytest.raises(ValueError, match="baseline"):
         integrated_gradients(vit, x, baseline=float("nan"))
+    for size in (0, -1, 2.5, True):                     # 0 used to mean "64" silently
+        with pytest.raises(ValueError, match="internal_batch_size must be an int >= 1"):
+            integrated_gradients(vit, x, internal_batch_size=size)
     with pytest.raises(ValueError, match="outside the model's classes"):
         integrated_gradients(vit, x, target=7)

@@ -112,9 +112,12 @@ def integrated_gradients(model, x: torch.Tensor, target=None, score: str = "logi
     if not isinstance(baseline, (int, float)) or isinstance(baseline, bool) or not torch.isfinite(
             torch.tensor(float(baseline))):
         raise ValueError(f"baseline must be a finite number, got {baseline!r}")
+    if internal_batch_size is not None and (isinstance(internal_batch_size, bool)
+                                            or not isinstance(internal_batch_size, int) or internal_batch_size < 1):
+        raise ValueError(f"internal_batch_size must be an int >= 1 (or None for 64), got {internal_batch_size!r}")
+    size = 64 if internal_batch_size is None else internal_batch_size
 
     def attribute(forward, inputs, t):
-        size = internal_batch_size or 64
         return IntegratedGradients(forward).attribute(inputs, baselines=float(baseline), target=t,
                                                       n_steps=steps, internal_batch_size=size)
     return _attribute(model, x, target, score, pixels, "integrated_gradients", attribute)
