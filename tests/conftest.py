@@ -186,3 +186,17 @@ def vit():
 def x():
     """Three 32 x 32 inputs for :func:`vit`."""
     return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="module")
+def vit64(vit):
+    """:func:`vit` in float64 (a copy), for checks that must agree exactly away from rounding ties."""
+    import copy
+
+    return copy.deepcopy(vit).double()
+
+
+@pytest.fixture(scope="module")
+def x64(x):
+    """:func:`x` in float64."""
+    return x.double()

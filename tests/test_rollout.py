@@ -34,19 +34,9 @@ from conftest import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# Rollout on models runs in float64 here: the discard ratio ranks the fused attention, and the method
-# and the NumPy reference (from a recording of its own) agree exactly only away from rounding ties.
-@pytest.fixture(scope="module")
-def vit64(vit):
-    import copy
-
-    return copy.deepcopy(vit).double()
-
-
-@pytest.fixture(scope="module")
-def x64(x):
-    return x.double()
-
+# Rollout on models runs in float64 here (conftest's vit64 / x64): the discard ratio ranks the fused
+# attention, and the method and the NumPy reference (from a recording of its own) agree exactly only
+# away from rounding ties.
 
 # the tiny ViT's forward (or forward and backward), then per block a head fusion over 3 and a
 # product over 17 tokens

@@ -14,22 +14,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # SaCo compares group drops (d_i >= d_j): the method and the loop (or a batch and its items) agree
-# exactly only away from rounding ties, so those checks run the tiny ViT in float64, whose logits are
+# exactly only away from rounding ties, so those checks run the tiny ViT in float64 (conftest's vit64), whose logits are
 # then the same on every CPU to ~1e-16 (the method reads them rounded to float32, the loop in float64:
 # the comparisons agree unless two drops tie within 1e-7). SaCo (|.| <= 1) is returned in float32:
 # one rounding.
-@pytest.fixture(scope="module")
-def vit64(vit):
-    import copy
-
-    return copy.deepcopy(vit).double()
-
-
-@pytest.fixture(scope="module")
-def x64(x):
-    return x.double()
-
-
 SACO_TOL = f32_tol(1.0, 1)
 # LinearProb's probability: a sum over 64 pixels, then log, softmax and exp (a few roundings each)
 LINEAR_DEPTH = 64 + 8

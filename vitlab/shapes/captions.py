@@ -45,7 +45,7 @@ from numbers import Integral
 import numpy as np
 
 from vitlab.shapes.data import CLASSES, Scenes
-from vitlab.shapes.qa import CELLS, cell_of, object_boxes
+from vitlab.shapes.qa import CELLS, cell_of, decode_row, object_boxes, pad_rows
 
 __all__ = [
     "CAPTION_KINDS",
@@ -344,20 +344,8 @@ class CaptionTokenizer:
                     raise ValueError(f"the text {s!r} has {len(t) - 2} words and punctuation marks, but the model "
                                      f"reads at most {max_length - 2} ({max_length} tokens with <start> and <end>); "
                                      "give a shorter text")
-        width = max(len(t) for t in toks)
-        ids = np.full((len(toks), width), self.pad_id, dtype=np.int64)
-        mask = np.zeros((len(toks), width), dtype=np.int64)
-        for r, t in enumerate(toks):
-            ids[r, : len(t)] = t
-            mask[r, : len(t)] = 1
-        return ids, mask
+        return pad_rows(toks, self.pad_id)
 
     def decode(self, ids) -> str:
         """The words of one row of ids, without ``<pad>``, ``<start>`` and ``<end>``, space-joined."""
-        skip = {self.pad_id, self.start_id, self.end_id}
-        ids = [int(i) for i in np.asarray(ids).ravel()]
-        unknown = [i for i in ids if not 0 <= i < len(self.vocab)]
-        if unknown:
-            raise ValueError(f"token id {unknown[0]} is not in this tokenizer's vocabulary (ids 0 .. "
-                             f"{len(self.vocab) - 1}); decode ids this tokenizer encoded")
-        return " ".join(self.vocab[i] for i in ids if i not in skip)
+        return decode_row(self.vocab, ids, {self.pad_id, self.start_id, self.end_id})

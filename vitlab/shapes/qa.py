@@ -242,6 +242,30 @@ def make_questions(scenes: Scenes, seed: int, per_scene: int = 3, kinds=QUESTION
     )
 
 
+
+def pad_rows(toks, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token-id lists padded on the right with ``pad_id`` to the longest: ``(ids, mask)``, both
+    ``n x L`` int64, the mask 1 over the real tokens (the word tokenizers of questions and captions)."""
+    width = max(len(t) for t in toks)
+    ids = np.full((len(toks), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(toks), width), dtype=np.int64)
+    for r, t in enumerate(toks):
+        ids[r, : len(t)] = t
+        mask[r, : len(t)] = 1
+    return ids, mask
+
+
+def decode_row(vocab, ids, skip) -> str:
+    """The words of one row of ``ids`` over ``vocab``, leaving out the ids in ``skip``, space-joined;
+    an id outside the vocabulary raises ``ValueError``."""
+    ids = [int(i) for i in np.asarray(ids).ravel()]
+    unknown = [i for i in ids if not 0 <= i < len(vocab)]
+    if unknown:
+        raise ValueError(f"token id {unknown[0]} is not in this tokenizer's vocabulary (ids 0 .. "
+                         f"{len(vocab) - 1}); decode ids this tokenizer encoded")
+    return " ".join(vocab[i] for i in ids if i not in skip)
+
+
 class WordTokenizer:
     """A word-level tokenizer over a fixed vocabulary (no download).
 
@@ -306,20 +330,8 @@ class WordTokenizer:
                     raise ValueError(
                         f"the question {s!r} has {len(t) - 2} words and punctuation marks, but the model reads "
                         f"at most {max_length - 2} ({max_length} tokens with [CLS] and [SEP]); ask a shorter question")
-        width = max(len(t) for t in toks)
-        ids = np.full((len(toks), width), self.pad_id, dtype=np.int64)
-        mask = np.zeros((len(toks), width), dtype=np.int64)
-        for r, t in enumerate(toks):
-            ids[r, : len(t)] = t
-            mask[r, : len(t)] = 1
-        return ids, mask
+        return pad_rows(toks, self.pad_id)
 
     def decode(self, ids) -> str:
         """The words of one row of ids, without ``[PAD]``, ``[CLS]`` and ``[SEP]``, space-joined."""
-        skip = {self.pad_id, self.cls_id, self.sep_id}
-        ids = [int(i) for i in np.asarray(ids).ravel()]
-        unknown = [i for i in ids if not 0 <= i < len(self.vocab)]
-        if unknown:
-            raise ValueError(f"token id {unknown[0]} is not in this tokenizer's vocabulary (ids 0 .. "
-                             f"{len(self.vocab) - 1}); decode ids this tokenizer encoded")
-        return " ".join(self.vocab[i] for i in ids if i not in skip)
+        return decode_row(self.vocab, ids, {self.pad_id, self.cls_id, self.sep_id})
