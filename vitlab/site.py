@@ -69,9 +69,8 @@ _DARCET = Paper("Timothée Darcet et al. (ICLR 2024), *Vision Transformers Need 
 
 CHAPTERS: tuple[Chapter, ...] = (
     Chapter("00_vit_primer",
-            "how a ViT turns an image into tokens (patches and prefix tokens), what position "
-            "embeddings, blocks, the residual stream and heads do, and how to read the attention "
-            "matrix and its class-token row; the series' conventions and its map",
+            "how a ViT turns an image into tokens, what position embeddings, blocks, the residual "
+            "stream and heads do, and how to read the attention matrix and its class-token row",
             (Paper("Alexey Dosovitskiy et al. (ICLR 2021), *An Image is Worth 16x16 Words*",
                    "https://arxiv.org/abs/2010.11929", "Dosovitskiy"),
              Paper("Hugo Touvron et al. (ICML 2021), *Training data-efficient image transformers & "
@@ -113,17 +112,15 @@ CHAPTERS: tuple[Chapter, ...] = (
             "solutions/03a_appendix_token_offsets_solutions.ipynb",
             code=("vitlab/layout.py", "vitlab/localization.py")),
     Chapter("04_class_specific_maps",
-            "class-specific maps: the blog's gradient rollout and Chefer et al.'s relevance (eq. 5-6), "
-            "what the reference code gets wrong, how often each map points at the object asked for "
-            "(with intervals) and why GradCAM points at the other one, and what a class's logit must "
-            "mean for its map (sigmoid and softmax heads, the log-probability)",
+            "the blog's gradient rollout and Chefer et al.'s relevance (eq. 5-6), what the reference "
+            "code gets wrong, how often each map points at the object asked for, why GradCAM points at "
+            "the other one, and what a class's logit must mean for its map",
             (_BLOG, _CHEFER_GENERIC), "solutions/04_class_specific_maps_solutions.ipynb",
             code=("vitlab/relevance/vit.py", "vitlab/rollout.py", "vitlab/localization.py")),
     Chapter("05_faithfulness_saco",
-            "plausible against faithful maps: cumulative perturbation curves, SaCo computed by hand "
-            "and with vitlab, input x gradient and Integrated Gradients, and a leaderboard of the "
-            "series' maps so far with intervals: like-for-like pairs (with the fair single-block "
-            "gradient baseline), how the ranking moves with SaCo's K, and the SaCo paper's table",
+            "plausible against faithful maps: perturbation curves, SaCo by hand and with vitlab, input x "
+            "gradient and Integrated Gradients, and a leaderboard of the series' maps with like-for-like "
+            "pairs and SaCo's K",
             (Paper("Junyi Wu, Weitai Kang, Hao Tang, Yuan Hong & Yan Yan (CVPR 2024), *On the "
                    "Faithfulness of Vision Transformer Explanations*", "https://arxiv.org/abs/2404.01415",
                    "On the Faithfulness of Vision Transformer Explanations"),
@@ -136,11 +133,9 @@ CHAPTERS: tuple[Chapter, ...] = (
             "solutions/05_faithfulness_saco_solutions.ipynb",
             code=("vitlab/faithfulness.py", "vitlab/evaluate.py", "vitlab/gradients.py")),
     Chapter("06_lrp_route",
-            "layer-wise relevance propagation built up from conservation on a two-layer network "
-            "(the z and z+ rules, checked by hand), the rules a transformer needs (attention "
-            "products, softmax, LayerNorm, GELU, residual additions), full and partial LRP, "
-            "Transformer attribution and AttnLRP on two-object scenes, and their rows on chapter "
-            "05's leaderboard",
+            "layer-wise relevance propagation from conservation on a two-layer network, the rules a "
+            "transformer needs, full and partial LRP, Transformer attribution and AttnLRP, and their "
+            "rows on chapter 05's leaderboard",
             (Paper("Sebastian Bach et al. (PLOS ONE 2015), *On Pixel-Wise Explanations for Non-Linear "
                    "Classifier Decisions by Layer-Wise Relevance Propagation*",
                    "https://doi.org/10.1371/journal.pone.0130140", "On Pixel-Wise Explanations"),
@@ -152,10 +147,9 @@ CHAPTERS: tuple[Chapter, ...] = (
             "solutions/06_lrp_route_solutions.ipynb",
             code=("vitlab/lrp.py", "vitlab/evaluate.py")),
     Chapter("07_class_embedding_projection",
-            "every token's hidden state, block by block, read as class scores through the model's "
-            "own norm and head: identifiability on and off the object, attention against MLP, "
-            "key-value memories, context interventions, the projection as an explanation map and its "
-            "token-removal test, and what leaks through a patch embedding wider than a patch",
+            "every token's hidden state read as class scores through the model's own head, block by "
+            "block: on and off the object, attention against MLP, key-value memories, the projection as "
+            "an explanation map and what its token-removal test leaks",
             (Paper("Martina G. Vilas, Timothy Schaumlöffel & Gemma Roig (NeurIPS 2023), *Analyzing "
                    "Vision Transformers for Image Classification in Class Embedding Space*",
                    "https://arxiv.org/abs/2310.18969", "Vilas"),),
@@ -172,10 +166,9 @@ CHAPTERS: tuple[Chapter, ...] = (
             "solutions/08_activation_maximisation_solutions.ipynb",
             code=("vitlab/actmax/",)),
     Chapter("09_bimodal_relevance",
-            "relevance for models that read a question and an image, LXMERT (co-attention) and "
-            "VisualBERT (one stream): the update rules worked out on a toy graph, image and text maps "
-            "per question, graded by pointing at the answer's object, by hiding the top patch and by "
-            "the paper's per-modality perturbation tests against attention and LRP baselines",
+            "relevance for LXMERT (co-attention) and VisualBERT (one stream): the update rules on a toy "
+            "graph, image and text maps per question, graded by pointing, by hiding the top patch and by "
+            "the paper's per-modality perturbation tests",
             (_CHEFER_GENERIC,
              Paper("Liunian Harold Li et al. (2019), *VisualBERT: A Simple and Performant Baseline for "
                    "Vision and Language*", "https://arxiv.org/abs/1908.03557", "Li"),
@@ -200,11 +193,10 @@ CHAPTERS: tuple[Chapter, ...] = (
             "solutions/10_detr_solutions.ipynb",
             code=("vitlab/relevance/detr.py",)),
     Chapter("11_clip",
-            "what a map of an image-text pair means in a dual encoder, Chefer et al.'s rule on both of "
-            "CLIP's towers (and which blocks it should walk), raw attention, rollout, GradCAM, Grad-ECLIP, "
-            "LeGrad and the decomposition of the image embedding (per-head maps, mean-ablation of layers, "
-            "zero-shot segmentation), graded on held-out scenes: pointing at the shape a prompt names, "
-            "segmentation IoU, deletion curves and SaCo of the pair's score, and the words of the caption",
+            "what a map of an image-text pair means, Chefer et al.'s rule on both of CLIP's towers, its "
+            "baselines, Grad-ECLIP, LeGrad and the decomposition of the image embedding, graded by "
+            "pointing at the named shape, segmentation IoU, deletion curves, SaCo of the pair's score "
+            "and the caption's words",
             (_CHEFER_GENERIC,
              Paper("Alec Radford et al. (ICML 2021), *Learning Transferable Visual Models From Natural Language "
                    "Supervision* (CLIP)", "https://arxiv.org/abs/2103.00020", "Learning Transferable Visual Models"),
