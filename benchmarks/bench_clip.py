@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vitlab  # noqa: E402
 from vitlab.clip_decomposition import decompose_image  # noqa: E402
-from vitlab.gradeclip import grad_eclip  # noqa: E402
+from vitlab.grad_eclip import grad_eclip  # noqa: E402
 from vitlab.legrad import legrad  # noqa: E402
 from vitlab.relevance import clip_gradcam, clip_raw_attention, clip_relevance, clip_rollout  # noqa: E402
 

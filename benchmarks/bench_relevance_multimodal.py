@@ -174,10 +174,10 @@ def bench_detr(repeats: int) -> None:
 
         variants = {
             "fwd+bwd": plain,
-            "relevance": lambda: detr_relevance(model, x, queries=queries),
+            "relevance": lambda: detr_relevance(model, x, target=queries),
             "engine": engine_only(model, dict(pixel_values=x), score, detr_steps, slots=K),
-            "raw": lambda: detr_raw_attention(model, x, queries=queries),
-            "gradcam": lambda: detr_gradcam(model, x, queries=queries),
+            "raw": lambda: detr_raw_attention(model, x, target=queries),
+            "gradcam": lambda: detr_gradcam(model, x, target=queries),
         }
         if K > 1:
             xs = x.expand(K, -1, -1, -1)

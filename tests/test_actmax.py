@@ -173,7 +173,7 @@ def test_model_objectives_match_an_independent_forward(model):
     assert torch.allclose(means, mlps[1][:, 1:].mean(1), **tol)
     both = actmax.mlp_unit_means(model, [0, -1], images)
     assert torch.allclose(both[0], mlps[0][:, 1:].mean(1), **tol) and torch.allclose(both[1], means, **tol)
-    with pytest.raises(ValueError, match="layer must be in"):
+    with pytest.raises(ValueError, match="block must be in"):
         actmax.mlp_unit_means(model, [0, 2], images)
 
 
@@ -282,9 +282,9 @@ def test_objective_argument_errors(model):
     for bad in (-1, 1.5, [], True, "3"):
         with pytest.raises(ValueError, match="unit"):
             actmax.mlp_unit(0, bad)
-    with pytest.raises(ValueError, match="layer must be an int"):
+    with pytest.raises(ValueError, match="block must be an int"):
         actmax.mlp_unit(1.0, 3)
-    with pytest.raises(ValueError, match=r"layer must be in \[-2, 2\)"):
+    with pytest.raises(ValueError, match=r"block must be in \[-2, 2\)"):
         actmax.mlp_unit(5, 3)(ctx)
     with pytest.raises(ValueError, match="unit .* must be < 192"):
         actmax.mlp_unit(0, 192)(ctx)

@@ -27,7 +27,7 @@ from vitlab.attention import (
 )
 from vitlab.relevance import chefer_relevance
 from vitlab.rollout import grad_rollout, rollout
-from vitlab.targets import _logits, check_target, class_probabilities, is_multi_label, resolve_target, target_score
+from vitlab.targets import check_target, class_probabilities, is_multi_label, logits_of, resolve_target, target_score
 
 from conftest import (
     TINY, TINY_DEPTH, TINY_GRAD_DEPTH, decided_argmax, f32_tol, f64_tol, module_depth, randomize as _randomize,
@@ -316,12 +316,12 @@ def test_attention_gradcam_matches_a_numpy_reimplementation(vit, x):
 def test_qk_maps_are_sigmoids_of_the_patch_queries_and_keys(vit, x):
     with torch.no_grad():
         _, _, Q, K = reference_forward(vit, x)
-    maps = qk_maps(vit, x, layer=1, head=2, channel=5)
+    maps = qk_maps(vit, x, block=1, head=2, channel=5)
     assert maps.query.shape == maps.key.shape == (3, 4, 4)
     tol = f32_tol(1.0, TINY_DEPTH)  # sigmoids (< 1) of another forward's queries and keys
     assert torch.allclose(maps.query, Q[1][:, 2, 1:, 5].sigmoid().reshape(3, 4, 4), **tol)
     assert torch.allclose(maps.key, K[1][:, 2, 1:, 5].sigmoid().reshape(3, 4, 4), **tol)
-    every = qk_maps(vit, x, layer=-1, head=0)  # all 16 channels of the last layer
+    every = qk_maps(vit, x, block=-1, head=0)  # all 16 channels of the last layer
     assert every.query.shape == (3, 16, 4, 4)
     assert torch.allclose(every.key[:, 7], K[2][:, 0, 1:, 7].sigmoid().reshape(3, 4, 4), **tol)
 
@@ -359,7 +359,7 @@ def test_rank_qk_channels_returns_the_best_scores_in_order(vit, x):
     assert len(ranked) == 5 and all(isinstance(r, QKChannel) for r in ranked)
     assert ranked[0].score == pytest.approx(scores.max().item())
     for r in ranked:
-        assert scores[r.layer, r.head, r.channel].item() == pytest.approx(r.score)
+        assert scores[r.block, r.head, r.channel].item() == pytest.approx(r.score)
     assert [r.score for r in ranked] == sorted((r.score for r in ranked), reverse=True)
     one = rank_qk_channels(vit, x, "one_way", top=3)
     assert one[0].score == pytest.approx(qk_channel_scores(vit, x, "one_way").max().item())
@@ -371,8 +371,8 @@ def test_target_forms_agree():
     for form in (1, [1, 1], (1, 1), np.array([1, 1]), torch.tensor([1, 1]), torch.tensor(1), np.int64(1)):
         assert resolve_target(form, logits).tolist() == [1, 1]
     assert resolve_target(None, logits).tolist() == [1, 0]
-    assert _logits(logits) is logits
-    assert _logits(type("Out", (), {"logits": logits})()) is logits
+    assert logits_of(logits) is logits
+    assert logits_of(type("Out", (), {"logits": logits})()) is logits
 
 
 @pytest.mark.parametrize("target, message", [
@@ -404,10 +404,10 @@ def test_class_specific_methods_reject_bad_targets(vit, x, method):
 
 
 def test_bad_indices_and_patterns_raise_value_errors(vit, x):
-    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 3\)"):
-        qk_maps(vit, x, layer=3, head=0)
+    with pytest.raises(ValueError, match=r"block must be an int in \[0, 3\)"):
+        qk_maps(vit, x, block=3, head=0)
     with pytest.raises(ValueError, match=r"channel must be an int in \[0, 16\)"):
-        qk_maps(vit, x, layer=0, head=0, channel=16)
+        qk_maps(vit, x, block=0, head=0, channel=16)
     with pytest.raises(ValueError, match=r"pattern must be one of \('one_way', 'two_flow', 'exchange', 'same_region'\)"):
         qk_channel_scores(vit, x, "three_way")
 

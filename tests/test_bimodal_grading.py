@@ -154,8 +154,8 @@ def test_grade_detr_equals_each_image_on_its_own(detr, scenes, x):
         assert g.query[g.scene == s].tolist() == queries.tolist()
         if not len(queries):
             continue
-        rel = detr_relevance(detr, x[s:s + 1], queries=queries.tolist())[0]
-        gc = detr_gradcam(detr, x[s:s + 1], queries=queries.tolist())[0]
+        rel = detr_relevance(detr, x[s:s + 1], target=queries.tolist())[0]
+        gc = detr_gradcam(detr, x[s:s + 1], target=queries.tolist())[0]
         for k, qi in enumerate(queries.tolist()):
             cx, cy, w, h = out.pred_boxes[s, qi].tolist()
             box = np.array([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2])

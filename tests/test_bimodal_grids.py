@@ -13,7 +13,8 @@ from transformers import LxmertConfig, LxmertForQuestionAnswering, VisualBertCon
 
 import vitlab
 from vitlab import bimodal_faithfulness as bf
-from vitlab.localization import TOUCH, map_change, mask_to_grid, paired_difference
+from vitlab.localization import TOUCH, map_change, mask_to_grid
+from vitlab.stats import paired_difference
 from vitlab.relevance import (
     LXMERT_ABLATIONS, grade_visualbert, lxmert_relevance, lxmert_relevance_variants, visualbert_gradcam,
     visualbert_relevance,

@@ -21,7 +21,7 @@ import torch
 from vitlab.clip_decomposition import (
     class_masks, decompose_image, head_maps, layer_ablation, text_embeddings, zero_shot_segmentation,
 )
-from vitlab.gradeclip import grad_eclip
+from vitlab.grad_eclip import grad_eclip
 from vitlab.legrad import legrad
 from vitlab.relevance import ClipMaps, clip_gradcam, clip_raw_attention, clip_relevance, clip_rollout
 
@@ -174,6 +174,79 @@ def test_start_block_per_tower_and_its_refusals(model):
             clip_relevance(model, inputs, start_block=bad)
     with pytest.raises(ValueError, match="start_block"):
         legrad(model, inputs, start_block=5)
+
+
+def test_grad_eclip_start_block_is_an_int_or_an_image_text_pair(model):
+    inputs = pairs()
+    default = grad_eclip(model, inputs)
+    # the tiny towers have 3 blocks: the default text start -8 means all of them, as 0 and -3 do
+    for same in ((-1, 0), (-1, -3), (2, -8)):
+        other = grad_eclip(model, inputs, start_block=same)
+        assert torch.equal(other.image, default.image) and torch.equal(other.text, default.text), same
+    ref = reference(model, **inputs)
+    ref.cosine.sum().backward()
+    last = grad_eclip(model, inputs, start_block=-1)  # one int: both towers from their last block
+    for b in range(3):
+        eos = int(ref.eos[b])
+        L = ref.text[-1]
+        w = L.dctx.grad[b, eos]
+        q = L.q[b].transpose(0, 1).reshape(L.q.shape[2], -1)[eos].detach()
+        k = L.k[b].transpose(0, 1).reshape(L.k.shape[2], -1).detach()
+        v = L.v[b].transpose(0, 1).reshape(L.v.shape[2], -1).detach()
+        cos = torch.nn.functional.cosine_similarity(q[None], k[:eos + 1], dim=-1)
+        lam = torch.zeros(k.shape[0], dtype=cos.dtype)
+        lam[:eos + 1] = (cos - cos.min()) / (cos.max() - cos.min())
+        text = keep_row(((v @ w) * lam).clamp(min=0), eos)
+        assert close(last.text[b], text / text.sum() if text.sum() > 0 else text)
+        assert close(last.image[b], default.image[b])
+    for bad, err in ((3, ValueError), ((0, 3), ValueError), ((0, 1, 2), ValueError), (True, TypeError),
+                     ((-1, 1.0), TypeError)):
+        with pytest.raises(err, match="start_block"):
+            grad_eclip(model, inputs, start_block=bad)
+
+
+@pytest.mark.parametrize("method", [clip_relevance, clip_raw_attention, clip_rollout, clip_gradcam, grad_eclip, legrad],
+                         ids=lambda f: f.__name__)
+def test_target_none_is_the_pairs_score_and_any_other_is_refused_before_the_forward(model, method):
+    inputs = pairs()
+    a, b = method(model, inputs), method(model, inputs, target=None)
+    assert torch.equal(a.image, b.image) and torch.equal(a.score, b.score)
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        for target in (0, [0, 1, 2], torch.tensor([1, 0, 2])):
+            with pytest.raises(ValueError, match=rf"{method.__name__}: CLIP maps explain the image-text pair's "
+                                                 "score .* target must be None"):
+                method(model, inputs, target=target)
+    finally:
+        handle.remove()
+    assert not calls
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_batch_over_the_memory_budget_runs_in_chunks_with_the_same_maps(model, name, monkeypatch):
+    import vitlab.inputs
+
+    inputs = pairs(lengths=(3, 1, 5, 2, 4), seed=4)
+    whole = METHODS[name](model, inputs)
+    # one pair's recorded attention: every block's heads x N x N in both towers, float64, and as
+    # much again for its gradient
+    cfg = model.config
+    N, T = 4 * 4 + 1, inputs["input_ids"].shape[1]
+    entries = (cfg.vision_config.num_hidden_layers * cfg.vision_config.num_attention_heads * N * N
+               + cfg.text_config.num_hidden_layers * cfg.text_config.num_attention_heads * T * T)
+    monkeypatch.setattr(vitlab.inputs, "MEMORY_BUDGET", 2 * entries * 8 * 2)  # 2 pairs with gradients, 4 without
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        chunked = METHODS[name](model, inputs)
+    finally:
+        handle.remove()
+    assert len(calls) == (2 if name in ("raw", "rollout") else 3)  # 5 pairs in chunks of 4 / of 2
+    assert close(chunked.image, whole.image) and close(chunked.score, whole.score)
+    assert (chunked.text is None) == (whole.text is None)
+    if whole.text is not None:
+        assert chunked.text.shape == whole.text.shape and close(chunked.text, whole.text)
 
 
 # ----------------------------------------------------------------------------- batch = items, padding

@@ -17,10 +17,12 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 
 import vitlab
+import vitlab.inputs
 from vitlab import actmax, images
 from vitlab.attention import (
-    MEMORY_BUDGET, attention_gradcam, attention_gradients, cls_attention, qk_channel_scores, qk_maps, raw_attention,
+    attention_gradcam, attention_gradients, cls_attention, qk_channel_scores, qk_maps, raw_attention,
 )
+from vitlab.inputs import MEMORY_BUDGET
 from vitlab.relevance import chefer_relevance
 from vitlab.rollout import discard_count, discard_lowest, grad_rollout, rollout
 from vitlab.record import attention_size
@@ -534,7 +536,7 @@ def test_a_batch_over_the_memory_budget_runs_in_chunks_with_the_same_maps(name, 
     per_sample = attention_size(model, 17) * 8 * (2 if gradients else 1)  # float64 bytes
     before = state(model)
     for budget, forwards in ((2 * per_sample + 1, 3), (1, 5)):  # chunks of 2, 2, 1; then of 1
-        monkeypatch.setattr(vitlab.attention, "MEMORY_BUDGET", budget)
+        monkeypatch.setattr(vitlab.inputs, "MEMORY_BUDGET", budget)
         with forwards_counted(model) as calls:
             chunked = method(model, x)
         assert len(calls) == forwards
@@ -545,7 +547,7 @@ def test_a_batch_over_the_memory_budget_runs_in_chunks_with_the_same_maps(name, 
 
 
 def test_chunked_gradient_methods_check_the_target_against_the_whole_batch(monkeypatch):
-    monkeypatch.setattr(vitlab.attention, "MEMORY_BUDGET", 1)
+    monkeypatch.setattr(vitlab.inputs, "MEMORY_BUDGET", 1)
     model = tiny_vit()
     with forwards_counted(model) as calls, pytest.raises(ValueError, match="target has 3 classes but the batch has 5 samples"):
         chefer_relevance(model, torch.randn(5, 3, 32, 32), target=[0, 1, 2])

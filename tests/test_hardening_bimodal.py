@@ -192,9 +192,9 @@ def test_detr_methods_refuse_nan_empty_and_integer_pixels_before_the_forward(det
     nan = x.clone()
     nan[1, 0, 5, 5] = float("nan")
     for bad, kw, message in ((nan, {}, r"NaN or infinite values \(in sample 1\)"),
-                             (nan, dict(queries=[0]), r"NaN or infinite values \(in sample 1\)"),
-                             (x[:0], dict(queries=[0]), r"empty batch \(B = 0"),
-                             ((x * 10).to(torch.uint8), dict(queries=[0]), "float image batch")):
+                             (nan, dict(target=[0]), r"NaN or infinite values \(in sample 1\)"),
+                             (x[:0], dict(target=[0]), r"empty batch \(B = 0"),
+                             ((x * 10).to(torch.uint8), dict(target=[0]), "float image batch")):
         with forwards_counted(detr) as calls, pytest.raises(ValueError, match=message):
             method(detr, bad, **kw)
         assert not calls
@@ -364,10 +364,10 @@ def test_detr_method_maps_without_detections_keep_the_map_shape(detr):
 
 def test_detr_cryptic_cases_say_what_is_wrong(detr):
     x = torch.randn(2, 3, 64, 48)
-    with pytest.raises(ValueError, match=r"queries must be query indices \(ints\), got \[0\.0\]"):
-        detr_relevance(detr, x, queries=[0.0])
+    with pytest.raises(ValueError, match=r"target must be query indices \(ints\), got \[0\.0\]"):
+        detr_relevance(detr, x, target=[0.0])
     with pytest.raises(ValueError, match=r"pixel_mask must be B x H x W = 2 x 64 x 48 .* got \(1, 64, 48\)"):
-        detr_rollout(detr, x, queries=[0], pixel_mask=torch.ones(1, 64, 48, dtype=torch.long))
+        detr_rollout(detr, x, target=[0], pixel_mask=torch.ones(1, 64, 48, dtype=torch.long))
     with pytest.raises(ValueError, match=r"threshold must be a probability in \[0, 1\), got '0\.5'"):
         detr_detections(detr, x, threshold="0.5")
     with pytest.raises(ValueError, match=r"threshold must be a probability in \[0, 1\), got '0\.5'"):
@@ -458,7 +458,7 @@ def test_detr_gradcam_weights_average_over_real_pixels_only(detr):
     x[..., :48] = torch.randn(1, 3, 64, 48, generator=torch.Generator().manual_seed(2))
     mask = torch.zeros(1, 64, 80, dtype=torch.long)
     mask[..., :48] = 1
-    got = detr_gradcam(detr, x, queries=[2], pixel_mask=mask)[0]
+    got = detr_gradcam(detr, x, target=[2], pixel_mask=mask)[0]
     with vitlab.record(detr, gradients=True) as rec:
         logits = detr(pixel_values=x, pixel_mask=mask).logits
         logits[0, 2, int(got.labels[0])].backward()

@@ -274,7 +274,7 @@ def test_float64_batch_for_a_float32_model(vit, x):
         assert got.dtype == torch.float64
         torch.testing.assert_close(got, method(vit64, x64), atol=1e-12, rtol=1e-10)
     assert L.lrp_conservation(vit, x64)["logit"].dtype == torch.float64
-    from vitlab.attention import attention_gradients, attention_gradcam, cls_attention, raw_attention
+    from vitlab.attention import attention_gradcam, attention_gradients, cls_attention, raw_attention
     from vitlab.relevance import chefer_relevance
     from vitlab.rollout import grad_rollout, rollout
 
@@ -292,7 +292,7 @@ def test_float64_batch_for_a_float32_model(vit, x):
 def test_float64_copy_chunks_and_leaves_open_recordings_alone(vit, x, monkeypatch):
     """The float64 pass runs on a copy: a recording open on the model does not see its forward
     (its hooks stay behind), a user's own hook comes along; chunked batches give the same maps."""
-    import vitlab.attention
+    import vitlab.inputs
 
     whole = L.transformer_attribution(vit, x)
     calls = []
@@ -305,7 +305,7 @@ def test_float64_copy_chunks_and_leaves_open_recordings_alone(vit, x, monkeypatc
     finally:
         handle.remove()
     assert len(calls) == 2  # the model's forward and the copy's
-    monkeypatch.setattr(vitlab.attention, "MEMORY_BUDGET", 1)  # one sample per forward
+    monkeypatch.setattr(vitlab.inputs, "MEMORY_BUDGET", 1)  # one sample per forward
     chunked = L.transformer_attribution(vit, x)
     assert chunked.dtype == torch.float32
     torch.testing.assert_close(chunked, whole, atol=1e-6 * float(whole.abs().max()), rtol=0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import TINY_GRAD_DEPTH, f32_tol, f64_tol
-from vitlab.layout import patch_centres, token_centres
+from vitlab.footprints import patch_centres, token_centres
 from vitlab import localization as loc
 
 
@@ -161,8 +161,8 @@ def test_cls_attention_profile_matches_cls_attention():
 def test_rollout_from_attentions_equals_rollout(fusion, ratio):
     model = _tiny_vit()
     x, _, _ = _inputs(3)
-    from vitlab.attention import _recorded_attentions
-    attentions, layout = _recorded_attentions(model, x)
+    from vitlab.attention import recorded_attentions
+    attentions, layout = recorded_attentions(model, x)
     close64(rollout_from_attentions(attentions, layout, fusion, ratio),
             rollout(model, x, head_fusion=fusion, discard_ratio=ratio))
 

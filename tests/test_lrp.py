@@ -288,7 +288,7 @@ def test_methods_equal_scratch(vit, vit64, x):
         joint = torch.eye(N, dtype=torch.float64).expand(3, N, N)
         for R_A, G in list(zip(ch["attention"], ch["grads"]))[start:]:
             joint = (torch.eye(N, dtype=torch.float64) + (G * R_A).clamp(min=0).mean(1)) @ joint
-        got = L.transformer_attribution(vit64, x.double(), start_layer=start)
+        got = L.transformer_attribution(vit64, x.double(), start_block=start)
         torch.testing.assert_close(got, joint[:, 0, 1:].reshape(grid), **tol64(joint[:, 0, 1:]))
     # a given target: the same as the scratch explaining that class
     ch2 = scratch(vit, x, "chefer", target=2)
@@ -384,8 +384,8 @@ def test_bad_input_refused(vit, x):
             method(vit, x, target=[0, 1])
         with pytest.raises(ValueError, match="outside the model's classes"):
             method(vit, x, target=9)
-    with pytest.raises(ValueError, match="start_layer"):
-        L.transformer_attribution(vit, x, start_layer=3)
+    with pytest.raises(ValueError, match="start_block"):
+        L.transformer_attribution(vit, x, start_block=3)
     with pytest.raises(RuntimeError, match="inference_mode"), torch.inference_mode():
         L.lrp(vit, x)
     from tests.test_record_multimodal import tiny_detr

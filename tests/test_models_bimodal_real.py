@@ -84,7 +84,7 @@ def test_detr_labels_are_cocos_91_category_ids(detr):
 def test_detr_relevance_runs_end_to_end(detr):
     x = torch.randn(2, 3, 96, 64, generator=torch.Generator().manual_seed(0))
     before = _state(detr)
-    out = detr_relevance(detr, x, queries=[0, 1])
+    out = detr_relevance(detr, x, target=[0, 1])
     _same_state(detr, before)
     assert len(out) == 2
     for maps in out:
@@ -100,13 +100,13 @@ def test_detr_relevance_runs_end_to_end(detr):
         # may pick either of a near-tie, so the label must score within rounding of the best
         assert_near_top(maps.labels, probs[b, :2], f32_tol_deep(probs, depth)["atol"])
         torch.testing.assert_close(maps.probabilities, probs[b, :2].max(-1).values, **f32_tol_deep(probs, depth))
-        one = detr_relevance(detr, x[b:b + 1], queries=[0, 1])[0]  # batch = items
+        one = detr_relevance(detr, x[b:b + 1], target=[0, 1])[0]  # batch = items
         torch.testing.assert_close(one.maps, maps.maps, **f32_tol_deep(maps.maps, 2 * depth))
 
 
 def test_detr_has_no_vit_backbone_to_go_through(detr):
     with pytest.raises(ValueError, match="no ViT backbone ran"):
-        detr_relevance(detr, torch.zeros(1, 3, 64, 64), queries=[0], backbone=True)
+        detr_relevance(detr, torch.zeros(1, 3, 64, 64), target=[0], backbone=True)
 
 
 def test_detr_preprocess_keeps_the_aspect_ratio(detr):

@@ -276,11 +276,11 @@ def test_projection_map_by_hand(vit, x):
 
 # ------------------------------------------------------------ step 6: context interventions
 @pytest.mark.parametrize("mode", ["self_only", "no_cls"])
-@pytest.mark.parametrize("from_block", [0, 1])
-def test_context_intervention_matches_masked_copy(vit, x, mode, from_block):
+@pytest.mark.parametrize("start_block", [0, 1])
+def test_context_intervention_matches_masked_copy(vit, x, mode, start_block):
     before = model_state(vit)
     params = [p.detach().clone() for p in vit.parameters()]
-    proj = P.context_intervention(vit, x, mode, from_block=from_block)
+    proj = P.context_intervention(vit, x, mode, start_block=start_block)
     N = 17
     allowed = torch.ones(N, N, dtype=torch.bool)
     if mode == "self_only":
@@ -289,7 +289,7 @@ def test_context_intervention_matches_masked_copy(vit, x, mode, from_block):
         allowed[1:, 0] = False
     masked = copy.deepcopy(vit)
     with torch.no_grad():
-        _, states = hand_states(masked, x, allowed=[None if l < from_block else allowed for l in range(3)])
+        _, states = hand_states(masked, x, allowed=[None if l < start_block else allowed for l in range(3)])
         for l, (_, mid, out) in enumerate(states):
             close(proj.residual[:, l], hand_head(masked, out))
             close(proj.mid[:, l], hand_head(masked, mid))
@@ -646,8 +646,8 @@ def test_functions_pass_blocks_through(vit, x):
     close(s.attention, c.attention[:, [2, 0]][:, :, [5, 0]])
     close(s.mlp, c.mlp[:, [2, 0]][:, :, [5, 0]])
     # context intervention: the kept blocks of the full intervention
-    ci = P.context_intervention(vit, x, "self_only", from_block=1)
-    cs = P.context_intervention(vit, x, "self_only", from_block=1, blocks=[-1], tokens=[0, 1])
+    ci = P.context_intervention(vit, x, "self_only", start_block=1)
+    cs = P.context_intervention(vit, x, "self_only", start_block=1, blocks=[-1], tokens=[0, 1])
     close(cs.residual, ci.residual[:, [2]][:, :, [0, 1]])
     close(cs.logits, ci.logits)
     # probes of two blocks: the full call's probes for those blocks

@@ -413,7 +413,7 @@ def test_methods_give_the_maps_of_the_full_recording(kind):
     for g, ref in zip(ag.gradients, graded.attention_grads, strict=True):
         torch.testing.assert_close(g, ref, **f32_tol(ref, 2 * depth))
     assert grad_rollout(model, x, target=1).shape == (3, 4, 4)
-    maps = qk_maps(model, x, layer=1, head=2, channel=3)
+    maps = qk_maps(model, x, block=1, head=2, channel=3)
     torch.testing.assert_close(maps.query, layout.patches_to_grid(full.queries[1][:, 2, :, 3]).sigmoid(),
                                **f32_tol(1.0, depth))  # sigmoids (< 1) of queries: at most the queries' error
     torch.testing.assert_close(maps.key, layout.patches_to_grid(full.keys[1][:, 2, :, 3]).sigmoid(),

@@ -269,9 +269,9 @@ def test_detr_relevance_per_query_equals_its_own_backward_and_batch_equals_items
             assert float(o.probabilities[k]) == pytest.approx(float(best[b, j]), abs=f32_tol(best, depth)["atol"])
             close(o.maps[k], expected, depth)
     # batch = items, also when the queries are given per image (several per image)
-    given = detr_relevance(model, x, queries=[[4, 0, 2], [1]])
+    given = detr_relevance(model, x, target=[[4, 0, 2], [1]])
     for b, qs in enumerate([[4, 0, 2], [1]]):
-        alone = detr_relevance(model, x[b:b + 1], queries=qs)[0]
+        alone = detr_relevance(model, x[b:b + 1], target=qs)[0]
         assert given[b].queries.tolist() == alone.queries.tolist() == qs
         close(given[b].maps, alone.maps, depth)
         close(alone.maps[0], detr_expected(model, x, b, qs[0])[0], depth)
@@ -290,8 +290,8 @@ def test_detr_relevance_through_a_vit_backbone():
     randomize_biases(model)
     x = torch.randn(2, 3, 32, 32)
     before = state(model)
-    out = detr_relevance(model, x, queries=[3, 1], backbone=True)
-    plain = detr_relevance(model, x, queries=[3, 1])
+    out = detr_relevance(model, x, target=[3, 1], backbone=True)
+    plain = detr_relevance(model, x, target=[3, 1])
     assert state(model) == before and vit.blocks[0].attn.fused_attn
     P = vit.num_prefix_tokens
     depth = rel_depth(model, 17 + 5)  # the ViT's 17 tokens (16 features), 5 queries
@@ -303,7 +303,7 @@ def test_detr_relevance_through_a_vit_backbone():
             close(plain[b].maps[k], detr_expected(model, x, b, j)[0], depth)
     assert not torch.allclose(out[0].maps, plain[0].maps, **f32_tol(plain[0].maps, depth))
     with pytest.raises(ValueError, match=r"backbone=True\) carries relevance through a ViT backbone"):
-        detr_relevance(tiny_detr(), torch.randn(1, 3, 64, 48), queries=0, backbone=True)
+        detr_relevance(tiny_detr(), torch.randn(1, 3, 64, 48), target=0, backbone=True)
 
 
 def test_lxmert_relevance_through_a_vit_backbone():
@@ -353,7 +353,7 @@ def test_detr_baselines_are_their_formulas():
     x = torch.randn(2, 3, 64, 48)
     queries = [[0, 3], [2]]
     before = state(model)
-    raw, rolled, cam = (f(model, x, queries=queries) for f in (detr_raw_attention, detr_rollout, detr_gradcam))
+    raw, rolled, cam = (f(model, x, target=queries) for f in (detr_raw_attention, detr_rollout, detr_gradcam))
     assert state(model) == before
     for b, qs in enumerate(queries):
         for k, j in enumerate(qs):
@@ -377,34 +377,34 @@ def test_detr_baselines_are_their_formulas():
 def test_detr_errors_say_what_is_wrong():
     model = tiny_detr()
     x = torch.randn(1, 3, 64, 48)
-    with pytest.raises(ValueError, match=r"no object detected: .* \(highest: 0\.\d+\); lower threshold or pass queries"):
+    with pytest.raises(ValueError, match=r"no object detected: .* \(highest: 0\.\d+\); lower threshold or pass target"):
         detr_relevance(model, x)  # random weights: nothing near 0.9
-    with pytest.raises(ValueError, match=r"queries holds query 5; the model has queries 0 \.\. 4"):
-        detr_gradcam(model, x, queries=[1, 5])
-    with pytest.raises(ValueError, match="queries has 2 lists for a batch of 1 images"):
-        detr_relevance(model, x, queries=[[1], [2]])
+    with pytest.raises(ValueError, match=r"target holds query 5; the model has queries 0 \.\. 4"):
+        detr_gradcam(model, x, target=[1, 5])
+    with pytest.raises(ValueError, match="target has 2 lists for a batch of 1 images"):
+        detr_relevance(model, x, target=[[1], [2]])
     with pytest.raises(ValueError, match=r"threshold must be a probability in \[0, 1\), got 1\.5"):
         detr_rollout(model, x, threshold=1.5)
-    with pytest.raises(ValueError, match=r"pixel_values must be a tensor B x 3 x H x W, got \(3, 64, 48\)"):
-        detr_relevance(model, x[0], queries=0)
+    with pytest.raises(ValueError, match=r"inputs must be the images, a tensor B x 3 x H x W, got \(3, 64, 48\)"):
+        detr_relevance(model, x[0], target=0)
     with pytest.raises(TypeError, match="returned no class logits: use DetrForObjectDetection"):
-        detr_relevance(tiny_detr(DetrModel), x, queries=0)
+        detr_relevance(tiny_detr(DetrModel), x, target=0)
     with pytest.raises(TypeError, match="explains a Hugging Face LXMERT"):
         lxmert_relevance(model, lxmert_inputs())
     # every parameter frozen and images that do not require grad: no attention is in the graph
     # (raw attention and rollout need no gradient)
     model.requires_grad_(False)
     with pytest.raises(RuntimeError, match=r"attention of model\.encoder\.layers\.0\.self_attn is outside"):
-        detr_relevance(model, x, queries=0)
-    assert detr_rollout(model, x, queries=0)[0].maps.shape == (1, 8, 6)
+        detr_relevance(model, x, target=0)
+    assert detr_rollout(model, x, target=0)[0].maps.shape == (1, 8, 6)
 
 
 # ----------------------------------------------------------------------------- cost
 @pytest.mark.parametrize("call", [
     lambda: (tiny_lxmert(), lambda m: lxmert_relevance(m, lxmert_inputs(batch=3))),
     lambda: (tiny_lxmert(), lambda m: lxmert_gradcam(m, lxmert_inputs(batch=3))),
-    lambda: (tiny_detr(), lambda m: detr_relevance(m, torch.randn(2, 3, 64, 48), queries=[[0, 1, 4], [2, 3]])),
-    lambda: (tiny_detr(), lambda m: detr_gradcam(m, torch.randn(2, 3, 64, 48), queries=[0, 1])),
+    lambda: (tiny_detr(), lambda m: detr_relevance(m, torch.randn(2, 3, 64, 48), target=[[0, 1, 4], [2, 3]])),
+    lambda: (tiny_detr(), lambda m: detr_gradcam(m, torch.randn(2, 3, 64, 48), target=[0, 1])),
 ], ids=["lxmert_relevance", "lxmert_gradcam", "detr_relevance", "detr_gradcam"])
 def test_one_forward_and_one_backward_per_batch(call, monkeypatch):
     model, run = call()
@@ -434,6 +434,6 @@ def test_embedded_shapes_models_with_and_without_their_frozen_vit_backbone():
     assert plain.image.shape == through.image.shape == (2, 49) and plain.text.shape == (2, ids.shape[1])
     assert not torch.allclose(plain.image, through.image,
                               **f32_tol_deep(plain.image, rel_depth(lxmert, 49 + ids.shape[1])))  # depth > 1e4
-    maps = detr_relevance(detr, x, queries=[0, 5], backbone=True)
+    maps = detr_relevance(detr, x, target=[0, 5], backbone=True)
     assert [m.maps.shape for m in maps] == [(2, 7, 7)] * 2 and all(m.maps.min() >= 0 for m in maps)
     assert (state(lxmert), state(detr)) == before and not x.requires_grad

@@ -10,6 +10,7 @@ import torch
 from transformers import DetrForObjectDetection, LxmertForQuestionAnswering
 
 import vitlab
+from vitlab.localization import box_iou
 from vitlab.shapes import CLASSES, make_scenes, scenes_to_tensor
 from vitlab.shapes import bimodal
 from vitlab.shapes.bimodal import (
@@ -219,7 +220,7 @@ def test_detr_targets_are_the_mask_boxes(scenes):
 
 
 def test_box_iou_and_detect_on_hand_cases():
-    iou = train_detr.box_iou(np.array([[0, 0, 2, 2], [0, 0, 1, 1]]), np.array([[1, 0, 3, 2], [5, 5, 6, 6]]))
+    iou = box_iou(np.array([[0, 0, 2, 2], [0, 0, 1, 1]]), np.array([[1, 0, 3, 2], [5, 5, 6, 6]]))
     assert np.allclose(iou, [[2 / 6, 0], [0, 0]])
     logits = torch.tensor([[[5.0, 0, 0], [0, 0, 5.0]]], requires_grad=True)   # 2 classes + no-object
     boxes = torch.tensor([[[0.5, 0.5, 0.2, 0.4], [0.1, 0.1, 0.1, 0.1]]])

@@ -167,8 +167,8 @@ def test_batch_equals_items_and_none_is_the_predicted_class(vit, x):
 
 def test_a_batch_over_the_memory_budget_runs_in_chunks_with_the_same_maps(vit, x, monkeypatch):
     whole = last_block_relevance(vit, x, [2, 0, 3])
-    import vitlab.attention
-    monkeypatch.setattr(vitlab.attention, "MEMORY_BUDGET", 1)                 # one sample per forward
+    import vitlab.inputs
+    monkeypatch.setattr(vitlab.inputs, "MEMORY_BUDGET", 1)                 # one sample per forward
     assert torch.allclose(last_block_relevance(vit, x, [2, 0, 3]), whole, **f32_tol(whole, TINY_GRAD_DEPTH + 3))
 
 

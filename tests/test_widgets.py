@@ -78,15 +78,15 @@ def test_cls_attention_explorer_draws_the_chosen_map(model, x):
     plt.close("all")
 
 
-def test_top_channels_equals_rank_qk_channels_and_skips_layers(model, x):
+def test_top_channels_equals_rank_qk_channels_and_skips_blocks(model, x):
     from vitlab.attention import qk_channel_scores, rank_qk_channels
 
     scores = qk_channel_scores(model, x, "same_region")
     assert widgets.top_channels(scores, 4) == rank_qk_channels(model, x, "same_region", top=4)
-    deep = widgets.top_channels(scores, 3, first_block=2)
-    assert all(c.layer == 2 for c in deep)
+    deep = widgets.top_channels(scores, 3, start_block=2)
+    assert all(c.block == 2 for c in deep)
     assert [c.score for c in deep] == sorted(scores[2].flatten().tolist(), reverse=True)[:3]
-    assert scores[deep[0].layer, deep[0].head, deep[0].channel] == pytest.approx(deep[0].score)
+    assert scores[deep[0].block, deep[0].head, deep[0].channel] == pytest.approx(deep[0].score)
     with pytest.raises(ValueError, match="blocks x heads x channels"):
         widgets.top_channels(scores[0])
 

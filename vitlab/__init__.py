@@ -41,8 +41,8 @@ _EXPORTS = {
     "project": "vitlab.projection",            # every token, block by block, as class logits (chapter 7)
 }
 _SUBMODULES = {"plot", "images", "shapes", "imgfocus", "localization", "faithfulness", "actmax", "widgets",
-               "projection", "evaluate", "gradients",
-               "gradeclip", "legrad", "clip_decomposition"}  # CLIP: Grad-ECLIP, LeGrad, the embedding's decomposition
+               "projection", "evaluate", "gradients", "inputs", "stats", "footprints",
+               "grad_eclip", "legrad", "clip_decomposition"}  # CLIP: Grad-ECLIP, LeGrad, the embedding's decomposition
 
 __all__ = [
     "__version__", "TokenLayout", "token_layout", "Recording", "record", "EMBEDDED_MODELS",
@@ -57,6 +57,8 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
     elif name in _SUBMODULES:
         value = importlib.import_module(f"vitlab.{name}")
+    elif name == "gradeclip":  # renamed in vitlab 0.2
+        raise AttributeError("vitlab.gradeclip was renamed vitlab.grad_eclip (Grad-ECLIP, the method)")
     else:
         raise AttributeError(f"module 'vitlab' has no attribute {name!r}")
     globals()[name] = value

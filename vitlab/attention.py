@@ -22,7 +22,7 @@ nothing here hooks or patches the model: :func:`vitlab.record` does that and res
 Every method runs the model in eval mode (``record(..., eval_mode=True)``: dropout off, the
 maps deterministic) and puts each module's mode back, so a model in train mode gives the
 same maps as in eval mode and is left in train mode. A batch whose recorded attention would
-exceed :data:`MEMORY_BUDGET` runs in chunks of samples, with the same maps.
+exceed :data:`vitlab.inputs.MEMORY_BUDGET` runs in chunks of samples, with the same maps.
 """
 from __future__ import annotations
 
@@ -30,23 +30,17 @@ from typing import NamedTuple
 
 import torch
 
-from vitlab.layout import TokenLayout, token_layout
-from vitlab.record import attention_size, record
+from vitlab.compat import moved_names, renamed_arguments
+from vitlab.inputs import (
+    batches, check_images, check_input_dtype, checked_layout, in_chunks, positive_int, require_gradients,
+)
+from vitlab.layout import TokenLayout
+from vitlab.record import record
 from vitlab.targets import (
-    _logits, check_score, check_target, is_multi_label, require_class_head, resolve_target, target_score,
+    check_score, check_target, is_multi_label, logits_of, require_class_head, resolve_target, target_score,
 )
 
 QK_PATTERNS = ("one_way", "two_flow", "exchange", "same_region")
-
-#: Most bytes of recorded attention one forward of a map method (rollout, grad_rollout,
-#: chefer_relevance, cls_attention, raw_attention, attention_gradcam) may hold: a forward inside
-#: ``record`` keeps every block's ``B x heads x N x N`` attention (and, for the gradient methods,
-#: its gradient), about 0.5 GB per image for DINOv2-S at 518 px. A larger batch runs in chunks
-#: of samples, each through the whole method (:func:`chunk_size`): the same maps, since samples
-#: do not interact in eval mode, at a bounded peak memory. 1 GiB by default; set
-#: ``vitlab.attention.MEMORY_BUDGET`` (in bytes) to suit the machine.
-MEMORY_BUDGET = 1 << 30
-
 
 class AttentionGradients(NamedTuple):
     """Attention of every block and its gradient, from :func:`attention_gradients`.
@@ -80,163 +74,22 @@ class QKMaps(NamedTuple):
 
 
 class QKChannel(NamedTuple):
-    """One ranked channel: ``layer``, ``head``, ``channel`` and its pattern ``score``."""
+    """One ranked channel: ``block``, ``head``, ``channel`` and its pattern ``score``."""
 
-    layer: int
+    block: int
     head: int
     channel: int
     score: float
 
 
-#: Values of ``TokenLayout.pool`` whose output reads the CLS token (``""``: every token).
-CLS_POOLS = ("token", "")
-
-
-def require_cls(layout: TokenLayout, method: str) -> None:
-    """Raise ``ValueError`` when ``method`` cannot read a map from the CLS row of this layout.
-
-    Two cases: the model has no CLS token (none at all, or only registers: a register is
-    not a class token, and row 0 would be register 0), or its output does not read the CLS
-    token (timm ``global_pool="avg"``, ``"map"``, ...: a CLS-row map would explain a token
-    the head ignores). Methods call it with ``token_layout(model, x)`` before any forward
-    pass.
-    """
-    if not layout.has_class_token:
-        what = (f"its {layout.num_prefix} prefix tokens are registers, and a register is not a class token"
-                if layout.num_prefix else "it has no prefix tokens")
-        raise ValueError(
-            f"{method} reads the class-token (CLS) row of the attention, but this model has no class "
-            f"token ({what}); use a ViT with a class token"
-        )
-    if layout.pool not in CLS_POOLS:
-        raise ValueError(
-            f"{method} reads the class-token (CLS) row of the attention, but this model's head does not "
-            f"read the class token: it pools the patch tokens (global_pool={layout.pool!r}), so a CLS-row map "
-            "would explain a token the output ignores. Use a model whose head reads the class token "
-            "(timm global_pool='token')"
-        )
-
-
-def check_images(x, method: str) -> None:
-    """Raise ``ValueError`` unless ``x`` is a non-empty, finite ``B x C x H x W`` float batch.
-
-    Every method calls it first, so a wrong input is named before any forward pass (and a
-    NaN or infinite pixel never becomes an all-NaN map); the value checks are
-    :func:`check_batch_values`.
-    """
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(
-            f"{method} takes a B x 3 x H x W image tensor, got {type(x).__name__}; "
-            "make one with vitlab.preprocess(image, model)"
-        )
-    if x.ndim == 3:
-        raise ValueError(
-            f"{method} takes a batch B x C x H x W, got a single image of shape {tuple(x.shape)}; "
-            "add the batch dimension: x[None] (or x.unsqueeze(0))"
-        )
-    if x.ndim != 4:
-        raise ValueError(f"{method} takes an image batch B x C x H x W, got shape {tuple(x.shape)}")
-    check_batch_values(x, method)
-
-
-def check_batch_values(x: torch.Tensor, method: str, name: str | None = None, unit: str = "image") -> None:
-    """Raise ``ValueError`` when the batch ``x`` (samples first) is empty, not floating point,
-    or holds a NaN or infinite value -- before any forward pass, so that a wrong input is
-    named instead of becoming an all-NaN map (or an answer computed from NaN).
-
-    :func:`check_images` calls it for pixels; the bimodal methods call it for every float
-    input (``name``, e.g. ``"inputs['visual_feats']"``; None: the image batch), ``unit``
-    naming what one sample is in the messages.
-    """
-    where = "" if name is None else f" {name}"
-    if x.shape[0] == 0:
-        raise ValueError(
-            f"{method} got an empty batch{where} (B = 0, shape {tuple(x.shape)}); pass at least one {unit}"
-        )
-    if not x.is_floating_point():
-        if name is None:
-            raise ValueError(
-                f"{method} takes a float image batch (normalised as the model expects), got dtype {x.dtype}; "
-                "make one with vitlab.preprocess(image, model)"
-            )
-        raise ValueError(f"{method}:{where} must be a float tensor, got dtype {x.dtype}; convert it with .float()")
-    fix = f"check how the {unit}s were loaded and normalised" if name is None else "check how it was computed"
-    finite = torch.isfinite(x).flatten(1).all(dim=1) if x.ndim > 1 else torch.isfinite(x)
-    if not bool(finite.all()):
-        bad = (~finite).nonzero().flatten().tolist()
-        raise ValueError(
-            f"{method}:{where or ' the input'} holds NaN or infinite values (in sample{'s' if len(bad) > 1 else ''} "
-            f"{', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''}), which would make every "
-            f"map and score NaN; {fix}"
-        )
-
-
-def check_input_dtype(model, x: torch.Tensor, method: str) -> None:
-    """Raise ``ValueError`` when ``x`` is not in the dtype of the model's floating-point parameters
-    (a float64 batch for a float32 model would fail inside its first layer with "expected scalar
-    type Double but found Float"); the message names both and the remedies. Under autocast the
-    model casts its inputs itself: no check."""
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    if dtype is None or x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
-        return
-    raise ValueError(f"{method}: x is {x.dtype} but the model's parameters are {dtype}; pass x.to({dtype}) "
-                     f"(or a model in {x.dtype}: model.to({x.dtype}), e.g. model.double() for float64)")
-
-
-def checked_layout(model, x, method: str, cls_row: bool = True) -> TokenLayout:
-    """:func:`check_images`, :func:`check_input_dtype`, then ``token_layout(model, x)`` and, for a
-    method that reads the CLS row (``cls_row``), :func:`require_cls`: every check a method makes
-    before its forward."""
-    check_images(x, method)
-    check_input_dtype(model, x, method)
-    layout = token_layout(model, x)
-    if cls_row:
-        require_cls(layout, method)
-    return layout
-
-
-def chunk_size(model, x: torch.Tensor, layout: TokenLayout, gradients: bool = False) -> int:
-    """How many samples of ``x`` one forward may take within :data:`MEMORY_BUDGET` (at least 1).
-
-    One sample's recording holds :func:`vitlab.record.attention_size` entries of ``x``'s dtype
-    (sum over blocks of ``heads x N x N``), twice that with ``gradients`` (the attention and
-    its gradient).
-    """
-    per_sample = attention_size(model, layout.num_tokens) * x.element_size() * (2 if gradients else 1)
-    return max(1, int(MEMORY_BUDGET) // max(1, per_sample))
-
-
-def _batches(n: int, batch_size: int):
-    """Slices ``0 .. n`` in runs of ``batch_size`` (a positive int, else ``ValueError``)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    for start in range(0, n, batch_size):
-        yield slice(start, min(start + batch_size, n))
-
-
-def _in_chunks(method, model, x: torch.Tensor, layout: TokenLayout, gradients: bool = False, **kwargs):
-    """``method(model, chunk, **kwargs)`` over chunks of :func:`chunk_size` samples, concatenated
-    along the batch; ``None`` when the whole batch fits in one forward (the method goes on).
-    A gradient method's ``target`` is checked against the whole batch and split with it."""
-    size = chunk_size(model, x, layout, gradients)
-    if size >= x.shape[0]:
-        return None
-    chunks = x.split(size)
-    if gradients:
-        t = check_target(kwargs.pop("target"), x.shape[0])
-        targets = [None] * len(chunks) if t is None else t.split(size)
-        return torch.cat([method(model, c, target=tc, **kwargs) for c, tc in zip(chunks, targets)])
-    return torch.cat([method(model, c, **kwargs) for c in chunks])
-
-
-def _recorded_attentions(model, x: torch.Tensor) -> tuple[list[torch.Tensor], TokenLayout]:
+def recorded_attentions(model, x: torch.Tensor) -> tuple[list[torch.Tensor], TokenLayout]:
     """Attention of every block (``B x heads x N x N`` each), one forward without gradients."""
     with torch.no_grad(), record(model, eval_mode=True, capture=("attention",)) as rec:
         model(x)
     return list(rec.attentions), rec.layout
 
 
-def _attention_gradients(model, x: torch.Tensor, target, layers: list[int] | None,
+def attention_gradients_for_blocks(model, x: torch.Tensor, target, layers: list[int] | None,
                          score: str = "logit", method: str = "attention_gradients") -> AttentionGradients:
     """:func:`attention_gradients`, with gradients only for block indices ``layers``
     (None: all); the other entries of ``gradients`` are None. Fewer blocks, shorter backward.
@@ -246,18 +99,14 @@ def _attention_gradients(model, x: torch.Tensor, target, layers: list[int] | Non
     require_class_head(model, method)
     target = check_target(target, x.shape[0])
     check_score(score)
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError(
-            f"{method} needs gradients, but it was called inside torch.inference_mode(), which cannot be "
-            "switched off from inside: call it outside inference_mode (inside torch.no_grad() is fine)"
-        )
+    require_gradients(method)
     with torch.enable_grad():
         # A leaf that requires grad keeps the graph alive even if every parameter is frozen.
         # (clone: an input made under inference_mode cannot be made to require grad itself)
         x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
         # graph-attached attentions, nothing else kept
         with record(model, detach=False, eval_mode=True, capture=("attention",)) as rec:
-            logits = _logits(model(x_in))
+            logits = logits_of(model(x_in))
             t = resolve_target(target, logits)
             total = target_score(logits, t, score, is_multi_label(model)).sum()
             attentions = list(rec.attentions)
@@ -293,12 +142,12 @@ def attention_gradients(model, x: torch.Tensor, target=None, score: str = "logit
             for a multi-label head; see :data:`vitlab.targets.SCORES`).
 
     Raises:
-        ValueError: a bad input (:func:`check_images`) or target, or a model without a class
+        ValueError: a bad input (:func:`vitlab.inputs.check_images`) or target, or a model without a class
             head (timm ``num_classes=0``, a Hugging Face base model): its output channels are
             not classes.
         RuntimeError: called inside ``torch.inference_mode()``, where no gradient exists.
     """
-    return _attention_gradients(model, x, target, layers=None, score=score)
+    return attention_gradients_for_blocks(model, x, target, layers=None, score=score)
 
 
 def cls_attention(model, x: torch.Tensor) -> torch.Tensor:
@@ -309,10 +158,10 @@ def cls_attention(model, x: torch.Tensor) -> torch.Tensor:
     columns (CLS, distillation, registers) are left out, so a map need not sum to 1.
     """
     layout = checked_layout(model, x, "cls_attention")
-    chunked = _in_chunks(cls_attention, model, x, layout)
-    if chunked is not None:  # a batch larger than MEMORY_BUDGET allows
+    chunked = in_chunks(cls_attention, model, x, layout)
+    if chunked is not None:  # a batch larger than inputs.MEMORY_BUDGET allows
         return chunked
-    attentions, layout = _recorded_attentions(model, x)
+    attentions, layout = recorded_attentions(model, x)
     cls_rows = torch.stack([A[:, :, 0, :] for A in attentions], dim=1)  # B x L x H x N
     return layout.patches_to_grid(cls_rows)  # B x L x H x gh x gw
 
@@ -323,10 +172,10 @@ def raw_attention(model, x: torch.Tensor) -> torch.Tensor:
     Returns ``B x gh x gw``: ``mean_h A_L[h, CLS, patches]``.
     """
     layout = checked_layout(model, x, "raw_attention")
-    chunked = _in_chunks(raw_attention, model, x, layout)
-    if chunked is not None:  # a batch larger than MEMORY_BUDGET allows
+    chunked = in_chunks(raw_attention, model, x, layout)
+    if chunked is not None:  # a batch larger than inputs.MEMORY_BUDGET allows
         return chunked
-    attentions, layout = _recorded_attentions(model, x)
+    attentions, layout = recorded_attentions(model, x)
     A = attentions[-1]  # B x H x N x N
     return layout.patches_to_grid(A[:, :, 0, :].mean(dim=1))  # B x gh x gw
 
@@ -351,11 +200,11 @@ def attention_gradcam(model, x: torch.Tensor, target=None, score: str = "logit")
     ``score="log_probability"`` differentiates the target's log-probability instead.
     """
     layout = checked_layout(model, x, "attention_gradcam")
-    chunked = _in_chunks(attention_gradcam, model, x, layout, gradients=True, target=target, score=score)
+    chunked = in_chunks(attention_gradcam, model, x, layout, gradients=True, target=target, score=score)
     if chunked is not None:
         return chunked
     # backward through the last block only
-    ag = _attention_gradients(model, x, target, layers=[-1], score=score, method="attention_gradcam")
+    ag = attention_gradients_for_blocks(model, x, target, layers=[-1], score=score, method="attention_gradcam")
     layout = ag.layout
     P = layout.num_prefix
     A = ag.attentions[-1][:, :, 0, P:]  # B x H x num_patches
@@ -369,10 +218,11 @@ def _check_index(name: str, value: int, size: int) -> int:
     return value % size
 
 
-def qk_maps(model, x: torch.Tensor, layer: int, head: int, channel: int | None = None) -> QKMaps:
+@renamed_arguments(layer="block")
+def qk_maps(model, x: torch.Tensor, block: int, head: int, channel: int | None = None) -> QKMaps:
     """Sigmoid images of the query and key of one head over the patch grid (Gildenblat 2020).
 
-    ``q[b, head, patch, channel]`` and ``k[...]`` of block ``layer`` (after any q/k norm,
+    ``q[b, head, patch, channel]`` and ``k[...]`` of block ``block`` (after any q/k norm,
     before the 1/sqrt(d) scale), patch tokens only, through a sigmoid: bright (> 0.5) where
     positive, dark where negative. Returns :class:`QKMaps` with ``B x gh x gw`` images for
     one ``channel``, ``B x head_dim x gh x gw`` when ``channel`` is None (all channels).
@@ -383,8 +233,8 @@ def qk_maps(model, x: torch.Tensor, layer: int, head: int, channel: int | None =
         model(x)
     layout = rec.layout
     L = len(rec.queries)
-    layer = _check_index("layer", layer, L)
-    q, k = rec.queries[layer], rec.keys[layer]  # B x H x N x D
+    block = _check_index("block", block, L)
+    q, k = rec.queries[block], rec.keys[block]  # B x H x N x D
     head = _check_index("head", head, q.shape[1])
     q, k = q[:, head], k[:, head]  # B x N x D
     if channel is not None:
@@ -458,8 +308,7 @@ def qk_channel_scores(model, x: torch.Tensor, pattern: str = "one_way") -> torch
 
 def rank_qk_channels(model, x: torch.Tensor, pattern: str = "one_way", top: int = 10) -> list[QKChannel]:
     """The ``top`` channels with the highest :func:`qk_channel_scores`, best first."""
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise ValueError(f"top must be a positive int, got {top!r}")
+    positive_int("top", top)
     scores = qk_channel_scores(model, x, pattern)  # L x H x D
     L, H, D = scores.shape
     values, flat = scores.flatten().topk(min(top, scores.numel()))
@@ -616,14 +465,18 @@ def cls_attention_profile(model, x: torch.Tensor, masks, batch_size: int = 50) -
     input resolution (or any multiple of the patch grid). One forward per batch of
     ``batch_size`` (:func:`vitlab.attention.cls_attention`).
     """
-    from vitlab.localization import _as_tensor, attention_entropy, layer_mass_on_object, object_area
+    from vitlab.localization import as_cpu_tensor, attention_entropy, layer_mass_on_object, object_area
 
-    masks = _as_tensor(masks)
+    masks = as_cpu_tensor(masks)
     if masks.ndim != 3 or masks.shape[0] != x.shape[0]:
         raise ValueError(f"need one B x H x W mask per input: {x.shape[0]} inputs, masks {tuple(masks.shape)}")
     mass, entropy = [], []
-    for s in _batches(x.shape[0], batch_size):
+    for s in batches(x.shape[0], batch_size):
         cls = cls_attention(model, x[s])  # b x L x heads x gh x gw
         mass.append(layer_mass_on_object(cls, masks[s]))
         entropy.append(attention_entropy(cls))
     return CLSProfile(torch.cat(mass), torch.cat(entropy), object_area(masks))
+
+
+# names that moved to vitlab.inputs (vitlab 0.2): reading them here raises an error that says where they are
+__getattr__ = moved_names('vitlab.attention', dict.fromkeys(("check_batch_values", "require_cls", "CLS_POOLS", "MEMORY_BUDGET", "chunk_size"), 'vitlab.inputs'))

@@ -54,7 +54,7 @@ one-hot), so that a deleted token takes its position with it.
   method) and :func:`perturbation_verdicts` (does the paper's ordering hold, beyond a paired
   interval?);
 - :func:`bootstrap_interval` -- an interval for a mean of per-question values (the bootstrap of
-  :func:`vitlab.localization.mean_interval`);
+  :func:`vitlab.stats.mean_interval`);
 - single-token tests of ``shapes-lxmert``'s maps: :func:`text_occlusion` (each word replaced by
   ``[UNK]``) and :func:`lxmert_answers_without` (chosen image tokens hidden);
 - what image tokens carry (why LXMERT's maps pick corner patches): :func:`image_token_roles`
@@ -135,9 +135,9 @@ def _trapezoid(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def bootstrap_interval(values, level: float = 0.95, n: int = 2000, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval for the mean of per-question ``values`` (e.g.
     :attr:`PerturbationCurve.question_auc`): ``n`` resamples with replacement, seeded; the
-    resampling of :func:`vitlab.localization.mean_interval`, so the same values and seed give
+    resampling of :func:`vitlab.stats.mean_interval`, so the same values and seed give
     the same interval."""
-    from vitlab.localization import _bootstrap
+    from vitlab.stats import bootstrap
 
     v = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values, dtype=np.float64).ravel()
     if v.size == 0 or not np.isfinite(v).all():
@@ -145,7 +145,7 @@ def bootstrap_interval(values, level: float = 0.95, n: int = 2000, seed: int = 0
                          f"{'' if v.size == 0 else ' with NaN or inf'}")
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
-    return _bootstrap(v, level, n, seed)
+    return bootstrap(v, level, n, seed)
 
 
 def kept_indices(scores: torch.Tensor, step: float, positive: bool) -> torch.Tensor:
@@ -211,7 +211,7 @@ def token_inputs(model, inputs: dict) -> dict:
     return inputs
 
 
-def _logits(out) -> torch.Tensor:
+def logits_of(out) -> torch.Tensor:
     for name in ("question_answering_score", "logits"):
         value = getattr(out, name, None)
         if isinstance(value, torch.Tensor):
@@ -353,7 +353,7 @@ def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool 
     try:
         with torch.no_grad():
             if answers is None:
-                answers = torch.cat([_logits(model(**{k: v[i : i + batch_size] for k, v in inputs.items()})).argmax(-1)
+                answers = torch.cat([logits_of(model(**{k: v[i : i + batch_size] for k, v in inputs.items()})).argmax(-1)
                                      for i in range(0, B, batch_size)]).cpu()
             preds = torch.zeros(B, len(steps), dtype=torch.long)
             kept = torch.zeros(B, len(steps), dtype=torch.long)
@@ -361,7 +361,7 @@ def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool 
                 for i in range(0, B, batch_size):
                     rows = range(i, min(i + batch_size, B))
                     batch, n_kept = _perturbed_batch(inputs, maps, modality, step, positive, rows, keep_end)
-                    preds[i : rows.stop, j] = _logits(model(**batch)).argmax(-1).cpu()
+                    preds[i : rows.stop, j] = logits_of(model(**batch)).argmax(-1).cpu()
                     kept[i : rows.stop, j] = torch.tensor(n_kept)
     finally:
         model.train(was_training)
@@ -460,7 +460,7 @@ def hiding_effect(model, inputs: dict, hide, batch_size: int = 256) -> dict:
         with torch.no_grad():
             for i in range(0, B, batch_size):
                 sl = slice(i, min(i + batch_size, B))
-                probs = _logits(model(**{k: v[sl] for k, v in inputs.items()})).float().softmax(-1).cpu()
+                probs = logits_of(model(**{k: v[sl] for k, v in inputs.items()})).float().softmax(-1).cpu()
                 answer[sl] = probs.argmax(-1)
                 p0[sl] = probs.gather(1, answer[sl, None])[:, 0]
             counts = hide.sum(1)
@@ -476,7 +476,7 @@ def hiding_effect(model, inputs: dict, hide, batch_size: int = 256) -> dict:
                             sel = keep.reshape(*keep.shape, *([1] * (v.ndim - 2))).expand(-1, -1, *v.shape[2:])
                             v = v.gather(1, sel)
                         x[k] = v
-                    probs = _logits(model(**x)).float().softmax(-1).cpu()
+                    probs = logits_of(model(**x)).float().softmax(-1).cpu()
                     after[r] = probs.argmax(-1)
                     p1[r] = probs.gather(1, answer[r, None])[:, 0]
     finally:
@@ -518,7 +518,7 @@ def _run_kept(model, inputs: dict, modality: str, items: list, batch_size: int) 
     kept tokens alone, in their order (no kept image token: one blank token, as
     :mod:`vitlab.bimodal_faithfulness` does); one forward per batch of items that keep as many
     tokens."""
-    from vitlab.attention import _batches
+    from vitlab.inputs import batches
 
     keys = IMAGE_KEYS if modality == "image" else TEXT_KEYS
     preds = [0] * len(items)
@@ -526,7 +526,7 @@ def _run_kept(model, inputs: dict, modality: str, items: list, batch_size: int) 
     for i, (_, kept) in enumerate(items):
         by_count.setdefault(len(kept), []).append(i)
     for count, idx in by_count.items():
-        for s in _batches(len(idx), batch_size):
+        for s in batches(len(idx), batch_size):
             chosen = idx[s]
             rows = torch.as_tensor([items[i][0] for i in chosen])
             batch = {}
@@ -540,7 +540,7 @@ def _run_kept(model, inputs: dict, modality: str, items: list, batch_size: int) 
                     sel = torch.as_tensor([items[i][1] for i in chosen], device=v.device)
                     v = v.gather(1, sel.reshape(*sel.shape, *([1] * (v.ndim - 2))).expand(-1, -1, *v.shape[2:]))
                 batch[k] = v
-            for i, p in zip(chosen, _logits(model(**batch)).argmax(-1).tolist()):
+            for i, p in zip(chosen, logits_of(model(**batch)).argmax(-1).tolist()):
                 preds[i] = int(p)
     return preds
 
@@ -671,18 +671,18 @@ def text_occlusion(model, x: torch.Tensor, questions, batch_size: int = 100, fea
     one length ``L``, token positions as in the text maps): NaN at ``[CLS]``, ``[SEP]`` and
     padding. One forward per batch and word position.
     """
-    from vitlab.attention import _batches
+    from vitlab.inputs import batches
     from vitlab.record import eval_mode
-    from vitlab.relevance.lxmert import _encoded_questions, lxmert_scene_features
+    from vitlab.relevance.lxmert import encoded_questions, lxmert_scene_features
 
     tok = model.tokenizer
     scenes = x.shape[0] if features is None else features[0].shape[0]
-    ids, mask, scene = _encoded_questions(model, scenes, questions, "text_occlusion")
+    ids, mask, scene = encoded_questions(model, scenes, questions, "text_occlusion")
     feats, boxes = lxmert_scene_features(model, x, batch_size) if features is None else features
     word = (mask == 1) & (ids != tok.cls_id) & (ids != tok.sep_id)
     out = torch.full(ids.shape, float("nan"))
     with torch.no_grad(), eval_mode(model):
-        for s in _batches(len(questions), batch_size):
+        for s in batches(len(questions), batch_size):
             ib, mb = ids[s], mask[s]
             xb = dict(visual_feats=feats[scene[s]], visual_pos=boxes[scene[s]])
             logits = model(input_ids=ib, attention_mask=mb, **xb).question_answering_score
@@ -708,19 +708,19 @@ def lxmert_answers_without(model, x: torch.Tensor, questions, drop, batch_size: 
     relevant and see whether the answer changes. ``x``, ``questions`` as
     :func:`lxmert_method_maps`.
     """
-    from vitlab.attention import _batches
+    from vitlab.inputs import batches
     from vitlab.record import eval_mode
-    from vitlab.relevance.lxmert import _encoded_questions, lxmert_scene_features
+    from vitlab.relevance.lxmert import encoded_questions, lxmert_scene_features
 
     drop = torch.as_tensor(drop, dtype=torch.bool)
     feats, boxes = lxmert_scene_features(model, x, batch_size) if features is None else features
     if drop.shape != (len(questions), feats.shape[1]):
         raise ValueError(f"drop must be Q x N = {len(questions)} x {feats.shape[1]} (questions x image tokens), "
                          f"got {tuple(drop.shape)}")
-    ids, mask, scene = _encoded_questions(model, feats.shape[0], questions, "lxmert_answers_without")
+    ids, mask, scene = encoded_questions(model, feats.shape[0], questions, "lxmert_answers_without")
     out = []
     with torch.no_grad(), eval_mode(model):
-        for s in _batches(len(questions), batch_size):
+        for s in batches(len(questions), batch_size):
             logits = model(input_ids=ids[s], attention_mask=mask[s], visual_feats=feats[scene[s]],
                            visual_pos=boxes[scene[s]], visual_attention_mask=(~drop[s]).to(feats.dtype))
             out.append(logits.question_answering_score.argmax(-1))

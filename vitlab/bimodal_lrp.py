@@ -59,13 +59,14 @@ from __future__ import annotations
 
 import torch
 
+from vitlab.inputs import require_gradients
 from vitlab.lrp import PRECISIONS
 from vitlab.record import record
 from vitlab.record.lrp import working_copy
-from vitlab.relevance._common import BimodalMaps, _last, _require_family, _require_gradients_possible
+from vitlab.relevance.bimodal import BimodalMaps, last_capture, require_family
 from vitlab.relevance.engine import read_rows
-from vitlab.relevance.lxmert import _checked_lxmert_inputs, _real_tokens
-from vitlab.relevance.visualbert import _checked_inputs, answer_rows
+from vitlab.relevance.lxmert import checked_lxmert_inputs, real_tokens
+from vitlab.relevance.visualbert import answer_rows, checked_visualbert_inputs
 from vitlab.targets import check_target, resolve_target
 
 __all__ = ["lxmert_partial_lrp", "lxmert_transformer_attribution", "visualbert_partial_lrp",
@@ -101,7 +102,7 @@ def _lrp_attention(model, kwargs: dict, target, streams, plain: bool, method: st
     """One forward with ``lrp="chefer"``, relevance 1 on each sample's ``target`` logit:
     ``(R^A per capture, grad A per capture or None, target, logits, captures)`` for the
     captures of ``streams`` (a function of the recording)."""
-    _require_gradients_possible(method)
+    require_gradients(method)
     # the image features require grad, so that every attention is in the graph even when the
     # model's parameters are frozen (its own tensors are not changed)
     kwargs = {k: ((v.clone() if v.is_inference() else v.detach()).requires_grad_(True) if k in _IMAGE_KEYS else v)
@@ -164,7 +165,7 @@ def _product(abars: list[torch.Tensor], n: int, like: torch.Tensor) -> torch.Ten
 
 # --- VisualBERT ------------------------------------------------------------------------------------
 def _visualbert(model, inputs, target, plain: bool, method: str, precision: str):
-    kwargs, batch = _checked_inputs(model, inputs, "visual_bert", method)
+    kwargs, batch = checked_visualbert_inputs(model, inputs, "visual_bert", method)
     target = check_target(target, batch)
     rows = answer_rows(model, kwargs)
     model, kwargs, like = _at_precision(model, kwargs, precision, method)
@@ -232,17 +233,17 @@ def visualbert_transformer_attribution(model, inputs: dict, target=None, precisi
 
 # --- LXMERT ------------------------------------------------------------------------------------------
 def _lxmert(model, inputs, target, plain: bool, method: str, streams, precision: str):
-    _require_family(model, "lxmert", method)
-    kwargs, batch = _checked_lxmert_inputs(model, inputs, method)
+    require_family(model, "lxmert", method)
+    kwargs, batch = checked_lxmert_inputs(model, inputs, method)
     target = check_target(target, batch)
     model, kwargs, like = _at_precision(model, kwargs, precision, method)
 
     def captures(rec):
         return [c for s in streams for c in (rec.stream(s) if s != "last lang->vision"
-                                             else [_last(rec, "lang->vision", method)])]
+                                             else [last_capture(rec, "lang->vision", method)])]
     R_A, G, t, logits, caps = _lrp_attention(model, kwargs, target, captures, plain, method)
     co = caps[-1]
-    text, image = _real_tokens(kwargs, *co.attention.shape[-2:], R_A[-1])
+    text, image = real_tokens(kwargs, *co.attention.shape[-2:], R_A[-1])
     return R_A, G, t, logits, caps, text, image, like
 
 

@@ -46,8 +46,9 @@ from typing import NamedTuple
 
 import torch
 
+from vitlab.compat import renamed_arguments
 from vitlab.layout import TokenLayout
-from vitlab.relevance.clip import _start, _towers, check_clip_images
+from vitlab.relevance.clip import check_clip_images, clip_towers, start_index
 
 __all__ = [
     "ImageDecomposition", "LayerAblation", "Segmentation", "class_masks", "decompose_image", "head_maps",
@@ -107,7 +108,8 @@ def _linear_part(z_last: torch.Tensor, norm: torch.nn.LayerNorm, projection: tor
     return apply
 
 
-def decompose_image(model, pixel_values: torch.Tensor) -> ImageDecomposition:
+@renamed_arguments(pixel_values="inputs")
+def decompose_image(model, inputs: torch.Tensor) -> ImageDecomposition:
     """Every direct contribution to each image's embedding (Gandelsman et al. 2024, eq. 1-5, the
     final LayerNorm's statistics frozen): one forward of the image tower without gradients.
 
@@ -115,19 +117,19 @@ def decompose_image(model, pixel_values: torch.Tensor) -> ImageDecomposition:
         model: a Hugging Face ``CLIPModel`` (its image tower: pre-norm blocks, a final
             ``post_layernorm`` on the CLS token, a bias-free ``visual_projection``); run in eval
             mode and left exactly as it was.
-        pixel_values: ``B x C x H x W`` images, normalised as the model expects.
+        inputs: ``B x C x H x W`` images, normalised as the model expects.
     """
     from vitlab.record import record
 
     method = "decompose_image"
-    check_clip_images(model, pixel_values, method)
-    vision, _ = _towers(model, method)
+    check_clip_images(model, inputs, method)
+    vision, _ = clip_towers(model, method)
     projection = model.visual_projection
     if getattr(projection, "bias", None) is not None:
         raise ValueError(f"{method}: the visual projection has a bias; the decomposition expects CLIP's bias-free one")
     with torch.no_grad():
         with record(model, eval_mode=True, capture=("attention", "value", "hidden")) as rec:
-            out = model.get_image_features(pixel_values=pixel_values)
+            out = model.get_image_features(pixel_values=inputs)
         return _decomposition(vision, projection, rec, out if isinstance(out, torch.Tensor) else out.pooler_output)
 
 
@@ -183,7 +185,8 @@ def _unit_texts(text_embeds, rows: int | None, name: str, method: str, dim: int)
     return text_embeds / norms
 
 
-def head_maps(model, pixel_values: torch.Tensor, text_embeds: torch.Tensor) -> torch.Tensor:
+@renamed_arguments(pixel_values="inputs")
+def head_maps(model, inputs: torch.Tensor, text_embeds: torch.Tensor) -> torch.Tensor:
     """Each head's direct contribution through each patch, as a share of the pair's cosine:
     ``B x L x H x gh x gw``, entry ``heads[b, l, h, patch] · t_b / |e_b|`` with ``t_b`` the unit
     text embedding of pair b (``text_embeds``: ``B x P``, row b for image b) and ``e_b`` the image
@@ -191,8 +194,8 @@ def head_maps(model, pixel_values: torch.Tensor, text_embeds: torch.Tensor) -> t
     other term of :func:`decompose_image` (CLS token, biases, MLPs, embedding, norm bias) over the
     same reading, they give ``cos(e_b, t_b)``.
     """
-    dec = decompose_image(model, pixel_values)
-    t = _unit_texts(text_embeds, pixel_values.shape[0], "text_embeds", "head_maps", dec.image_embeds.shape[1])
+    dec = decompose_image(model, inputs)
+    t = _unit_texts(text_embeds, inputs.shape[0], "text_embeds", "head_maps", dec.image_embeds.shape[1])
     norm = dec.image_embeds.norm(dim=-1)  # B
     share = torch.einsum("blhnp,bp->blhn", dec.patch_heads(), t.to(dec.heads.dtype)) / norm[:, None, None, None]
     return dec.layout.patches_to_grid(share)
@@ -242,7 +245,8 @@ def _check_labels(labels, batch: int, classes: int, method: str) -> torch.Tensor
     return labels.long()
 
 
-def layer_ablation(model, pixel_values: torch.Tensor, class_embeds: torch.Tensor, labels) -> LayerAblation:
+@renamed_arguments(pixel_values="inputs")
+def layer_ablation(model, inputs: torch.Tensor, class_embeds: torch.Tensor, labels) -> LayerAblation:
     """Mean-ablation of each layer's direct contribution (Gandelsman et al. 2024, section 3.2;
     their ``compute_ablations.py``): the term is replaced by its mean over the batch's images,
     every other term kept, and the images classified zero-shot against ``class_embeds``
@@ -252,17 +256,17 @@ def layer_ablation(model, pixel_values: torch.Tensor, class_embeds: torch.Tensor
 
     Args:
         model: a Hugging Face ``CLIPModel`` (left exactly as it was).
-        pixel_values: ``B x C x H x W`` images (the mean runs over them: use many).
+        inputs: ``B x C x H x W`` images (the mean runs over them: use many).
         class_embeds: ``C x P`` class text embeddings (normalised here).
         labels: ``B`` true classes.
     """
     method = "layer_ablation"
-    check_clip_images(model, pixel_values, method)
-    B = pixel_values.shape[0]
+    check_clip_images(model, inputs, method)
+    B = inputs.shape[0]
     dim = model.visual_projection.weight.shape[0]
     classes = _unit_texts(class_embeds, None, "class_embeds", method, dim)
-    labels = _check_labels(labels, B, classes.shape[0], method).to(pixel_values.device)
-    dec = decompose_image(model, pixel_values)
+    labels = _check_labels(labels, B, classes.shape[0], method).to(inputs.device)
+    dec = decompose_image(model, inputs)
     classes = classes.to(dec.heads.dtype)
     total = dec.total()
     base_acc, base_cos = _zero_shot(total, classes, labels)
@@ -301,7 +305,8 @@ class Segmentation(NamedTuple):
     labels: torch.Tensor
 
 
-def zero_shot_segmentation(model, pixel_values: torch.Tensor, class_embeds: torch.Tensor, *,
+@renamed_arguments(pixel_values="inputs")
+def zero_shot_segmentation(model, inputs: torch.Tensor, class_embeds: torch.Tensor, *,
                            start_block: int = 0) -> Segmentation:
     """Per-patch class scores and the argmax class of every patch (Gandelsman et al. 2024,
     section 5.2, ``compute_segmentations.py``: the patches' contributions summed over layers and
@@ -309,17 +314,17 @@ def zero_shot_segmentation(model, pixel_values: torch.Tensor, class_embeds: torc
 
     Args:
         model: a Hugging Face ``CLIPModel`` (left exactly as it was).
-        pixel_values: ``B x C x H x W`` images.
+        inputs: ``B x C x H x W`` images.
         class_embeds: ``C x P`` class text embeddings (normalised here).
         start_block: the first layer whose heads count (the paper's code: all, 0; the direct
             effect sits in the last layers, so e.g. -4 keeps the last four).
     """
     method = "zero_shot_segmentation"
-    check_clip_images(model, pixel_values, method)
+    check_clip_images(model, inputs, method)
     classes = _unit_texts(class_embeds, None, "class_embeds", method, model.visual_projection.weight.shape[0])
-    vision, _ = _towers(model, method)
-    si = _start(start_block, len(vision.encoder.layers), "image", method)
-    dec = decompose_image(model, pixel_values)
+    vision, _ = clip_towers(model, method)
+    si = start_index(start_block, len(vision.encoder.layers), "image", method)
+    dec = decompose_image(model, inputs)
     patches = dec.patch_heads()[:, si:].sum(dim=(1, 2))  # B x num_patches x P
     norm = dec.image_embeds.norm(dim=-1)
     scores = torch.einsum("bnp,cp->bcn", patches, classes.to(patches.dtype)) / norm[:, None, None]

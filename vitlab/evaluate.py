@@ -193,10 +193,10 @@ class ShapesData:
     """
 
     def __init__(self, model, n: int = 500, objects: str | int = "mixed", seed: int = SHAPES_SEED):
+        from vitlab.inputs import positive_int
         from vitlab.models import preprocess_batch
 
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n must be a positive int, got {n!r}")
+        positive_int("n", n)
         if objects not in ("mixed", 1, 2):
             raise ValueError(f"objects must be 'mixed', 1 or 2, got {objects!r}")
         self.n, self.objects, self.seed = n, objects, int(seed)
@@ -272,8 +272,9 @@ class ImageFolderData:
         if not files:
             raise ValueError(f"no images ({', '.join(IMAGE_SUFFIXES[:5])}) under {str(root)!r}")
         if n is not None:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"n must be a positive int, got {n!r}")
+            from vitlab.inputs import positive_int
+
+            positive_int("n", n)
             files = files[:n]
         self.root, self.files = root, files
         self._model = model
@@ -309,10 +310,10 @@ def _target_masks(object_masks, target: torch.Tensor) -> np.ndarray:
 def predicted_class(model, x: torch.Tensor) -> torch.Tensor:
     """The model's top-1 class per sample, in eval mode (each module's mode put back)."""
     from vitlab.record import eval_mode
-    from vitlab.targets import _logits
+    from vitlab.targets import logits_of
 
     with eval_mode(model), torch.no_grad():
-        return _logits(model(x)).argmax(-1).cpu()
+        return logits_of(model(x)).argmax(-1).cpu()
 
 
 def _non_constant(maps: torch.Tensor) -> torch.Tensor:
@@ -662,6 +663,7 @@ def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[
     from tqdm.auto import tqdm
 
     from vitlab.faithfulness import PROBABILITIES, require_image_classifier
+    from vitlab.inputs import positive_int
 
     require_image_classifier(model, "the leaderboard")
     methods = list(METHODS) if methods is None else list(methods)
@@ -669,8 +671,7 @@ def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[
     if unknown or not methods or len(set(methods)) != len(methods):
         raise ValueError(f"methods must be distinct names from {list(METHODS)}, got {methods}")
     ks = _checked_ks(ks)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    positive_int("chunk", chunk)
     if probability not in PROBABILITIES:
         raise ValueError(f"probability must be one of {PROBABILITIES}, got {probability!r}")
     if target not in TARGETS:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitlab.attention import _batches
+from vitlab.inputs import batches
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,9 +98,9 @@ def require_image_classifier(model, method: str) -> None:
 
 def _check_model_and_images(model, x, method: str) -> None:
     """What every measure checks before its first forward: ``x`` a non-empty, finite float
-    image batch (:func:`vitlab.attention.check_images`) and an image classifier with a class
+    image batch (:func:`vitlab.inputs.check_images`) and an image classifier with a class
     head (:func:`require_image_classifier`)."""
-    from vitlab.attention import check_images
+    from vitlab.inputs import check_images
 
     check_images(x, method)
     require_image_classifier(model, method)
@@ -119,15 +119,15 @@ def _run_items(model, n_items: int, make_chunk, batch_size: int, progress: bool,
     from tqdm.auto import tqdm
 
     from vitlab.record import eval_mode
-    from vitlab.targets import _logits
+    from vitlab.targets import logits_of
 
     out = []
     with eval_mode(model), torch.no_grad():
-        chunks = list(_batches(n_items, batch_size))
+        chunks = list(batches(n_items, batch_size))
         for s in tqdm(chunks, desc=desc, unit="forward", disable=not progress):
             items = make_chunk(s.start, s.stop)
             if score is None:
-                out.append(_logits(model(items)).detach().float().cpu())
+                out.append(logits_of(model(items)).detach().float().cpu())
                 continue
             rows = torch.arange(s.start, s.stop, device=items.device) // per_sample
             v = score(items, rows)
@@ -199,7 +199,7 @@ def _check_score(score, model, x, target, method: str) -> None:
     """What a measure checks, before any forward, when it reads ``score`` instead of a classifier's
     probability: ``x`` a non-empty finite image batch, ``score`` a callable (of ``model``, and made
     for ``x``'s batch size where it says so), and no ``target`` (the score fixes what is explained)."""
-    from vitlab.attention import check_images
+    from vitlab.inputs import check_images
 
     check_images(x, method)
     if not callable(score):
@@ -540,9 +540,9 @@ def group_logits(model, x: torch.Tensor, saliency, k: int = 10, batch_size: int 
     empty or non-finite ``x``, or a model without a class head, is refused before any forward.
     Forward only, eval mode, no_grad; every module's mode restored.
     """
-    from vitlab.attention import check_images
+    from vitlab.inputs import check_images
     from vitlab.record import eval_mode
-    from vitlab.targets import _logits, require_class_head
+    from vitlab.targets import logits_of, require_class_head
 
     check_images(x, "group_logits")
     require_class_head(model, "group_logits")
@@ -558,11 +558,11 @@ def group_logits(model, x: torch.Tensor, saliency, k: int = 10, batch_size: int 
     means = _channel_means(x)
     out = []
     with eval_mode(model), torch.no_grad():
-        for s in _batches(B * (k + 1), batch_size):
+        for s in batches(B * (k + 1), batch_size):
             idx = torch.arange(s.start, s.stop, device=x.device)
             b, g = idx // (k + 1), idx % (k + 1) - 1
             replace = (groups[b] == g[:, None, None])[:, None]
-            out.append(_logits(model(torch.where(replace, means[b], x[b]))).detach().cpu())
+            out.append(logits_of(model(torch.where(replace, means[b], x[b]))).detach().cpu())
     return GroupLogits(torch.cat(out).reshape(B, k + 1, -1), sums.cpu())
 
 
@@ -579,7 +579,7 @@ def saco_logit(model, x: torch.Tensor, saliency, target=None, k: int = 10,
     logits and ``probability`` holding the clean logit ``z_t(x)``; ``target`` as in :func:`saco`
     (None = the predicted class of the clean input).
     """
-    from vitlab.attention import check_images
+    from vitlab.inputs import check_images
     from vitlab.targets import check_target, resolve_target
 
     check_images(x, "saco_logit")

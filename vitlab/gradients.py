@@ -14,18 +14,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vitlab.attention import check_images, check_input_dtype
+from vitlab.inputs import check_images, check_input_dtype, require_gradients
 from vitlab.layout import token_layout
 from vitlab.record import eval_mode
-from vitlab.targets import (
-    _logits, check_score, check_target, is_multi_label, require_class_head, resolve_target,
-)
+from vitlab.targets import check_score, check_target, is_multi_label, logits_of, require_class_head, resolve_target
 
 
 def _scores_fn(model, score: str, multi_label: bool):
     """The forward Captum differentiates: ``B x classes`` logits or log-probabilities."""
     def forward(x):
-        logits = _logits(model(x))
+        logits = logits_of(model(x))
         if score == "log_probability":
             return F.logsigmoid(logits) if multi_label else torch.log_softmax(logits, dim=-1)
         return logits
@@ -39,14 +37,13 @@ def _attribute(model, x, target, score, pixels, method, attribute):
     require_class_head(model, method)
     target = check_target(target, x.shape[0])
     check_score(score)
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError(f"{method} needs gradients: call it outside torch.inference_mode()")
+    require_gradients(method)
     grid = None if pixels else token_layout(model, x).grid
     x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
     with eval_mode(model), torch.enable_grad():
         forward = _scores_fn(model, score, is_multi_label(model))
         with torch.no_grad():  # the predicted class, or the given one checked against the classes
-            target = resolve_target(target, _logits(model(x_in)))
+            target = resolve_target(target, logits_of(model(x_in)))
         attribution = attribute(forward, x_in, target.to(x.device))
     per_pixel = attribution.detach().sum(dim=1)  # B x H x W
     if pixels:

@@ -41,7 +41,10 @@ from __future__ import annotations
 
 import torch
 
-from vitlab.relevance.clip import ClipMaps, _depths, _start, _towers, check_clip_inputs, clip_forward
+from vitlab.relevance.clip import (
+    ClipMaps, check_clip_inputs, check_pair_target, clip_forward, clip_in_chunks, clip_towers, start_index,
+    tower_depths,
+)
 
 __all__ = ["legrad", "min_max"]
 
@@ -56,7 +59,7 @@ def min_max(maps: torch.Tensor) -> torch.Tensor:
     return out.reshape(maps.shape)
 
 
-def legrad(model, inputs, *, start_block: int = 0) -> ClipMaps:
+def legrad(model, inputs, target=None, *, start_block: int = 0) -> ClipMaps:
     """LeGrad map of each pair's image-text cosine (Bousselham et al. 2024; the module
     docstring gives the steps and every choice): ``minmax(sum_{l >= start_block}
     mean_{h,q} ReLU(d s^l / d A^l)[h, q, patches])`` with ``s^l`` the cosine of block l's
@@ -65,6 +68,7 @@ def legrad(model, inputs, *, start_block: int = 0) -> ClipMaps:
     Args:
         model: a Hugging Face ``CLIPModel`` (run in eval mode; left exactly as it was).
         inputs: ``dict(pixel_values=..., input_ids=..., attention_mask=...)``, one text per image.
+        target: None, the pair's score (the only target; anything else is a ``ValueError``).
         start_block: the first image block aggregated (0: all, the paper; -2: the code's default).
 
     Returns:
@@ -72,9 +76,13 @@ def legrad(model, inputs, *, start_block: int = 0) -> ClipMaps:
         the model's own embeddings.
     """
     method = "legrad"
+    check_pair_target(target, method)
     check_clip_inputs(model, inputs, method)
-    vision, _ = _towers(model, method)
-    si = _start(start_block, _depths(model)[0], "image", method)
+    vision, _ = clip_towers(model, method)
+    si = start_index(start_block, tower_depths(model)[0], "image", method)
+    chunked = clip_in_chunks(legrad, model, inputs, gradients=True, start_block=start_block)
+    if chunked is not None:
+        return chunked
     f = clip_forward(model, inputs, method, grad=True, capture=("attention", "hidden"))
     caps = f.rec.stream("image")[si:]
     text = f.output.text_embeds.detach()  # B x P, normalised by the model

@@ -14,37 +14,36 @@ pixel mask, so a map over the patch grid can be graded, not just looked at:
 - :func:`grade_maps`, :func:`grade_asked` — those measures over many maps, one object or
   each object of a scene asked for in turn;
 - :func:`grow_masks` — masks grown by a margin, to grade a map by what its tokens read
-  (a token reads more than its patch: :func:`vitlab.layout.token_footprints`);
+  (a token reads more than its patch: :func:`vitlab.footprints.token_footprints`);
   :func:`shift_masks` — masks moved by whole pixels (a stem that moves token centres,
-  :func:`vitlab.layout.token_centres`); :func:`object_gaps` — how far apart two objects lie;
+  :func:`vitlab.footprints.token_centres`); :func:`object_gaps` — how far apart two objects lie;
 - :func:`top_token_hits` — the same question for a text map: is the highest token one of the
   words that should carry the relevance (the shape a caption names), with its chance level;
   :func:`top_token_is` — is it the one given position (a question's named word);
 - :func:`map_change` — how much one map differs from another (top entry moved, L1 distance of
   the normalised maps), e.g. a rollout setting against vanilla rollout;
-- uncertainty of a grade over a sample of scenes: :func:`rate` (a hit rate with its Wilson
-  interval), :func:`mean_interval` (a mean with its bootstrap interval) and
-  :func:`paired_difference` (two grades of the same scenes), each an :class:`Estimate`;
+- the uncertainty of a grade over a sample of scenes is :mod:`vitlab.stats`'s;
 - weakly supervised segmentation, Chefer et al. (2021)'s DETR experiment:
   :func:`map_to_mask` (a detection's map -> the object's mask, Otsu as the reference's
   ``DETR/mask_generator.py``), :func:`mask_iou` and :func:`segmentation_ap` (COCO's mask AP
   over the reference's IoU thresholds 0.2:0.05:0.95, :data:`SEGMENTATION_IOU_THRESHOLDS`);
   :func:`grid_mask_iou` (a mask on the patch grid, e.g. zero-shot segmentation's, against the
-  object's pixel mask).
+  object's pixel mask); :func:`box_iou` (boxes against boxes: a detection against an object's box).
 
 They take maps and masks only; no model is called here.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vitlab.compat import moved_names
 
-def _as_tensor(a, dtype=torch.float32) -> torch.Tensor:
+
+def as_cpu_tensor(a, dtype=torch.float32) -> torch.Tensor:
     if isinstance(a, torch.Tensor):
         return a.detach().to("cpu", dtype)
     return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype)  # also reversed/strided views
@@ -65,7 +64,7 @@ def _check(maps: torch.Tensor, masks: torch.Tensor) -> None:
 
 def mask_to_grid(masks, grid: tuple[int, int]) -> torch.Tensor:
     """``B x H x W`` boolean masks -> ``B x gh x gw`` fraction of each patch on the object."""
-    m = _as_tensor(masks)
+    m = as_cpu_tensor(masks)
     if m.ndim != 3:
         raise ValueError(f"masks must be B x H x W, got shape {tuple(m.shape)}")
     H, W = m.shape[1:]
@@ -83,7 +82,7 @@ def pointing_game(maps, masks, min_coverage: float = 0.5) -> torch.Tensor:
     """
     if not 0.0 < min_coverage <= 1.0:
         raise ValueError(f"min_coverage must be in (0, 1], got {min_coverage}")
-    maps, masks = _as_tensor(maps), _as_tensor(masks)
+    maps, masks = as_cpu_tensor(maps), as_cpu_tensor(masks)
     _check(maps, masks)
     on = mask_to_grid(masks, tuple(maps.shape[1:])) >= min_coverage - 1e-9   # B x gh x gw
     flat, on = maps.flatten(1), on.flatten(1)
@@ -98,7 +97,7 @@ def mass_on_object(maps, masks) -> torch.Tensor:
     it the object covers. A uniform map scores the object's area share (the chance level,
     see :func:`object_area`).
     """
-    maps, masks = _as_tensor(maps).clamp_min(0), _as_tensor(masks)
+    maps, masks = as_cpu_tensor(maps).clamp_min(0), as_cpu_tensor(masks)
     _check(maps, masks)
     cover = mask_to_grid(masks, tuple(maps.shape[1:]))
     total = maps.flatten(1).sum(1)
@@ -109,7 +108,7 @@ def mass_on_object(maps, masks) -> torch.Tensor:
 
 def object_area(masks) -> torch.Tensor:
     """Per sample: the fraction of the image the object covers (chance level of the measures)."""
-    m = _as_tensor(masks)
+    m = as_cpu_tensor(masks)
     return m.flatten(1).mean(1)
 
 
@@ -121,7 +120,7 @@ def attention_entropy(maps, normalized: bool = True) -> torch.Tensor:
     uniform map, 0 for a map on a single patch. A map with no positive mass raises
     ``ValueError``.
     """
-    m = _as_tensor(maps)
+    m = as_cpu_tensor(maps)
     if m.ndim < 2:
         raise ValueError(f"maps must be ... x gh x gw, got shape {tuple(m.shape)}")
     if (m < 0).any():
@@ -141,7 +140,7 @@ def layer_mass_on_object(maps, masks) -> torch.Tensor:
     Every map of sample b (e.g. ``B x layers x heads x gh x gw`` class-token attention) is
     graded against that sample's one mask ``masks[b]`` (``B x H x W``).
     """
-    maps, masks = _as_tensor(maps), _as_tensor(masks)
+    maps, masks = as_cpu_tensor(maps), as_cpu_tensor(masks)
     if maps.ndim < 3:
         raise ValueError(f"maps must be B x ... x gh x gw, got shape {tuple(maps.shape)}")
     lead = maps.shape[1:-2]
@@ -173,7 +172,7 @@ def grade_maps(maps, masks, min_coverage: float = 0.5) -> dict:
     top patch holds any object pixel), ``mass`` (:func:`mass_on_object`; a map with no
     positive mass scores 0) and ``n``.
     """
-    maps, masks = _as_tensor(maps), _as_tensor(masks)
+    maps, masks = as_cpu_tensor(maps), as_cpu_tensor(masks)
     _check(maps, masks)
     positive = maps.clamp_min(0).flatten(1).sum(1) > 0
     mass = torch.zeros(maps.shape[0])
@@ -194,7 +193,7 @@ def grade_asked(maps: dict, masks, min_coverage: float = 0.5) -> list[dict]:
     class-agnostic map, the same for every ask, cannot do this for disjoint objects);
     ``n`` (scenes).
     """
-    masks = _as_tensor(masks)
+    masks = as_cpu_tensor(masks)
     rows = []
     for name, m in maps.items():
         if masks.ndim != 4 or masks.shape[:2] != m.shape[:2]:
@@ -219,9 +218,9 @@ def grow_masks(masks, margin: int) -> torch.Tensor:
     object pixel lies within ``margin`` pixels of it in both directions (a square
     neighbourhood, the Chebyshev distance; ``margin=0`` returns the masks as floats). Used to
     grade a map by what its tokens read: a token reads a window around its patch
-    (:func:`vitlab.layout.footprint_extent` measures how far), so the top patch of a map can
+    (:func:`vitlab.footprints.footprint_extent` measures how far), so the top patch of a map can
     sit beside the object while its token saw it."""
-    m = _as_tensor(masks)
+    m = as_cpu_tensor(masks)
     if m.ndim != 3:
         raise ValueError(f"masks must be B x H x W, got shape {tuple(m.shape)}")
     if isinstance(margin, bool) or not isinstance(margin, (int, np.integer)) or margin < 0:
@@ -255,11 +254,11 @@ def top_token_hits(maps, targets, valid=None) -> TokenHits:
     that often). A text with no valid token, or no valid target, is refused (``ValueError``), as
     are non-finite scores.
     """
-    m = _as_tensor(maps, torch.float64)
-    t = _as_tensor(targets, torch.bool)
+    m = as_cpu_tensor(maps, torch.float64)
+    t = as_cpu_tensor(targets, torch.bool)
     if m.ndim != 2 or tuple(t.shape) != tuple(m.shape):
         raise ValueError(f"maps and targets must both be B x T, got {tuple(m.shape)} and {tuple(t.shape)}")
-    v = torch.ones_like(t) if valid is None else _as_tensor(valid, torch.bool)
+    v = torch.ones_like(t) if valid is None else as_cpu_tensor(valid, torch.bool)
     if tuple(v.shape) != tuple(m.shape):
         raise ValueError(f"valid must be B x T like maps {tuple(m.shape)}, got {tuple(v.shape)}")
     if not bool(torch.isfinite(m[v]).all()):
@@ -279,8 +278,8 @@ def grid_mask_iou(grid_masks, masks) -> torch.Tensor:
     patch stands for its whole square of pixels, i.e. nearest upsampling) and ``B x H x W`` ->
     ``B``. 0 where both are empty. E.g. a zero-shot segmentation's patches of one class
     (:func:`vitlab.clip_decomposition.class_masks`) against that object's mask."""
-    g = _as_tensor(grid_masks, torch.bool)
-    t = _as_tensor(masks, torch.bool)
+    g = as_cpu_tensor(grid_masks, torch.bool)
+    t = as_cpu_tensor(masks, torch.bool)
     if g.ndim != 3 or t.ndim != 3 or g.shape[0] != t.shape[0]:
         raise ValueError(f"grid_masks must be B x gh x gw and masks B x H x W with the same B, got "
                          f"{tuple(g.shape)} and {tuple(t.shape)}")
@@ -291,101 +290,6 @@ def grid_mask_iou(grid_masks, masks) -> torch.Tensor:
     inter = (up & t).flatten(1).sum(1).double()
     union = (up | t).flatten(1).sum(1).double()
     return torch.where(union > 0, inter / union.clamp_min(1), torch.zeros_like(inter))
-
-
-class Estimate(NamedTuple):
-    """A measured value with its 95% (or ``level``) interval over the scenes: ``value``,
-    ``low``, ``high`` and ``n`` (scenes). ``str()`` gives ``"0.756 [0.717, 0.792]"``."""
-
-    value: float
-    low: float
-    high: float
-    n: int
-
-    def __str__(self) -> str:
-        return f"{self.value:.3f} [{self.low:.3f}, {self.high:.3f}]"
-
-    def excludes(self, v: float = 0.0) -> bool:
-        """Whether ``v`` lies outside the interval (for a difference: it is not a tie)."""
-        return v < self.low or v > self.high
-
-
-def _level(level) -> float:
-    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < level < 1.0:
-        raise ValueError(f"level must be a number in (0, 1), got {level!r}")
-    return float(level)
-
-
-def _values(values, what: str) -> np.ndarray:
-    v = np.asarray(values.detach().cpu() if isinstance(values, torch.Tensor) else values, dtype=np.float64).ravel()
-    if v.size == 0:
-        raise ValueError(f"{what} needs at least one value, got none")
-    if not np.isfinite(v).all():
-        raise ValueError(f"{what} got NaN or inf among its {v.size} values; drop the scenes where the grade is undefined")
-    return v
-
-
-def rate(hits, level: float = 0.95) -> Estimate:
-    """The share of hits (one bool or 0/1 per scene, e.g. :func:`pointing_game`) with its Wilson
-    score interval (Wilson 1927): the rates p whose binomial test would not reject the observed
-    count, ``(k + z^2/2 +- z sqrt(k (n - k) / n + z^2 / 4)) / (n + z^2)``, with ``z`` the normal
-    quantile of ``level``. Unlike ``p +- z * SE`` it stays inside [0, 1] and keeps its width near
-    0 and 1."""
-    z = _normal_quantile(_level(level))
-    v = _values(hits, "rate")
-    if not np.isin(v, (0.0, 1.0)).all():
-        raise ValueError("rate needs hits (bools or 0/1), got other values; use mean_interval for a mean")
-    n, k = v.size, float(v.sum())
-    centre = (k + z * z / 2) / (n + z * z)
-    half = z * math.sqrt(k * (n - k) / n + z * z / 4) / (n + z * z)
-    return Estimate(k / n, max(0.0, centre - half), min(1.0, centre + half), n)
-
-
-def mean_interval(values, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> Estimate:
-    """The mean of per-scene ``values`` with its percentile bootstrap interval (Efron 1979):
-    the scenes are resampled with replacement ``n_boot`` times (a generator seeded with
-    ``seed``), the mean is taken each time, and the interval is the middle ``level`` of those
-    means."""
-    lv = _level(level)
-    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 1:
-        raise ValueError(f"n_boot must be a positive int, got {n_boot!r}")
-    v = _values(values, "mean_interval")
-    low, high = _bootstrap(v, lv, n_boot, seed)
-    return Estimate(float(v.mean()), low, high, int(v.size))
-
-
-def _bootstrap(v: np.ndarray, level: float, n_boot: int, seed: int) -> tuple[float, float]:
-    """The percentile bootstrap of the mean of checked float64 ``v``: ``n_boot`` resamples with
-    replacement drawn by ``np.random.default_rng(seed)``, the middle ``level`` of their means.
-    The one resampling behind every interval of a mean here and in
-    :func:`vitlab.bimodal_faithfulness.bootstrap_interval`."""
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, v.size, size=(n_boot, v.size))].mean(1)
-    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
-    return float(low), float(high)
-
-
-def paired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> Estimate:
-    """``a - b`` for two grades of the *same* scenes (per-scene values or hits, in the same
-    order): the mean difference with the bootstrap interval of :func:`mean_interval`, the
-    scenes resampled together, so what the two share cancels. An interval that holds 0 is a
-    tie on these scenes."""
-    va, vb = _values(a, "paired_difference"), _values(b, "paired_difference")
-    if va.shape != vb.shape:
-        raise ValueError(f"paired_difference needs one value per scene on both sides, got {va.size} and {vb.size}")
-    return mean_interval(va - vb, level, n_boot, seed)
-
-
-def _normal_quantile(level: float) -> float:
-    """z with P(|N(0, 1)| <= z) = level (bisection on erf; no scipy needed)."""
-    lo, hi = 0.0, 10.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if math.erf(mid / math.sqrt(2)) < level:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 # --- weakly supervised segmentation: Chefer et al. (2021)'s DETR experiment --------------------
@@ -427,7 +331,7 @@ def map_to_mask(maps, size: tuple[int, int], upsample: str = "bilinear") -> torc
     map gives an empty mask (nothing stands out)."""
     if upsample not in ("bilinear", "nearest"):
         raise ValueError(f"upsample must be 'bilinear' or 'nearest', got {upsample!r}")
-    m = _as_tensor(maps, torch.float64)
+    m = as_cpu_tensor(maps, torch.float64)
     if m.ndim != 3 or m.shape[0] == 0:
         raise ValueError(f"maps must be B x gh x gw with B >= 1, got shape {tuple(m.shape)}")
     if not bool(torch.isfinite(m).all()):
@@ -449,13 +353,23 @@ def map_to_mask(maps, size: tuple[int, int], upsample: str = "bilinear") -> torc
 def mask_iou(pred, true) -> torch.Tensor:
     """IoU of every predicted mask with every true mask: ``K x H x W`` and ``M x H x W`` -> ``K x M``
     (0 where both are empty)."""
-    a = _as_tensor(pred, torch.bool).flatten(1).double()
-    b = _as_tensor(true, torch.bool).flatten(1).double()
+    a = as_cpu_tensor(pred, torch.bool).flatten(1).double()
+    b = as_cpu_tensor(true, torch.bool).flatten(1).double()
     if a.shape[1:] != b.shape[1:]:
         raise ValueError(f"predicted and true masks differ in size: {tuple(pred.shape[1:])} vs {tuple(true.shape[1:])}")
     inter = a @ b.T
     union = a.sum(1)[:, None] + b.sum(1)[None] - inter
     return torch.where(union > 0, inter / union.clamp_min(1), torch.zeros_like(inter))
+
+
+def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """IoU of every box in ``a`` (``n x 4``) with every box in ``b`` (``m x 4``), ``(x0, y0, x1, y1)``."""
+    a, b = np.asarray(a, dtype=np.float64)[:, None], np.asarray(b, dtype=np.float64)[None]
+    iw = np.clip(np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0]), 0, None)
+    ih = np.clip(np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1]), 0, None)
+    inter = iw * ih
+    area = lambda z: (z[..., 2] - z[..., 0]) * (z[..., 3] - z[..., 1])  # noqa: E731
+    return inter / np.maximum(area(a) + area(b) - inter, 1e-12)
 
 
 def segmentation_ap(detections: list[dict], truths: list[dict],
@@ -499,8 +413,8 @@ def segmentation_ap(detections: list[dict], truths: list[dict],
             if len(di) == 0:
                 continue
             if len(ti):
-                ious = mask_iou(_as_tensor(d["masks"], torch.bool)[torch.from_numpy(di)],
-                                _as_tensor(t["masks"], torch.bool)[torch.from_numpy(ti)]).numpy()
+                ious = mask_iou(as_cpu_tensor(d["masks"], torch.bool)[torch.from_numpy(di)],
+                                as_cpu_tensor(t["masks"], torch.bool)[torch.from_numpy(ti)]).numpy()
             else:
                 ious = np.zeros((len(di), 0))
             matched = np.zeros((len(thr), len(di)), dtype=bool)
@@ -560,7 +474,7 @@ def segmentation_ap(detections: list[dict], truths: list[dict],
 def shift_masks(masks, down: int, right: int) -> torch.Tensor:
     """Move the content of ``... x H x W`` masks ``down`` and ``right`` pixels (negative: up,
     left); what enters at the border is background (False / 0)."""
-    m = _as_tensor(masks)
+    m = as_cpu_tensor(masks)
     H, W = m.shape[-2:]
     out = torch.zeros_like(m)
     down, right = int(down), int(right)
@@ -579,7 +493,7 @@ def object_gaps(masks) -> np.ndarray:
     masks; 0 when they touch or overlap)."""
     from scipy.ndimage import distance_transform_edt
 
-    m = np.asarray(_as_tensor(masks).numpy(), dtype=bool)
+    m = np.asarray(as_cpu_tensor(masks).numpy(), dtype=bool)
     if m.ndim != 4 or m.shape[1] != 2:
         raise ValueError(f"masks must be S x 2 x H x W, got shape {m.shape}")
     out = np.empty(len(m))
@@ -625,3 +539,7 @@ def map_change(a: torch.Tensor, b: torch.Tensor) -> dict:
     na = a / a.sum(1, keepdim=True).clamp_min(1e-300)
     nb = b / b.sum(1, keepdim=True).clamp_min(1e-300)
     return {"top_moved": (a.argmax(1) != b.argmax(1)).numpy(), "l1": (na - nb).abs().sum(1).numpy()}
+
+
+# names that moved to vitlab.stats (vitlab 0.2): reading them here raises an error that says where they are
+__getattr__ = moved_names('vitlab.localization', dict.fromkeys(("Estimate", "rate", "mean_interval", "paired_difference"), 'vitlab.stats'))

@@ -63,8 +63,8 @@ Choices where the papers leave room:
   gamma rule that lxt's ViT example tunes by eye per layer type: no gamma is picked for the
   reader. The softmax gets AttnLRP's own rule (lxt's ViT example uses CP-LRP inside the
   attention, which lets no relevance through the softmax).
-- Transformer attribution starts at block 0 (``start_layer=0``): eq. 13 multiplies over
-  every block; the reference's perturbation script passes ``start_layer=1``.
+- Transformer attribution starts at block 0 (``start_block=0``): eq. 13 multiplies over
+  every block; the reference's perturbation script passes ``start_layer=1`` (``start_block=1`` here).
 """
 from __future__ import annotations
 
@@ -72,11 +72,12 @@ from typing import NamedTuple
 
 import torch
 
-from vitlab.attention import _in_chunks, check_images, check_input_dtype, checked_layout
+from vitlab.compat import renamed_arguments
+from vitlab.inputs import check_images, check_input_dtype, checked_layout, in_chunks, require_gradients
 from vitlab.record import record
 from vitlab.record.lrp import working_copy
 from vitlab.relevance.engine import head_averaged_relevance
-from vitlab.targets import _logits, check_target, require_class_head, resolve_target
+from vitlab.targets import check_target, logits_of, require_class_head, resolve_target
 
 
 class LRPPass(NamedTuple):
@@ -151,13 +152,12 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
     checked_layout(model, x, method)
     require_class_head(model, method)
     target = check_target(target, x.shape[0])
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError(f"{method} needs gradients: call it outside torch.inference_mode()")
+    require_gradients(method)
     capture = ("attention",) if attention or plain else ()
     with torch.enable_grad():
         x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
         with record(model, lrp=rules, capture=capture, detach=False, eval_mode=True) as rec:
-            logits = _logits(model(x_in))
+            logits = logits_of(model(x_in))
             t = resolve_target(target, logits)
             y = logits.gather(1, t[:, None])[:, 0]
             start = torch.ones_like(y)
@@ -193,9 +193,9 @@ def _grid_map(method, model, x, target, kwargs, compute, precision: str):
     chunking, then ``compute(model, x, target)`` at that precision; the map in ``x``'s dtype."""
     run_model, run_x = at_precision(model, x, precision, method.__name__)
     layout = checked_layout(run_model, run_x, method.__name__)
-    chunked = _in_chunks(method, run_model, run_x, layout, gradients=True, target=target, precision=precision,
+    chunked = in_chunks(method, run_model, run_x, layout, gradients=True, target=target, precision=precision,
                          **kwargs)
-    if chunked is not None:  # a batch larger than vitlab.attention.MEMORY_BUDGET allows
+    if chunked is not None:  # a batch larger than vitlab.inputs.MEMORY_BUDGET allows
         return chunked.to(x.dtype)
     return layout.patches_to_grid(compute(run_model, run_x)).to(x.dtype)
 
@@ -253,7 +253,8 @@ def partial_lrp(model, x: torch.Tensor, target=None, precision: str = "float64")
     return _grid_map(partial_lrp, model, x, target, {}, compute, precision)
 
 
-def transformer_attribution(model, x: torch.Tensor, target=None, start_layer: int = 0,
+@renamed_arguments(start_layer="start_block")
+def transformer_attribution(model, x: torch.Tensor, target=None, start_block: int = 0,
                             precision: str = "float64") -> torch.Tensor:
     """Transformer attribution (Chefer, Gur & Wolf, CVPR 2021, "Transformer Interpretability
     Beyond Attention Visualization", eq. 13): per block ``Abar_b = E_h[(grad A_b ⊙ R^{A_b})^+]``,
@@ -271,23 +272,23 @@ def transformer_attribution(model, x: torch.Tensor, target=None, start_layer: in
 
     Args:
         model, x, target, precision: as :func:`lrp`.
-        start_layer: first block in the product (0: every block, eq. 13; the reference's
+        start_block: first block in the product (0: every block, eq. 13; the reference's
             perturbation script uses 1).
     """
     def compute(m, xx):
         p = _lrp_pass(m, xx, target, "chefer", False, True, False, "transformer_attribution", unit=True)
         L = len(p.attention_relevance)
-        if isinstance(start_layer, bool) or not isinstance(start_layer, int) or not 0 <= start_layer < L:
-            raise ValueError(f"start_layer must be an int in [0, {L}), got {start_layer!r}")
+        if isinstance(start_block, bool) or not isinstance(start_block, int) or not 0 <= start_block < L:
+            raise ValueError(f"start_block must be an int in [0, {L}), got {start_block!r}")
         R_A, G = p.attention_relevance, p.attention_grads
         r = torch.zeros(R_A[0].shape[0], R_A[0].shape[-1], dtype=R_A[0].dtype, device=R_A[0].device)
         r[:, 0] = 1  # e_CLS (I + Abar_B) ... (I + Abar_start), from the last block down
-        for b in range(L - 1, start_layer - 1, -1):
+        for b in range(L - 1, start_block - 1, -1):
             r = r + (r.unsqueeze(1) @ head_averaged_relevance(R_A[b], G[b])).squeeze(1)
         return r
-    if isinstance(start_layer, bool) or not isinstance(start_layer, int) or start_layer < 0:
-        raise ValueError(f"start_layer must be a non-negative int, got {start_layer!r}")
-    return _grid_map(transformer_attribution, model, x, target, {"start_layer": start_layer}, compute, precision)
+    if isinstance(start_block, bool) or not isinstance(start_block, int) or start_block < 0:
+        raise ValueError(f"start_block must be a non-negative int, got {start_block!r}")
+    return _grid_map(transformer_attribution, model, x, target, {"start_block": start_block}, compute, precision)
 
 
 def lrp_conservation(model, x: torch.Tensor, target=None, rules: str = "chefer",

@@ -14,11 +14,15 @@ import importlib
 import os
 import socket
 import urllib.parse
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
+
+#: The folder of the embedded models' weights and cards (``vitlab/weights``), shipped with the package.
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 
 # name -> "module:function"; each loader is ``fn(pretrained=True, **kwargs) -> nn.Module`` in eval
 # mode: a timm VisionTransformer with ``pretrained_cfg`` set, or (shapes-lxmert, shapes-detr) a

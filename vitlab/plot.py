@@ -332,11 +332,11 @@ def footprints(maps: Sequence, boxes: Sequence[tuple[int, int, int, int]], regio
                titles: Sequence[str] | None = None, region_labels: Sequence[str] | None = None,
                size: float = 2.8, scale: str = "linear", label: str | None = None, cmap=None):
     """What tokens read: one panel per footprint (``H x W`` weights over the input pixels, e.g.
-    :func:`vitlab.layout.token_footprints` of one token divided by its sum), all on one colour
+    :func:`vitlab.footprints.token_footprints` of one token divided by its sum), all on one colour
     scale, with the token's own patch boxed in cyan (``boxes``: ``(top, left, height, width)`` in
     pixels, one per panel), its centre marked with a cyan cross (``centres``: ``(row, column)``
     per panel, optional) and, for each panel, the outlines of ``regions`` (a sequence of ``H x W``
-    masks per panel, e.g. :func:`vitlab.layout.footprint_regions`: the smallest areas holding
+    masks per panel, e.g. :func:`vitlab.footprints.footprint_regions`: the smallest areas holding
     50% and 90% of it) in white, solid for the first, dashed for the next, named in a legend by
     ``region_labels``. Returns the Figure."""
     from matplotlib.lines import Line2D

@@ -57,10 +57,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from vitlab.attention import check_images
+from vitlab.compat import renamed_arguments
+from vitlab.inputs import check_images, positive_int, require_gradients
 from vitlab.layout import TokenLayout, is_hf_model, is_timm_vit, token_layout
 from vitlab.record import blocks as record_blocks, record
-from vitlab.targets import _logits, check_target, require_class_head, resolve_target
+from vitlab.targets import check_target, logits_of, require_class_head, resolve_target
 
 INTERVENTIONS = ("self_only", "no_cls")
 
@@ -368,7 +369,7 @@ def _project(model, x: torch.Tensor, method: str, attention_edit: Callable | Non
     # fused attention path (unless attention_edit edits it)
     with torch.no_grad(), record(model, eval_mode=True, residual=True, attention_edit=attention_edit,
                                  capture=("hidden",)) as rec:
-        logits = _logits(model(x))
+        logits = logits_of(model(x))
         class_head = ClassHead(norms, head)
         _check_head_agrees(class_head(rec.hidden_states[-1][:, 0]), logits, model, method)
         if len(rec.hidden_states) != L or len(rec.block_inputs) != L or len(rec.mid_states) != L:
@@ -640,8 +641,7 @@ def unit_top_classes(model, block: int, k: int = 5, mode: str = "norm", sublayer
     """``memories x k``: the k classes each memory's value promotes most (best first): the MLP
     units (``sublayer="mlp"``, :func:`value_projection`, ``hidden x k``) or the attention
     memories (``sublayer="attention"``, :func:`attention_value_projection`, ``D x k``)."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
+    positive_int("k", k)
     if sublayer not in SUBLAYERS:
         raise ValueError(f"sublayer must be one of {SUBLAYERS}, got {sublayer!r}")
     scores = (value_projection if sublayer == "mlp" else attention_value_projection)(model, block, mode)
@@ -701,8 +701,7 @@ def memory_agreement(model, x: torch.Tensor, block: int | None, target=None, k: 
     """
     check_images(x, "memory_agreement")
     check_target(target, x.shape[0])
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
+    positive_int("k", k)
     if sublayer not in SUBLAYERS:
         raise ValueError(f"sublayer must be one of {SUBLAYERS}, got {sublayer!r}")
     all_blocks = record_blocks(model)
@@ -710,11 +709,11 @@ def memory_agreement(model, x: torch.Tensor, block: int | None, target=None, k: 
     tops = [unit_top_classes(model, b, 1, mode, sublayer)[:, 0] for b in chosen]  # memories, per block
     if sublayer == "mlp":
         with torch.no_grad(), record(model, eval_mode=True, mlp=True, capture=()) as rec:
-            logits = _logits(model(x))
+            logits = logits_of(model(x))
         acts = [rec.mlp_activations[b] for b in chosen]  # B x N x hidden
     else:
         with torch.no_grad(), record(model, eval_mode=True, capture=("attention", "value")) as rec:
-            logits = _logits(model(x))
+            logits = logits_of(model(x))
         acts = [_coefficients(rec.attentions[b], rec.values[b]) for b in chosen]  # B x N x D
     t = _target_for(target, logits)
     units = [a.topk(min(k, a.shape[-1]), dim=-1).indices for a in acts]  # B x N x k
@@ -744,13 +743,12 @@ def projection_map(model, x: torch.Tensor, target=None) -> torch.Tensor:
     layout = token_layout(model, x)
     norms, head = _head_parts(model, layout, "projection_map")
     target = check_target(target, x.shape[0])
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError("projection_map needs gradients: call it outside torch.inference_mode()")
+    require_gradients("projection_map")
     class_head = ClassHead(norms, head)
     with torch.enable_grad():
         x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
         with record(model, detach=False, eval_mode=True, capture=("attention", "hidden")) as rec:
-            logits = _logits(model(x_in))
+            logits = logits_of(model(x_in))
             t = resolve_target(target, logits)
             cls_states = torch.stack([h[:, 0] for h in rec.hidden_states], dim=1)  # B x L x D
             projected = class_head(cls_states)  # B x L x C
@@ -785,25 +783,26 @@ def intervention_mask(mode: str, layout: TokenLayout) -> torch.Tensor:
     return allowed
 
 
-def context_intervention(model, x: torch.Tensor, mode: str, from_block: int = 0, blocks=None,
+@renamed_arguments(from_block="start_block")
+def context_intervention(model, x: torch.Tensor, mode: str, start_block: int = 0, blocks=None,
                          tokens=None) -> Projection:
-    """:func:`project` with image tokens cut off from context in blocks ``from_block`` on
+    """:func:`project` with image tokens cut off from context in blocks ``start_block`` on
     (paper RQ5): ``mode="self_only"`` (each image token attends only to itself) or
     ``"no_cls"`` (image tokens do not attend to CLS); see :func:`intervention_mask`. The edit
     masks the attention logits before the softmax through ``vitlab.record(attention_edit=...)``
     for the one forward; the model is left exactly as it was, also when the forward raises.
     ``logits`` are the edited model's output. ``blocks`` / ``tokens``: which blocks' and
     tokens' states to keep and project, as in :func:`project` (the edit still applies from
-    ``from_block`` on, whichever blocks are kept)."""
+    ``start_block`` on, whichever blocks are kept)."""
     check_images(x, "context_intervention")
     layout = token_layout(model, x)
     allowed = intervention_mask(mode, layout).to(x.device)
     L = len(record_blocks(model))
-    if isinstance(from_block, bool) or not isinstance(from_block, int) or not 0 <= from_block <= L:
-        raise ValueError(f"from_block must be an int in [0, {L}], got {from_block!r}")
+    if isinstance(start_block, bool) or not isinstance(start_block, int) or not 0 <= start_block <= L:
+        raise ValueError(f"start_block must be an int in [0, {L}], got {start_block!r}")
 
-    def edit(layer: int, num_tokens: int):
-        return allowed if layer >= from_block else None
+    def edit(block: int, num_tokens: int):
+        return allowed if block >= start_block else None
 
     return _project(model, x, "context_intervention", attention_edit=edit, blocks=blocks, tokens=tokens,
                     images_checked=True)
@@ -846,14 +845,8 @@ class Probes:
         return probe_logits(self, states, block)
 
 
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _check_fit(epochs, lr, seed) -> None:
-    _positive_int(epochs, "epochs")
+    positive_int("epochs", epochs)
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
         raise ValueError(f"lr must be a positive finite number, got {lr!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -877,7 +870,7 @@ def train_probe(states: torch.Tensor, labels: torch.Tensor, num_classes: int, ep
     if labels.dtype == torch.bool or labels.is_floating_point() or labels.shape != states.shape[:1]:
         raise ValueError(f"labels must be {states.shape[0]} integer classes (one per state), "
                          f"got dtype {labels.dtype}, shape {tuple(labels.shape)}")
-    C = _positive_int(num_classes, "num_classes")
+    C = positive_int("num_classes", num_classes)
     if bool(((labels < 0) | (labels >= C)).any()):
         raise ValueError(f"labels must be classes in 0 .. {C - 1}, got {labels.min().item()} .. {labels.max().item()}")
     _check_fit(epochs, lr, seed)
@@ -1057,9 +1050,9 @@ def _remove_tokens(model, x: torch.Tensor, removed: torch.Tensor, t, layout: Tok
     with torch.no_grad():
         if t is None:
             with record(model, eval_mode=True, capture=()):
-                t = _logits(model(x)).argmax(-1)
+                t = logits_of(model(x)).argmax(-1)
         with record(model, eval_mode=True, capture=(), attention_edit=lambda layer, num_tokens: allowed):
-            logits = _logits(model(x))
+            logits = logits_of(model(x))
     t = resolve_target(t, logits)
     predicted = logits.argmax(-1)
     return TokenRemoval(logits=logits, predicted=predicted, target=t, correct=predicted == t,
@@ -1190,7 +1183,7 @@ def removal_curve(model, x: torch.Tensor, ranking: torch.Tensor, target=None, re
         raise ValueError(f"remove must be one of {REMOVE}, got {remove!r}")
     if t is None:
         with torch.no_grad(), record(model, eval_mode=True, capture=()):
-            t = _logits(model(x)).argmax(-1).cpu()
+            t = logits_of(model(x)).argmax(-1).cpu()
     runs = [token_removal(model, x, ranking, float(v), t, remove=remove) for v in f.tolist()]
     correct = torch.stack([r.correct.cpu() for r in runs], dim=1)
     return RemovalCurve(fractions=f, correct=correct, target=runs[0].target.cpu(), remove=remove)
@@ -1204,7 +1197,7 @@ def bootstrap_interval(values, n_boot: int = 2000, level: float = 0.95, seed: in
     if v.numel() == 0 or not bool(torch.isfinite(v).all()):
         raise ValueError(f"bootstrap_interval needs at least one finite value, got {v.numel()} values"
                          f"{'' if v.numel() == 0 else ' with NaN or inf'}")
-    _positive_int(n_boot, "n_boot")
+    positive_int("n_boot", n_boot)
     if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
         raise ValueError(f"level must be a number in (0, 1), got {level!r}")
     g = torch.Generator().manual_seed(seed)
@@ -1263,11 +1256,11 @@ def removal_test(model, x: torch.Tensor, rankings: dict, target=None, fractions=
     check_images(x, "removal_test")
     if not isinstance(rankings, dict) or not rankings:
         raise ValueError("rankings must be a non-empty dict {name: B x num_patches scores}")
-    _positive_int(n_random, "n_random")
+    positive_int("n_random", n_random)
     t = check_target(target, x.shape[0])
     if t is None:
         with torch.no_grad(), record(model, eval_mode=True, capture=()):
-            t = _logits(model(x)).argmax(-1).cpu()
+            t = logits_of(model(x)).argmax(-1).cpu()
     num_patches = token_layout(model, x).num_patches
     g = torch.Generator().manual_seed(seed)
     positive = {n: removal_curve(model, x, r, t, "highest", fractions) for n, r in rankings.items()}
@@ -1316,7 +1309,7 @@ def ridge_probes(states: torch.Tensor, labels, num_classes: int, alpha: float = 
                          f"{tuple(getattr(states, 'shape', ()))}")
     if not bool(torch.isfinite(states).all()):
         raise ValueError("states must be finite (no NaN or inf)")
-    C = _positive_int(num_classes, "num_classes")
+    C = positive_int("num_classes", num_classes)
     y = torch.as_tensor(labels)
     if y.dtype == torch.bool or y.is_floating_point() or tuple(y.shape) != (states.shape[0],):
         raise ValueError(f"labels must be {states.shape[0]} integer classes (one per image), got dtype {y.dtype}, "
@@ -1374,7 +1367,7 @@ def permutation_test(first, second, n_perm: int = 300, seed: int = 0) -> Permuta
         raise ValueError(f"permutation_test needs values in both groups, got {a.numel()} and {b.numel()}")
     if not bool(torch.isfinite(a).all() and torch.isfinite(b).all()):
         raise ValueError("permutation_test: the values must be finite (no NaN or inf)")
-    _positive_int(n_perm, "n_perm")
+    positive_int("n_perm", n_perm)
     observed = float(a.mean() - b.mean())
     pooled, n = torch.cat([a, b]), a.numel()
     g = torch.Generator().manual_seed(seed)

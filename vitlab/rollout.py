@@ -32,9 +32,8 @@ from typing import Sequence
 
 import torch
 
-from vitlab.attention import (
-    _attention_gradients, _batches, _in_chunks, _recorded_attentions, checked_layout, require_cls,
-)
+from vitlab.attention import attention_gradients_for_blocks, recorded_attentions
+from vitlab.inputs import batches, checked_layout, in_chunks, require_cls
 from vitlab.layout import TokenLayout
 
 HEAD_FUSIONS = ("mean", "min", "max")
@@ -181,7 +180,7 @@ def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: fl
     block, ``A = fuse(heads)``; discard each sample's lowest ``discard_ratio`` of entries
     (never CLS->CLS); ``a = (A + I) / 2``, row-normalised; ``R = a_L @ ... @ a_1``; map =
     ``R[CLS, patches]`` on the grid, divided by its maximum. One forward, no gradients (one
-    per chunk of a batch over :data:`vitlab.attention.MEMORY_BUDGET`).
+    per chunk of a batch over :data:`vitlab.inputs.MEMORY_BUDGET`).
 
     Args:
         model: a timm or Hugging Face ViT (run in eval mode, its mode put back).
@@ -192,16 +191,16 @@ def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: fl
 
     Raises:
         ValueError: bad arguments or input, or a model whose output does not read a CLS
-            token (:func:`vitlab.attention.require_cls`).
+            token (:func:`vitlab.inputs.require_cls`).
     """
     check_head_fusion(head_fusion)
     check_discard_ratio(discard_ratio)
     layout = checked_layout(model, x, "rollout")
     discard_count(layout.num_tokens, discard_ratio)
-    chunked = _in_chunks(rollout, model, x, layout, head_fusion=head_fusion, discard_ratio=discard_ratio)
-    if chunked is not None:  # a batch larger than vitlab.attention.MEMORY_BUDGET allows
+    chunked = in_chunks(rollout, model, x, layout, head_fusion=head_fusion, discard_ratio=discard_ratio)
+    if chunked is not None:  # a batch larger than vitlab.inputs.MEMORY_BUDGET allows
         return chunked
-    attentions, layout = _recorded_attentions(model, x)
+    attentions, layout = recorded_attentions(model, x)
     fused = [discard_lowest(fuse_heads(A, head_fusion), discard_ratio) for A in attentions]  # B x N x N each
     return _cls_readout(fused, layout)
 
@@ -214,7 +213,7 @@ def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0
     row-normalised; multiply as in :func:`rollout`; map = CLS row over the patches,
     divided by its maximum (all zero where no positive path from CLS to a patch is left).
     One forward and one backward for the whole batch (per chunk of a batch over
-    :data:`vitlab.attention.MEMORY_BUDGET`).
+    :data:`vitlab.inputs.MEMORY_BUDGET`).
 
     Args:
         model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
@@ -231,11 +230,11 @@ def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0
     check_discard_ratio(discard_ratio)
     layout = checked_layout(model, x, "grad_rollout")
     discard_count(layout.num_tokens, discard_ratio)
-    chunked = _in_chunks(grad_rollout, model, x, layout, gradients=True, target=target,
+    chunked = in_chunks(grad_rollout, model, x, layout, gradients=True, target=target,
                          discard_ratio=discard_ratio, score=score)
     if chunked is not None:
         return chunked
-    ag = _attention_gradients(model, x, target, layers=None, score=score, method="grad_rollout")
+    ag = attention_gradients_for_blocks(model, x, target, layers=None, score=score, method="grad_rollout")
     fused = [
         discard_lowest(grad_fuse_heads(A, G), discard_ratio)  # B x N x N
         for A, G in zip(ag.attentions, ag.gradients)  # layer l with its own gradient
@@ -275,8 +274,8 @@ def rollout_settings_maps(model, x: torch.Tensor, settings: Sequence[tuple[str, 
     if not settings:
         raise ValueError("settings must hold at least one (head_fusion, discard_ratio) pair")
     per_batch = []
-    for s in _batches(x.shape[0], batch_size):
-        attentions, layout = _recorded_attentions(model, x[s])
+    for s in batches(x.shape[0], batch_size):
+        attentions, layout = recorded_attentions(model, x[s])
         require_cls(layout, "rollout_settings_maps")
         per_batch.append(torch.stack([rollout_from_attentions(attentions, layout, f, d) for f, d in settings]))
     return torch.cat(per_batch, dim=1)
@@ -297,9 +296,9 @@ def grade_rollout_settings(model, x: torch.Tensor, masks, settings: Sequence[tup
     Returns one dict per setting, in order: ``head_fusion``, ``discard_ratio`` and the
     scores of :func:`grade_maps` (``pointing``, ``touch``, ``mass``, ``n``).
     """
-    from vitlab.localization import _as_tensor, grade_maps
+    from vitlab.localization import as_cpu_tensor, grade_maps
 
-    masks = _as_tensor(masks)
+    masks = as_cpu_tensor(masks)
     if masks.ndim != 3 or masks.shape[0] != x.shape[0]:
         raise ValueError(f"need one B x H x W mask per input: {x.shape[0]} inputs, masks {tuple(masks.shape)}")
     maps = rollout_settings_maps(model, x, settings, batch_size)

@@ -110,7 +110,7 @@ CHAPTERS: tuple[Chapter, ...] = (
                    "the Effective Receptive Field in Deep Convolutional Neural Networks*",
                    "https://arxiv.org/abs/1701.04128", "Effective Receptive Field")),
             "solutions/03a_appendix_token_offsets_solutions.ipynb",
-            code=("vitlab/layout.py", "vitlab/localization.py")),
+            code=("vitlab/footprints.py", "vitlab/localization.py")),
     Chapter("04_class_specific_maps",
             "the blog's gradient rollout and Chefer et al.'s relevance (eq. 5-6), what the reference "
             "code gets wrong, how often each map points at the object asked for, why GradCAM points at "
@@ -210,7 +210,7 @@ CHAPTERS: tuple[Chapter, ...] = (
                    "Representation via Text-Based Decomposition*", "https://arxiv.org/abs/2310.05916",
                    "Interpreting CLIP's Image Representation")),
             "solutions/11_clip_solutions.ipynb",
-            code=("vitlab/relevance/clip.py", "vitlab/gradeclip.py", "vitlab/legrad.py", "vitlab/clip_decomposition.py")),
+            code=("vitlab/relevance/clip.py", "vitlab/grad_eclip.py", "vitlab/legrad.py", "vitlab/clip_decomposition.py")),
 )
 
 

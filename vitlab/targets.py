@@ -21,7 +21,7 @@ import torch
 _ALLOWED = "an int, one class per sample (a sequence or 1-D integer tensor), or None (predicted class)"
 
 
-def _logits(output) -> torch.Tensor:
+def logits_of(output) -> torch.Tensor:
     """The ``B x num_classes`` logits of a model output (a tensor, or an object with ``.logits``).
 
     timm classifiers return the logits tensor; Hugging Face classification models return an
@@ -44,7 +44,7 @@ def require_class_head(model, method: str) -> None:
     A timm model built with ``num_classes=0`` (a feature extractor, like vitlab's embedded
     ``dinov2_small_imgfocus``) returns a feature vector, not class scores: differentiating
     "class" t of it would differentiate feature channel t. Hugging Face base models
-    (``ViTModel``, ...) are caught by :func:`_logits` (their output has no ``.logits``).
+    (``ViTModel``, ...) are caught by :func:`logits_of` (their output has no ``.logits``).
     Class-specific methods call this before any forward pass.
     """
     num_classes = getattr(model, "num_classes", None)

@@ -27,6 +27,8 @@ import matplotlib.pyplot as plt
 import torch
 
 from vitlab import plot
+from vitlab.compat import renamed_arguments
+from vitlab.inputs import positive_int
 from vitlab.layout import TokenLayout
 from vitlab.record import record
 
@@ -87,24 +89,24 @@ def mean_query_push(qk: RecordedQK, block: int, head: int, channel: int, sample:
     return q.mean() * k
 
 
-def top_channels(scores: torch.Tensor, top: int = 5, first_block: int = 0) -> list:
+@renamed_arguments(first_block="start_block")
+def top_channels(scores: torch.Tensor, top: int = 5, start_block: int = 0) -> list:
     """The ``top`` highest entries of a ``blocks x heads x channels`` score tensor, best first.
 
-    Blocks before ``first_block`` are left out. Returns
+    Blocks before ``start_block`` are left out. Returns
     :class:`vitlab.attention.QKChannel` tuples ``(block, head, channel, score)``; with
-    ``first_block=0`` the same list as :func:`vitlab.attention.rank_qk_channels`.
+    ``start_block=0`` the same list as :func:`vitlab.attention.rank_qk_channels`.
     """
     from vitlab.attention import QKChannel
 
     if scores.ndim != 3:
         raise ValueError(f"scores must be blocks x heads x channels, got shape {tuple(scores.shape)}")
     L, H, D = scores.shape
-    first_block = _index("first_block", first_block, L)
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise ValueError(f"top must be a positive int, got {top!r}")
-    kept = scores[first_block:].flatten()
+    start_block = _index("start_block", start_block, L)
+    positive_int("top", top)
+    kept = scores[start_block:].flatten()
     values, flat = kept.topk(min(top, kept.numel()))
-    return [QKChannel(first_block + int(i) // (H * D), int(i) // D % H, int(i) % D, float(v))
+    return [QKChannel(start_block + int(i) // (H * D), int(i) // D % H, int(i) % D, float(v))
             for v, i in zip(values.tolist(), flat.tolist())]
 
 

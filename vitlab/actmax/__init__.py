@@ -38,6 +38,8 @@ from vitlab.actmax.objectives import (
 from vitlab.actmax.param import FFTImage, Parametrization, PixelImage
 from vitlab.actmax.seams import border_difference, seam_profile, seam_ratio
 from vitlab.actmax.reference import photo_crops, reference_images
+from vitlab.compat import renamed_arguments
+from vitlab.inputs import positive_int, require_gradients
 from vitlab.targets import is_multi_label
 
 __all__ = [
@@ -110,7 +112,7 @@ def clear_recording(rec) -> None:
     rec.clear()
 
 
-def _logits(output):
+def logits_of(output):
     if isinstance(output, torch.Tensor):
         return output
     for attr in ("logits", "pooler_output", "last_hidden_state"):
@@ -118,12 +120,6 @@ def _logits(output):
         if isinstance(value, torch.Tensor):
             return value
     raise TypeError(f"cannot read logits from a model output of type {type(output).__name__}")
-
-
-def _check_positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 CONTINUITY_WEIGHT = 2.0
@@ -179,21 +175,16 @@ def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, 
     """
     if not isinstance(objective, Objective):
         raise ValueError(f"objective must be a vitlab.actmax Objective (e.g. mlp_unit(6, 42)), got {objective!r}")
-    steps = _check_positive_int(steps, "steps")
-    batch = _check_positive_int(batch, "batch")
-    copies = _check_positive_int(copies, "copies")
+    steps = positive_int("steps", steps)
+    batch = positive_int("batch", batch)
+    copies = positive_int("copies", copies)
     if lr is None:
         lr = 0.05 if isinstance(param, FFTImage) or param == "fft" else 0.1
     if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr > 0):
         raise ValueError(f"lr must be a positive number, got {lr!r}")
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError(
-            "actmax.visualize optimises an image by its gradient, but it was called inside "
-            "torch.inference_mode(), which cannot be switched off from inside: call it outside "
-            "inference_mode (inside torch.no_grad() is fine)"
-        )
+    require_gradients("actmax.visualize")
     from vitlab.record import record
 
     first = next(model.parameters(), None)
@@ -234,7 +225,7 @@ def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, 
                 raise ValueError(f"the parametrisation makes {images.shape[0]} images of {tuple(images.shape[-2:])}; "
                                  f"the model takes {size} and batch is {batch}")
             inputs = transforms_fn(images.repeat_interleave(copies, 0), generator)
-            output = _logits(model((inputs - mean) / std))
+            output = logits_of(model((inputs - mean) / std))
             ctx = Context(rec, output, inputs, images, image_index, patch, num_classes, multi_label)
             values = objective(ctx)
             grads = torch.autograd.grad(-values.sum(), params)
@@ -260,7 +251,7 @@ def _forward_batches(model, images: torch.Tensor, batch_size: int, mlp: bool):
     if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"images must be a B x 3 x H x W tensor in [0, 1], got "
                          f"{tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__}")
-    batch_size = _check_positive_int(batch_size, "batch_size")
+    batch_size = positive_int("batch_size", batch_size)
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     size, mean, std = _normaliser(model, device)
@@ -270,7 +261,7 @@ def _forward_batches(model, images: torch.Tensor, batch_size: int, mlp: bool):
         for start in range(0, images.shape[0], batch_size):
             clear_recording(rec)
             x = images[start:start + batch_size].to(device=device, dtype=torch.float32)
-            yield rec, _logits(model((x - mean) / std)), x
+            yield rec, logits_of(model((x - mean) / std)), x
         clear_recording(rec)
 
 
@@ -296,21 +287,22 @@ def evaluate(model, objective, images: torch.Tensor, batch_size: int = 32) -> to
     return values[0] if single else values
 
 
-def mlp_unit_means(model, layer, images: torch.Tensor, batch_size: int = 32):
-    """``B x hidden``: every unit of block ``layer``'s MLP, averaged over the patch tokens of
+@renamed_arguments(layer="block")
+def mlp_unit_means(model, block, images: torch.Tensor, batch_size: int = 32):
+    """``B x hidden``: every unit of block ``block``'s MLP, averaged over the patch tokens of
     each ``[0, 1]`` image — :func:`mlp_unit`'s value for all units at once (to pick units that
-    real images excite, or to find a unit's largest value over a data set). ``layer`` may be
+    real images excite, or to find a unit's largest value over a data set). ``block`` may be
     a list of blocks: then a list of such tensors, from the same forward passes."""
-    layers = [layer] if isinstance(layer, int) and not isinstance(layer, bool) else list(layer) if isinstance(
-        layer, (list, tuple)) else None
-    if not layers or not all(isinstance(l, int) and not isinstance(l, bool) for l in layers):
-        raise ValueError(f"layer must be an int or a list of ints, got {layer!r}")
-    out: list[list[torch.Tensor]] = [[] for _ in layers]
+    blocks = [block] if isinstance(block, int) and not isinstance(block, bool) else list(block) if isinstance(
+        block, (list, tuple)) else None
+    if not blocks or not all(isinstance(l, int) and not isinstance(l, bool) for l in blocks):
+        raise ValueError(f"block must be an int or a list of ints, got {block!r}")
+    out: list[list[torch.Tensor]] = [[] for _ in blocks]
     for rec, _, _ in _forward_batches(model, images, batch_size, mlp=True):
         acts = rec.mlp_activations
-        for k, l in enumerate(layers):
+        for k, l in enumerate(blocks):
             if not -len(acts) <= l < len(acts):
-                raise ValueError(f"layer must be in [-{len(acts)}, {len(acts)}) for this model, got {l}")
+                raise ValueError(f"block must be in [-{len(acts)}, {len(acts)}) for this model, got {l}")
             out[k].append(acts[l][:, rec.layout.num_prefix:].mean(1).float().cpu())
     means = [torch.cat(chunks) for chunks in out]
-    return means[0] if isinstance(layer, int) else means
+    return means[0] if isinstance(block, int) else means

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from vitlab.actmax.seams import border_difference
+from vitlab.compat import renamed_arguments
 
 __all__ = [
     "Context", "Objective", "objective", "mlp_unit", "residual_channel", "class_logit",
@@ -185,19 +186,19 @@ def _check_index(value, what: str) -> torch.Tensor:
     return t.long()
 
 
-def _check_layer(layer, what: str = "layer") -> int:
-    if isinstance(layer, bool) or not isinstance(layer, int):
-        raise ValueError(f"{what} must be an int (block index, negative counts from the end), got {layer!r}")
-    return layer
+def _check_block(block, what: str = "block") -> int:
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise ValueError(f"{what} must be an int (block index, negative counts from the end), got {block!r}")
+    return block
 
 
-def _layer_of(seq: Sequence, layer: int, what: str):
+def _block_of(seq: Sequence, block: int, what: str):
     n = len(seq)
     if n == 0:
         raise RuntimeError(f"nothing was recorded for {what}; is the model a supported ViT?")
-    if not -n <= layer < n:
-        raise ValueError(f"layer must be in [-{n}, {n}) for this model ({n} blocks), got {layer}")
-    return seq[layer]
+    if not -n <= block < n:
+        raise ValueError(f"block must be in [-{n}, {n}) for this model ({n} blocks), got {block}")
+    return seq[block]
 
 
 def _check_range(index: torch.Tensor, size: int, what: str) -> None:
@@ -210,38 +211,40 @@ def _patch_tokens(t: torch.Tensor, ctx: Context) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------- model objectives
-def mlp_unit(layer: int, unit) -> Objective:
-    """Mean over patch tokens of ``GELU(fc1(LN(x)))[unit]`` in block ``layer``'s MLP (Ghiasi
+@renamed_arguments(layer="block")
+def mlp_unit(block: int, unit) -> Objective:
+    """Mean over patch tokens of ``GELU(fc1(LN(x)))[unit]`` in block ``block``'s MLP (Ghiasi
     et al. 2022, Sec. 3). ``unit``: one int, or one per optimised image."""
-    layer = _check_layer(layer)
+    block = _check_block(block)
     units = _check_index(unit, "unit")
 
     def fn(ctx: Context) -> torch.Tensor:
-        acts = _layer_of(ctx.rec.mlp_activations, layer, "MLP activations")   # B' x N x hidden
+        acts = _block_of(ctx.rec.mlp_activations, block, "MLP activations")   # B' x N x hidden
         _check_range(units, acts.shape[-1], f"unit (MLP hidden size {acts.shape[-1]})")
         u = ctx.select(units)                                                    # B'
         patches = _patch_tokens(acts, ctx)                                       # B' x Np x hidden
         picked = patches.gather(2, u.view(-1, 1, 1).expand(-1, patches.shape[1], 1))[..., 0]
         return ctx.per_image(picked.mean(1))
 
-    return Objective(fn, f"mlp[{layer}][{_fmt(units)}]", needs_mlp=True)
+    return Objective(fn, f"mlp[{block}][{_fmt(units)}]", needs_mlp=True)
 
 
-def residual_channel(layer: int, channel) -> Objective:
+@renamed_arguments(layer="block")
+def residual_channel(block: int, channel) -> Objective:
     """Mean over patch tokens of channel ``channel`` of the residual stream after block
-    ``layer`` (``rec.hidden_states[layer]``)."""
-    layer = _check_layer(layer)
+    ``block`` (``rec.hidden_states[block]``)."""
+    block = _check_block(block)
     channels = _check_index(channel, "channel")
 
     def fn(ctx: Context) -> torch.Tensor:
-        h = _layer_of(ctx.rec.hidden_states, layer, "hidden states")              # B' x N x D
+        h = _block_of(ctx.rec.hidden_states, block, "hidden states")              # B' x N x D
         _check_range(channels, h.shape[-1], f"channel (width {h.shape[-1]})")
         c = ctx.select(channels)
         patches = _patch_tokens(h, ctx)
         picked = patches.gather(2, c.view(-1, 1, 1).expand(-1, patches.shape[1], 1))[..., 0]
         return ctx.per_image(picked.mean(1))
 
-    return Objective(fn, f"resid[{layer}][{_fmt(channels)}]")
+    return Objective(fn, f"resid[{block}][{_fmt(channels)}]")
 
 
 def _class_scores(ctx: Context, classes: torch.Tensor) -> torch.Tensor:
@@ -282,17 +285,18 @@ def class_log_probability(cls) -> Objective:
     return Objective(fn, f"logp[{_fmt(classes)}]")
 
 
-def cls_attention(layer: int, head: int, patch=None) -> Objective:
-    """Attention of head ``head`` in block ``layer`` from the CLS token to the patches:
+@renamed_arguments(layer="block")
+def cls_attention(block: int, head: int, patch=None) -> Objective:
+    """Attention of head ``head`` in block ``block`` from the CLS token to the patches:
     to all of them together (``patch=None``), or to the patch at grid cell ``(row, col)``."""
-    layer = _check_layer(layer)
-    head = _check_layer(head, "head")
+    block = _check_block(block)
+    head = _check_block(head, "head")
     if patch is not None:
         if not (isinstance(patch, (tuple, list)) and len(patch) == 2 and all(isinstance(p, int) and p >= 0 for p in patch)):
             raise ValueError(f"patch must be None or a grid cell (row, col) of non-negative ints, got {patch!r}")
 
     def fn(ctx: Context) -> torch.Tensor:
-        attn = _layer_of(ctx.rec.attentions, layer, "attention")                  # B' x heads x N x N
+        attn = _block_of(ctx.rec.attentions, block, "attention")                  # B' x heads x N x N
         H = attn.shape[1]
         if not -H <= head < H:
             raise ValueError(f"head must be in [-{H}, {H}) for this model, got {head}")
@@ -311,7 +315,7 @@ def cls_attention(layer: int, head: int, patch=None) -> Objective:
         return ctx.per_image(value)
 
     where = "patches" if patch is None else f"{tuple(patch)}"
-    return Objective(fn, f"cls_attn[{layer}][h{head}]->{where}")
+    return Objective(fn, f"cls_attn[{block}][h{head}]->{where}")
 
 
 def _fmt(t: torch.Tensor) -> str:

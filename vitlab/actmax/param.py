@@ -18,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from vitlab.inputs import positive_int
+
 __all__ = ["Parametrization", "PixelImage", "FFTImage", "make", "COLOR_CORRELATION_SVD_SQRT"]
 
 # Square root of the colour covariance of ImageNet, from its SVD (lucid / lucent's constant).
@@ -27,8 +29,7 @@ COLOR_CORRELATION_SVD_SQRT = torch.tensor([[0.26, 0.09, 0.02],
 
 
 def _check_shape(batch: int, size) -> tuple[int, int, int]:
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    positive_int("batch", batch)
     h, w = (size, size) if isinstance(size, int) else tuple(size)
     if h < 2 or w < 2:
         raise ValueError(f"image size must be at least 2 x 2, got {h} x {w}")

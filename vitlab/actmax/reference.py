@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vitlab.inputs import positive_int
+
 __all__ = ["PHOTOS", "photo_crops", "reference_images"]
 
 #: Sample photos used for crops: natural photographs and textures (no logo, page of text,
@@ -32,8 +34,7 @@ def photo_crops(n: int, size, seed: int = 0, photos=PHOTOS) -> torch.Tensor:
     """``n x 3 x H x W`` crops in ``[0, 1]``, cycling through ``photos`` (deterministic per seed)."""
     from vitlab.images import load
 
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
+    positive_int("n", n)
     h, w = _size(size)
     rng = np.random.default_rng(seed)
     sources = [load(name) for name in photos]

@@ -19,12 +19,12 @@ model family.
   detection's maps graded against the objects (:func:`grade_detr`, chapter 10);
 - :mod:`vitlab.relevance.clip`: CLIP's image and text relevance of a pair's score (both towers)
   and the same baselines;
-- :mod:`vitlab.relevance._common`: what the bimodal families share (their map types, the
+- :mod:`vitlab.relevance.bimodal`: what the bimodal families share (their map types, the
   recorded forward with gradients, events from a recording).
 
 Every name is importable from ``vitlab.relevance`` itself.
 """
-from vitlab.relevance._common import BIMODAL_METHODS, BimodalMaps, DetectionMaps, attention_matrix_gradcam
+from vitlab.relevance.bimodal import BIMODAL_METHODS, BimodalMaps, DetectionMaps, attention_matrix_gradcam
 from vitlab.relevance.clip import (
     CLIP_INPUTS, ClipMaps, clip_gradcam, clip_raw_attention, clip_relevance, clip_rollout, end_of_text,
 )

@@ -23,8 +23,11 @@ rescaled to sum 1 (the notebook does, for display). Padding never changes a map:
 mask no token up to the end-of-text token sees a later one, so a caption padded to any length
 gives the same map.
 
-Methods (one recorded forward -- :func:`vitlab.record`, both towers -- and at most one
-``torch.autograd.grad`` to the attention tensors for the whole batch):
+Methods, each ``(model, inputs, target=None, ...)``: ``target`` None is the pair's score, the
+only target they explain (:func:`check_pair_target`). One recorded forward -- :func:`vitlab.record`,
+both towers -- and at most one ``torch.autograd.grad`` to the attention tensors for the whole
+batch; a batch whose recording would exceed the attention methods' memory budget
+(``vitlab.inputs.MEMORY_BUDGET``) runs in chunks of pairs, with the same maps (:func:`clip_in_chunks`):
 
 - :func:`clip_relevance`: Chefer, Gur & Wolf (ICCV 2021) on both towers;
 - :func:`clip_raw_attention`: the last layer's attention, heads averaged;
@@ -32,7 +35,7 @@ Methods (one recorded forward -- :func:`vitlab.record`, both towers -- and at mo
 - :func:`clip_gradcam`: GradCAM on the last layer's attention, as the paper's baseline
   (:func:`vitlab.relevance.attention_matrix_gradcam`).
 
-Grad-ECLIP (:mod:`vitlab.gradeclip`), LeGrad (:mod:`vitlab.legrad`) and the decomposition of the
+Grad-ECLIP (:mod:`vitlab.grad_eclip`), LeGrad (:mod:`vitlab.legrad`) and the decomposition of the
 image embedding (:mod:`vitlab.clip_decomposition`) read the same inputs through the same checks
 (:func:`check_clip_inputs`, :func:`clip_forward`).
 """
@@ -45,13 +48,14 @@ from typing import NamedTuple
 
 import torch
 
-from vitlab.attention import check_images
-from vitlab.relevance._common import _require_gradients_possible, _rollout, attention_matrix_gradcam
+from vitlab.inputs import check_images, require_gradients
+from vitlab.relevance.bimodal import _rollout, attention_matrix_gradcam
 from vitlab.relevance.engine import propagate, read_rows, self_attention_events
 
 __all__ = [
-    "CLIP_INPUTS", "ClipMaps", "check_clip_images", "check_clip_inputs", "clip_forward", "clip_gradcam", "clip_raw_attention",
-    "clip_relevance", "clip_rollout", "end_of_text", "text_entries",
+    "CLIP_INPUTS", "ClipMaps", "check_clip_images", "check_clip_inputs", "check_pair_target", "clip_chunk_size",
+    "clip_forward", "clip_gradcam", "clip_in_chunks", "clip_raw_attention", "clip_relevance", "clip_rollout", "end_of_text",
+    "start_blocks", "text_entries",
 ]
 
 #: What the CLIP methods take in ``inputs``: the images (normalised as the model expects, e.g.
@@ -77,7 +81,7 @@ class ClipMaps(NamedTuple):
 
 
 # --- checks -------------------------------------------------------------------------------------------
-def _towers(model, method: str):
+def clip_towers(model, method: str):
     """``(vision tower, text tower)`` of a Hugging Face CLIPModel, or TypeError."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     vision, text = getattr(model, "vision_model", None), getattr(model, "text_model", None)
@@ -88,7 +92,7 @@ def _towers(model, method: str):
 
 
 def _eos_id(model) -> int | None:
-    _, text = _towers(model, "end_of_text")
+    _, text = clip_towers(model, "end_of_text")
     eos = getattr(text, "eos_token_id", None)
     if eos is None:
         eos = getattr(model.config.text_config, "eos_token_id", None)
@@ -119,7 +123,7 @@ def _int_tensor(value, key: str, method: str) -> torch.Tensor:
 def check_clip_images(model, x, method: str) -> None:
     """Refuse, before any forward, images that are not a finite, non-empty float
     ``B x C x H x W`` batch of the CLIP model's channels and size."""
-    _towers(model, method)
+    clip_towers(model, method)
     check_images(x, method)
     vcfg = model.config.vision_config
     size, channels = int(vcfg.image_size), int(vcfg.num_channels)
@@ -140,7 +144,7 @@ def check_clip_inputs(model, inputs, method: str) -> tuple[dict, int]:
     than 0 and 1, or padding before a token; a text without its end-of-text token (where the
     model pools by ``eos_token_id``) or whose end-of-text token is padding.
     """
-    vision, _ = _towers(model, method)
+    vision, _ = clip_towers(model, method)
     if not isinstance(inputs, Mapping):
         raise TypeError(f"{method}: inputs must be a dict of tensors with keys {CLIP_INPUTS} "
                         f"(attention_mask optional), got {type(inputs).__name__}")
@@ -255,7 +259,7 @@ def clip_forward(model, inputs, method: str, grad: bool, capture=("attention",))
 
     kwargs, _ = check_clip_inputs(model, inputs, method)
     if grad:
-        _require_gradients_possible(method)
+        require_gradients(method)
     eos, keep = text_entries(model, kwargs)
     t = torch.arange(kwargs["input_ids"].shape[1], device=eos.device)
     valid = t <= eos[:, None]
@@ -271,7 +275,7 @@ def clip_forward(model, inputs, method: str, grad: bool, capture=("attention",))
     return ClipForward(rec, out, score, cosine, eos, keep, valid)
 
 
-def _start(start_block, depth: int, tower: str, method: str) -> int:
+def start_index(start_block, depth: int, tower: str, method: str) -> int:
     if isinstance(start_block, bool) or not isinstance(start_block, numbers.Integral):
         raise TypeError(f"{method}: start_block must be an int (or a pair (image, text) of ints), got {start_block!r}")
     if not -depth <= int(start_block) < depth:
@@ -280,22 +284,77 @@ def _start(start_block, depth: int, tower: str, method: str) -> int:
     return int(start_block) % depth
 
 
-def start_blocks(start_block, depths: tuple[int, int], method: str) -> tuple[int, int]:
-    """``start_block`` (an int for both towers, or ``(image, text)``) as two non-negative block indices."""
+def start_blocks(start_block, depths: tuple[int, int], method: str, *, whole_tower: bool = False) -> tuple[int, int]:
+    """``start_block`` (an int for both towers, or ``(image, text)``) as two non-negative block indices.
+
+    With ``whole_tower``, a negative start further back than a tower is deep means all of its
+    blocks (block 0), e.g. Grad-ECLIP's default text start -8 on a tower of four blocks; without
+    it, that is a ``ValueError`` as any index outside the tower."""
     if isinstance(start_block, tuple):
         if len(start_block) != 2:
             raise ValueError(f"{method}: start_block as a tuple is (image, text), got {start_block!r}")
-        return (_start(start_block[0], depths[0], "image", method), _start(start_block[1], depths[1], "text", method))
-    return _start(start_block, depths[0], "image", method), _start(start_block, depths[1], "text", method)
+        pair = start_block
+    else:
+        pair = (start_block, start_block)
+    out = []
+    for start, depth, tower in zip(pair, depths, ("image", "text")):
+        if (whole_tower and isinstance(start, numbers.Integral) and not isinstance(start, bool)
+                and start < -depth):
+            start = 0
+        out.append(start_index(start, depth, tower, method))
+    return out[0], out[1]
 
 
-def _depths(model) -> tuple[int, int]:
-    vision, text = _towers(model, "clip")
+def tower_depths(model) -> tuple[int, int]:
+    vision, text = clip_towers(model, "clip")
     return len(vision.encoder.layers), len(text.encoder.layers)
 
 
+def check_pair_target(target, method: str) -> None:
+    """The CLIP methods explain each pair's own score (image b with text b): ``target`` must be
+    None (the only target they take), anything else is a ``ValueError``."""
+    if target is not None:
+        raise ValueError(f"{method}: CLIP maps explain the image-text pair's score (image b with text b), so "
+                         f"target must be None, got {target!r}; to explain image b against another text, put that "
+                         "text in row b of input_ids")
+
+
+def clip_chunk_size(model, inputs: dict, gradients: bool = False) -> int:
+    """How many pairs of ``inputs`` one forward may take within the attention methods' memory
+    budget (``vitlab.inputs.MEMORY_BUDGET``, at least 1): one pair's recording holds, per
+    tower, the sum over blocks of ``heads x N x N`` entries (``N`` the image tower's tokens, the
+    texts' padded length), of the images' dtype; twice that with ``gradients``."""
+    from vitlab import inputs as _inputs_module
+
+    vision, text = clip_towers(model, "clip_chunk_size")
+    x = inputs["pixel_values"]
+    image_tokens = int(vision.embeddings.num_positions)
+    text_tokens = int(inputs["input_ids"].shape[1])
+    per_pair = 0
+    for tower, n in ((vision, image_tokens), (text, text_tokens)):
+        heads = sum(int(getattr(layer.self_attn, "num_heads", tower.config.num_attention_heads))
+                    for layer in tower.encoder.layers)
+        per_pair += heads * n * n
+    per_pair *= x.element_size() * (2 if gradients else 1)
+    return max(1, int(_inputs_module.MEMORY_BUDGET) // max(1, per_pair))
+
+
+def clip_in_chunks(method, model, inputs: dict, gradients: bool = False, **kwargs) -> ClipMaps | None:
+    """``method(model, chunk, **kwargs)`` over chunks of :func:`clip_chunk_size` pairs (every entry
+    of ``inputs`` split along the batch), the :class:`ClipMaps` concatenated; None when the whole
+    batch fits in one forward (the method goes on). The pairs are independent, so the maps are
+    those of one call. ``inputs`` must have passed :func:`check_clip_inputs`."""
+    B = int(inputs["pixel_values"].shape[0])
+    size = clip_chunk_size(model, inputs, gradients)
+    if size >= B:
+        return None
+    parts = [method(model, {k: v[i:i + size] for k, v in inputs.items()}, **kwargs) for i in range(0, B, size)]
+    text = None if parts[0].text is None else torch.cat([p.text for p in parts])
+    return ClipMaps(torch.cat([p.image for p in parts]), text, torch.cat([p.score for p in parts]))
+
+
 # --- Chefer et al. ---------------------------------------------------------------------------------------
-def clip_relevance(model, inputs, *, start_block=0) -> ClipMaps:
+def clip_relevance(model, inputs, target=None, *, start_block=0) -> ClipMaps:
     """Generic attention relevance of CLIP's score on both towers (Chefer, Gur & Wolf, ICCV 2021,
     "Generic Attention-model Explainability for Interpreting Bi-Modal and Encoder-Decoder
     Transformers", eq. 1, 5, 6; their CLIP notebook, hila-chefer/Transformer-MM-Explainability
@@ -323,12 +382,15 @@ def clip_relevance(model, inputs, *, start_block=0) -> ClipMaps:
     ``(image, text)`` pair chooses per tower.
 
     One recorded forward and one ``torch.autograd.grad`` (to the attention tensors from the start
-    block on, both towers) for the whole batch; no parameter's ``.grad`` is touched.
+    block on, both towers) for the whole batch -- in chunks of pairs when the batch's recording
+    would exceed the memory budget (:func:`clip_in_chunks`; the same maps); no parameter's
+    ``.grad`` is touched.
 
     Args:
         model: a Hugging Face ``CLIPModel`` (run in eval mode; left exactly as it was).
         inputs: ``dict(pixel_values=..., input_ids=..., attention_mask=...)``, one text per image
             (:func:`check_clip_inputs`).
+        target: None, the pair's score (the only target; anything else is a ``ValueError``).
         start_block: the first block of each tower the rule walks: an int for both towers
             (negative counts from the end) or ``(image, text)``.
 
@@ -336,8 +398,12 @@ def clip_relevance(model, inputs, *, start_block=0) -> ClipMaps:
         :class:`ClipMaps` (``score``: ``logits_per_image[b, b]``).
     """
     method = "clip_relevance"
+    check_pair_target(target, method)
     check_clip_inputs(model, inputs, method)
-    si, st = start_blocks(start_block, _depths(model), method)
+    si, st = start_blocks(start_block, tower_depths(model), method)
+    chunked = clip_in_chunks(clip_relevance, model, inputs, gradients=True, start_block=start_block)
+    if chunked is not None:
+        return chunked
     f = clip_forward(model, inputs, method, grad=True)
     image_caps, text_caps = f.rec.stream("image")[si:], f.rec.stream("text")[st:]
     used = image_caps + text_caps
@@ -352,12 +418,19 @@ def clip_relevance(model, inputs, *, start_block=0) -> ClipMaps:
 
 
 # --- baselines ----------------------------------------------------------------------------------------------
-def clip_raw_attention(model, inputs) -> ClipMaps:
+def clip_raw_attention(model, inputs, target=None) -> ClipMaps:
     """Raw attention baseline (as in Chefer et al. 2021): each tower's last block, heads averaged,
     ``mean_h A_L[h, CLS, patches]`` on the grid and ``mean_h A_L[h, eos, t]`` over the caption's
-    tokens (the text map's entries as in :func:`clip_relevance`). One forward without gradients.
+    tokens (the text map's entries as in :func:`clip_relevance`). One forward without gradients;
+    ``target`` and chunking as in :func:`clip_relevance`.
     """
-    f = clip_forward(model, inputs, "clip_raw_attention", grad=False)
+    method = "clip_raw_attention"
+    check_pair_target(target, method)
+    check_clip_inputs(model, inputs, method)
+    chunked = clip_in_chunks(clip_raw_attention, model, inputs)
+    if chunked is not None:
+        return chunked
+    f = clip_forward(model, inputs, method, grad=False)
     Ai, At = f.rec.stream("image")[-1].attention.mean(dim=1), f.rec.stream("text")[-1].attention.mean(dim=1)
     return ClipMaps(f.image_row(Ai[:, 0, :]), f.text_row(read_rows(At, f.eos)), f.score)
 
@@ -368,14 +441,21 @@ def _max_normalize(rows: torch.Tensor) -> torch.Tensor:
     return max_normalize(rows)
 
 
-def clip_rollout(model, inputs) -> ClipMaps:
+def clip_rollout(model, inputs, target=None) -> ClipMaps:
     """Attention rollout baseline (Abnar & Zuidema, ACL 2020), as :func:`vitlab.rollout.rollout`
     defines it, on each tower: per block ``a = rownorm((mean_h A + I) / 2)``, ``R = a_L ... a_1``;
     the image map is ``R[CLS, patches]`` and the text map ``R[eos, t]`` over the caption's tokens
     (entries as in :func:`clip_relevance`), each divided by its maximum (all zero only when no
-    entry is positive). One forward without gradients.
+    entry is positive). One forward without gradients; ``target`` and chunking as in
+    :func:`clip_relevance`.
     """
-    f = clip_forward(model, inputs, "clip_rollout", grad=False)
+    method = "clip_rollout"
+    check_pair_target(target, method)
+    check_clip_inputs(model, inputs, method)
+    chunked = clip_in_chunks(clip_rollout, model, inputs)
+    if chunked is not None:
+        return chunked
+    f = clip_forward(model, inputs, method, grad=False)
     maps = []
     for stream in ("image", "text"):
         cams = [c.attention.mean(dim=1) for c in f.rec.stream(stream)]
@@ -385,16 +465,23 @@ def clip_rollout(model, inputs) -> ClipMaps:
     return ClipMaps(image, text, f.score)
 
 
-def clip_gradcam(model, inputs) -> ClipMaps:
+def clip_gradcam(model, inputs, target=None) -> ClipMaps:
     """GradCAM on each tower's last attention map, the baseline of Chefer et al. (2021) as their
     bi-modal code computes it (:func:`vitlab.relevance.attention_matrix_gradcam`): per head
     ``w_h`` = the gradient of the pair's score averaged over the whole map, then
     ``(mean_h w_h A_h)^+``, read at the CLS row (image, patches on the grid) and the end-of-text
     row (text, entries as in :func:`clip_relevance`). The text average runs over the pairs of
     tokens up to the end-of-text token that are not padding, so padding cannot change the weights.
-    One forward and one backward (to the two last attention maps only).
+    One forward and one backward (to the two last attention maps only); ``target`` and chunking
+    as in :func:`clip_relevance`.
     """
-    f = clip_forward(model, inputs, "clip_gradcam", grad=True)
+    method = "clip_gradcam"
+    check_pair_target(target, method)
+    check_clip_inputs(model, inputs, method)
+    chunked = clip_in_chunks(clip_gradcam, model, inputs, gradients=True)
+    if chunked is not None:
+        return chunked
+    f = clip_forward(model, inputs, method, grad=True)
     last_i, last_t = f.rec.stream("image")[-1], f.rec.stream("text")[-1]
     gi, gt = torch.autograd.grad(f.score.sum(), [last_i.attention, last_t.attention])
     image = attention_matrix_gradcam(last_i.attention.detach(), gi)

@@ -9,25 +9,26 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vitlab.attention import _batches, check_images
-from vitlab.relevance._common import (
-    BIMODAL_METHODS, DetectionMaps, _attention_grads, _backbone_prefix, _checked_methods, _events, _last,
-    _recorded_forward, _require_family, _rollout, _sizes, attention_matrix_gradcam,
+from vitlab.compat import renamed_arguments
+from vitlab.inputs import batches, check_images
+from vitlab.relevance.bimodal import (
+    BIMODAL_METHODS, DetectionMaps, _attention_grads, _backbone_prefix, _checked_methods, _events, _recorded_forward,
+    _rollout, _sizes, attention_matrix_gradcam, last_capture, require_family,
 )
 from vitlab.relevance.engine import propagate, read_rows
 
 
 # --- DETR ------------------------------------------------------------------------------------------
-def _detr_forward(model, pixel_values, pixel_mask, method: str, grad: bool, backbone: bool = False):
-    """Checks, then one recorded forward: ``(rec, logits B x queries x (classes + 1))``."""
-    _require_family(model, "detr", method)
-    if not isinstance(pixel_values, torch.Tensor) or pixel_values.ndim != 4:
-        got = tuple(pixel_values.shape) if isinstance(pixel_values, torch.Tensor) else type(pixel_values).__name__
-        raise ValueError(f"{method}: pixel_values must be a tensor B x 3 x H x W, got {got}")
-    check_images(pixel_values, method)  # empty, not float, NaN or infinite
-    _check_pixel_mask(pixel_mask, pixel_values, method)
-    kwargs = {"pixel_values": pixel_values} if pixel_mask is None else {"pixel_values": pixel_values,
-                                                                       "pixel_mask": pixel_mask}
+def _detr_forward(model, inputs, pixel_mask, method: str, grad: bool, backbone: bool = False):
+    """Checks, then one recorded forward of the pixel batch ``inputs``: ``(rec, logits B x queries x
+    (classes + 1))``."""
+    require_family(model, "detr", method)
+    if not isinstance(inputs, torch.Tensor) or inputs.ndim != 4:
+        got = tuple(inputs.shape) if isinstance(inputs, torch.Tensor) else type(inputs).__name__
+        raise ValueError(f"{method}: inputs must be the images, a tensor B x 3 x H x W, got {got}")
+    check_images(inputs, method)  # empty, not float, NaN or infinite
+    _check_pixel_mask(pixel_mask, inputs, method)
+    kwargs = {"pixel_values": inputs} if pixel_mask is None else {"pixel_values": inputs, "pixel_mask": pixel_mask}
     rec, out = _recorded_forward(model, kwargs, grad, method, through_pixels=backbone)
     logits = getattr(out, "logits", None)
     if not isinstance(logits, torch.Tensor):
@@ -36,15 +37,15 @@ def _detr_forward(model, pixel_values, pixel_mask, method: str, grad: bool, back
     return rec, logits
 
 
-def _check_pixel_mask(pixel_mask, pixel_values: torch.Tensor, method: str) -> None:
-    """DETR's ``pixel_mask``: None, or ``B x H x W`` of 1 (a pixel) / 0 (padding) for ``pixel_values``."""
+def _check_pixel_mask(pixel_mask, inputs: torch.Tensor, method: str) -> None:
+    """DETR's ``pixel_mask``: None, or ``B x H x W`` of 1 (a pixel) / 0 (padding) for the images ``inputs``."""
     if pixel_mask is None:
         return
-    B, _, H, W = pixel_values.shape
+    B, _, H, W = inputs.shape
     if not isinstance(pixel_mask, torch.Tensor) or tuple(pixel_mask.shape) != (B, H, W):
         got = tuple(pixel_mask.shape) if isinstance(pixel_mask, torch.Tensor) else type(pixel_mask).__name__
         raise ValueError(f"{method}: pixel_mask must be B x H x W = {B} x {H} x {W} (one mask per image of "
-                         f"pixel_values), got {got}")
+                         f"inputs), got {got}")
     if not bool(((pixel_mask == 0) | (pixel_mask == 1)).all()):
         raise ValueError(f"{method}: pixel_mask must hold 1 (a pixel of the image) or 0 (padding)")
 
@@ -57,24 +58,25 @@ def check_threshold(threshold, method: str) -> float:
     return float(threshold)
 
 
-def _detr_queries(logits: torch.Tensor, queries, threshold: float, method: str):
-    """Per image ``(queries, labels, probabilities)`` to explain (see :func:`detr_relevance`)."""
+def _detr_queries(logits: torch.Tensor, target, threshold: float, method: str):
+    """Per image ``(queries, labels, probabilities)`` to explain, ``target`` the queries asked for
+    (see :func:`detr_relevance`)."""
     B, Q, _ = logits.shape
     probs = logits.detach().softmax(-1)[..., :-1]  # the last class is "no object"
     best, labels = probs.max(-1)  # B x Q
-    if queries is None:
+    if target is None:
         threshold = check_threshold(threshold, method)
         chosen = [torch.nonzero(best[b] > threshold).flatten() for b in range(B)]
         if not any(len(c) for c in chosen):
             raise ValueError(
                 f"{method}: no object detected: no query's best class has a probability above threshold={threshold} "
-                f"in any image (highest: {float(best.max()):.3f}); lower threshold or pass queries=[...]")
+                f"in any image (highest: {float(best.max()):.3f}); lower threshold or pass target=[...] (query indices)")
     else:
-        chosen = [c.to(best.device) for c in _checked_queries(queries, B, Q, method)]
+        chosen = [c.to(best.device) for c in _checked_queries(target, B, Q, method)]
     return [(c, labels[b, c], best[b, c]) for b, c in enumerate(chosen)]
 
 
-def _checked_queries(queries, B: int, Q: int, method: str) -> list[torch.Tensor]:
+def _checked_queries(target, B: int, Q: int, method: str) -> list[torch.Tensor]:
     def as_indices(v, where):
         t = torch.as_tensor(v) if not (isinstance(v, Sequence) and len(v) == 0) else torch.zeros(0, dtype=torch.long)
         if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.ndim > 1:
@@ -92,21 +94,21 @@ def _checked_queries(queries, B: int, Q: int, method: str) -> list[torch.Tensor]
         return isinstance(v, numbers.Number) or (isinstance(v, torch.Tensor) and v.ndim == 0)
 
     usage = "an int or a list of ints (the same queries in every image), or one list per image"
-    if is_index(queries) or (isinstance(queries, torch.Tensor) and queries.ndim == 1):
-        per_image = [as_indices(queries, "queries")] * B
-    elif isinstance(queries, (Sequence, torch.Tensor)) and not isinstance(queries, (str, bytes)):
-        if all(is_index(v) for v in queries):
-            per_image = [as_indices(list(queries), "queries")] * B
-        elif any(is_number(v) for v in queries):  # e.g. [0.0] or [1, True]: numbers, but not indices
-            raise ValueError(f"{method}: queries must be query indices (ints), got {queries!r}")
-        elif len(queries) != B:
-            raise ValueError(f"{method}: queries has {len(queries)} lists for a batch of {B} images")
+    if is_index(target) or (isinstance(target, torch.Tensor) and target.ndim == 1):
+        per_image = [as_indices(target, "target")] * B
+    elif isinstance(target, (Sequence, torch.Tensor)) and not isinstance(target, (str, bytes)):
+        if all(is_index(v) for v in target):
+            per_image = [as_indices(list(target), "target")] * B
+        elif any(is_number(v) for v in target):  # e.g. [0.0] or [1, True]: numbers, but not indices
+            raise ValueError(f"{method}: target must be query indices (ints), got {target!r}")
+        elif len(target) != B:
+            raise ValueError(f"{method}: target has {len(target)} lists for a batch of {B} images")
         else:
-            per_image = [as_indices(q, f"queries[{b}]") for b, q in enumerate(queries)]
+            per_image = [as_indices(q, f"target[{b}]") for b, q in enumerate(target)]
     else:
-        raise ValueError(f"{method}: queries must be {usage}, got {queries!r}")
+        raise ValueError(f"{method}: target must be {usage}, got {target!r}")
     if not any(len(q) for q in per_image):
-        raise ValueError(f"{method}: queries selects no query in any image")
+        raise ValueError(f"{method}: target selects no query in any image")
     return per_image
 
 
@@ -144,7 +146,8 @@ def _detr_grads(logits, found, captures, method):
     return grads, index, K
 
 
-def detr_relevance(model, pixel_values: torch.Tensor, queries=None, threshold: float = 0.9,
+@renamed_arguments(pixel_values="inputs", queries="target")
+def detr_relevance(model, inputs: torch.Tensor, target=None, threshold: float = 0.9,
                    pixel_mask: torch.Tensor | None = None, backbone: bool = False) -> list[DetectionMaps]:
     """Generic attention relevance of each detected object of DETR (Chefer, Gur & Wolf 2021).
 
@@ -164,9 +167,9 @@ def detr_relevance(model, pixel_values: torch.Tensor, queries=None, threshold: f
     Args:
         model: ``DetrForObjectDetection`` (e.g. ``facebook/detr-resnet-50`` or vitlab's
             ``shapes-detr``), run in eval mode; left exactly as it was.
-        pixel_values: ``B x 3 x H x W``, preprocessed images.
-        queries: None (every query whose best class probability exceeds ``threshold``, as
-            DETR's demo keeps them), or the queries to explain: an int or a list of ints for
+        inputs: ``B x 3 x H x W``, preprocessed images (the model's ``pixel_values``).
+        target: the object queries to explain: None (every query whose best class probability
+            exceeds ``threshold``, as DETR's demo keeps them), an int or a list of ints for
             every image, or one list per image.
         threshold: the probability a detection must exceed (default 0.9, the paper's).
         pixel_mask: DETR's optional ``B x H x W`` mask of valid pixels (1) and padding (0).
@@ -186,12 +189,12 @@ def detr_relevance(model, pixel_values: torch.Tensor, queries=None, threshold: f
 
     Raises:
         ValueError: no query to explain in any image (the message gives the highest
-            probability), bad ``queries`` or ``threshold``, a backbone that does not fit.
+            probability), bad ``target`` or ``threshold``, a backbone that does not fit.
         TypeError: not a DETR detector (``DetrModel`` has no class logits).
     """
     method = "detr_relevance"
-    rec, logits = _detr_forward(model, pixel_values, pixel_mask, method, grad=True, backbone=backbone)
-    found = _detr_queries(logits, queries, threshold, method)
+    rec, logits = _detr_forward(model, inputs, pixel_mask, method, grad=True, backbone=backbone)
+    found = _detr_queries(logits, target, threshold, method)
     captures = [c for c in rec.events if backbone or c.stream != "backbone"]
     grid = rec.feature_grid
     image_tokens = rec.stream("encoder")[0].attention.shape[-1] if rec.stream("encoder") else \
@@ -205,19 +208,21 @@ def detr_relevance(model, pixel_values: torch.Tensor, queries=None, threshold: f
     return _per_image(found, rows, grid)
 
 
-def detr_raw_attention(model, pixel_values: torch.Tensor, queries=None, threshold: float = 0.9,
+@renamed_arguments(pixel_values="inputs", queries="target")
+def detr_raw_attention(model, inputs: torch.Tensor, target=None, threshold: float = 0.9,
                        pixel_mask: torch.Tensor | None = None) -> list[DetectionMaps]:
     """Raw attention baseline: row j of the last decoder layer's cross-attention, heads
-    averaged (the reference's ``generate_raw_attn``). One forward, no gradient; queries and
+    averaged (the reference's ``generate_raw_attn``). One forward, no gradient; ``target`` and
     output as :func:`detr_relevance`."""
     method = "detr_raw_attention"
-    rec, logits = _detr_forward(model, pixel_values, pixel_mask, method, grad=False)
-    found = _detr_queries(logits, queries, threshold, method)
-    cam = _last(rec, "cross", method).attention.mean(dim=1)  # B x Q x N
+    rec, logits = _detr_forward(model, inputs, pixel_mask, method, grad=False)
+    found = _detr_queries(logits, target, threshold, method)
+    cam = last_capture(rec, "cross", method).attention.mean(dim=1)  # B x Q x N
     return [DetectionMaps(q, l, p, cam[b, q].reshape(len(q), *rec.feature_grid)) for b, (q, l, p) in enumerate(found)]
 
 
-def detr_rollout(model, pixel_values: torch.Tensor, queries=None, threshold: float = 0.9,
+@renamed_arguments(pixel_values="inputs", queries="target")
+def detr_rollout(model, inputs: torch.Tensor, target=None, threshold: float = 0.9,
                  pixel_mask: torch.Tensor | None = None) -> list[DetectionMaps]:
     """Rollout baseline for DETR, as the reference's ``generate_rollout`` computes it.
 
@@ -225,19 +230,20 @@ def detr_rollout(model, pixel_values: torch.Tensor, queries=None, threshold: flo
     (``rownorm(a_L + I) ... rownorm(a_1 + I)``), ``D`` = rollout of the decoder's
     self-attention layers (queries), ``C`` = the last decoder layer's cross-attention:
     the map of query j is row j of ``D^T · C · E``. The earlier cross-attention layers do not
-    enter. One forward, no gradient; queries and output as :func:`detr_relevance`.
+    enter. One forward, no gradient; ``target`` and output as :func:`detr_relevance`.
     """
     method = "detr_rollout"
-    rec, logits = _detr_forward(model, pixel_values, pixel_mask, method, grad=False)
-    found = _detr_queries(logits, queries, threshold, method)
-    C = _last(rec, "cross", method).attention.mean(dim=1)  # B x Q x N
+    rec, logits = _detr_forward(model, inputs, pixel_mask, method, grad=False)
+    found = _detr_queries(logits, target, threshold, method)
+    C = last_capture(rec, "cross", method).attention.mean(dim=1)  # B x Q x N
     E = _rollout([c.attention.mean(dim=1) for c in rec.stream("encoder")], C.shape[-1], C)
     D = _rollout([c.attention.mean(dim=1) for c in rec.stream("decoder")], C.shape[-2], C)
     R = D.mT @ C @ E
     return [DetectionMaps(q, l, p, R[b, q].reshape(len(q), *rec.feature_grid)) for b, (q, l, p) in enumerate(found)]
 
 
-def detr_gradcam(model, pixel_values: torch.Tensor, queries=None, threshold: float = 0.9,
+@renamed_arguments(pixel_values="inputs", queries="target")
+def detr_gradcam(model, inputs: torch.Tensor, target=None, threshold: float = 0.9,
                  pixel_mask: torch.Tensor | None = None) -> list[DetectionMaps]:
     """GradCAM baseline on the last decoder layer's cross-attention (the reference's
     ``generate_attn_gradcam``): row j of :func:`attention_matrix_gradcam` with the gradient of
@@ -247,9 +253,9 @@ def detr_gradcam(model, pixel_values: torch.Tensor, queries=None, threshold: flo
     positions DETR itself masks: ``pixel_mask`` resized to the feature grid, nearest), so
     padding an image does not dilute them."""
     method = "detr_gradcam"
-    rec, logits = _detr_forward(model, pixel_values, pixel_mask, method, grad=True)
-    found = _detr_queries(logits, queries, threshold, method)
-    cross = _last(rec, "cross", method)
+    rec, logits = _detr_forward(model, inputs, pixel_mask, method, grad=True)
+    found = _detr_queries(logits, target, threshold, method)
+    cross = last_capture(rec, "cross", method)
     (g,), index, K = _detr_grads(logits, found, [cross], method)
     A = cross.attention.detach().expand(K, *cross.attention.shape)
     entries = None
@@ -269,27 +275,29 @@ def detr_gradcam(model, pixel_values: torch.Tensor, queries=None, threshold: flo
 def _detr_methods() -> dict:
     return {
         "relevance": detr_relevance,
-        "relevance + backbone": lambda m, x, queries: detr_relevance(m, x, queries=queries, backbone=True),
+        "relevance + backbone": lambda m, x, target: detr_relevance(m, x, target=target, backbone=True),
         "raw attention": detr_raw_attention,
         "rollout": detr_rollout,
         "GradCAM": detr_gradcam,
     }
 
 
-def detr_detections(model, x: torch.Tensor, threshold: float = 0.9, batch_size: int = 100) -> list[dict]:
+@renamed_arguments(x="inputs")
+def detr_detections(model, inputs: torch.Tensor, threshold: float = 0.9, batch_size: int = 100) -> list[dict]:
     """DETR's detections per image: ``{"queries", "labels", "scores", "boxes"}`` (boxes
     ``(x0, y0, x1, y1)`` in [0, 1]) for the queries whose best real class has a probability
-    above ``threshold`` (the "no object" class left out). One forward per batch, no gradient."""
+    above ``threshold`` (the "no object" class left out), for the images ``inputs`` (``B x 3 x H x W``).
+    One forward per batch, no gradient."""
     from vitlab.record import eval_mode
 
     method = "detr_detections"
-    _require_family(model, "detr", method)
+    require_family(model, "detr", method)
     threshold = check_threshold(threshold, method)
-    check_images(x, method)
+    check_images(inputs, method)
     out = []
     with torch.no_grad(), eval_mode(model):
-        for s in _batches(x.shape[0], batch_size):
-            res = model(pixel_values=x[s])
+        for s in batches(inputs.shape[0], batch_size):
+            res = model(pixel_values=inputs[s])
             prob = res.logits.softmax(-1)[..., :-1]
             scores, labels = prob.max(-1)
             cx, cy, w, h = res.pred_boxes.unbind(-1)
@@ -301,9 +309,10 @@ def detr_detections(model, x: torch.Tensor, threshold: float = 0.9, batch_size: 
     return out
 
 
-def detr_method_maps(model, x: torch.Tensor, queries, methods=BIMODAL_METHODS, batch_size: int = 100) -> dict:
+@renamed_arguments(x="inputs", queries="target")
+def detr_method_maps(model, inputs: torch.Tensor, target, methods=BIMODAL_METHODS, batch_size: int = 100) -> dict:
     """Every method's map of every given query: method -> ``D x gh x gw`` (detections in image
-    order, then query order). ``queries``: one list of query indices per image of ``x`` (e.g.
+    order, then query order), for the images ``inputs``. ``target``: one list of query indices per image (e.g.
     ``[d["queries"] for d in detr_detections(...)]``). The ``relevance + backbone`` maps lie on
     the backbone's patch grid, the others on DETR's feature grid (the same grid for
     ``shapes-detr``).
@@ -315,24 +324,24 @@ def detr_method_maps(model, x: torch.Tensor, queries, methods=BIMODAL_METHODS, b
     method's map of query 0 of the first image (one extra forward per method).
     """
     methods = _checked_methods(methods)
-    check_images(x, "detr_method_maps")
+    check_images(inputs, "detr_method_maps")
     table = _detr_methods()
-    if isinstance(queries, (str, bytes)) or not hasattr(queries, "__len__") or len(queries) != x.shape[0]:
-        got = f"{len(queries)} lists" if hasattr(queries, "__len__") else type(queries).__name__
-        raise ValueError(f"detr_method_maps: queries must hold one list of query indices per image: {got} for "
-                         f"{x.shape[0]} images")
-    queries = [torch.as_tensor(q, dtype=torch.long).reshape(-1) for q in queries]
+    if isinstance(target, (str, bytes)) or not hasattr(target, "__len__") or len(target) != inputs.shape[0]:
+        got = f"{len(target)} lists" if hasattr(target, "__len__") else type(target).__name__
+        raise ValueError(f"detr_method_maps: target must hold one list of query indices per image: {got} for "
+                         f"{inputs.shape[0]} images")
+    queries = [torch.as_tensor(q, dtype=torch.long).reshape(-1) for q in target]
     counts = np.array([len(q) for q in queries])
     order = [i for i in np.argsort(counts, kind="stable") if counts[i] > 0]
     out = {}
     for name in methods:
         if not order:  # nothing detected: no map, on the grid this method's maps have
-            out[name] = table[name](model, x[:1], queries=[torch.zeros(1, dtype=torch.long)])[0].maps[:0]
+            out[name] = table[name](model, inputs[:1], target=[torch.zeros(1, dtype=torch.long)])[0].maps[:0]
             continue
         per_image: list[torch.Tensor | None] = [None] * len(queries)
-        for s in _batches(len(order), batch_size):
+        for s in batches(len(order), batch_size):
             idx = order[s]
-            for i, d in zip(idx, table[name](model, x[idx], queries=[queries[i] for i in idx])):
+            for i, d in zip(idx, table[name](model, inputs[idx], target=[queries[i] for i in idx])):
                 per_image[i] = d.maps
         out[name] = torch.cat([m for m in per_image if m is not None])
     return out
@@ -376,11 +385,10 @@ def grade_detr(model, x: torch.Tensor, masks, labels, threshold: float = 0.9, me
     ``S x 2`` classes). Each detection is matched to the object whose mask's bounding box it
     overlaps most (duplicates of one object all match it); a detection overlapping neither
     (``matched`` -1) counts as a miss for every method."""
-    from vitlab.localization import _as_tensor, chance_pointing, pointing_game
+    from vitlab.localization import as_cpu_tensor, box_iou, chance_pointing, pointing_game
     from vitlab.shapes.qa import object_boxes
-    from vitlab.shapes.train_detr import box_iou
 
-    masks = _as_tensor(masks)
+    masks = as_cpu_tensor(masks)
     labels = np.asarray(labels)
     if masks.ndim != 4 or masks.shape[:2] != (x.shape[0], 2) or labels.shape != (x.shape[0], 2):
         raise ValueError(f"need masks S x 2 x H x W and labels S x 2 for the {x.shape[0]} scenes of x; "

@@ -9,10 +9,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vitlab.attention import _batches, check_batch_values, check_images
-from vitlab.relevance._common import (
-    BIMODAL_METHODS, BimodalMaps, _attention_grads, _backbone_prefix, _checked_methods, _events, _last,
-    _recorded_forward, _require_family, _rollout, _sizes, attention_matrix_gradcam,
+from vitlab.inputs import batches, check_batch_values, check_images
+from vitlab.relevance.bimodal import (
+    BIMODAL_METHODS, BimodalMaps, _attention_grads, _backbone_prefix, _checked_methods, _events, _recorded_forward,
+    _rollout, _sizes, attention_matrix_gradcam, last_capture, require_family,
 )
 from vitlab.relevance.engine import propagate
 
@@ -45,14 +45,14 @@ LXMERT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "visual_feats"
                  "visual_attention_mask", "pixel_values")
 
 
-def _checked_lxmert_inputs(model, inputs, method: str) -> tuple[dict, int]:
+def checked_lxmert_inputs(model, inputs, method: str) -> tuple[dict, int]:
     """``inputs`` as a dict of tensors the model's forward takes, and the batch size.
 
     Everything the forward would otherwise fail on deep inside (or compute NaN from) is named
     here, before it runs: the keys, one batch size, an empty batch, token ids outside the
     vocabulary or longer than the model's positions, masks of another shape, region features
     of another width or count than the boxes and the model's ``visual_feat_dim``, and NaN or
-    infinite pixels / features / boxes (:func:`vitlab.attention.check_batch_values`).
+    infinite pixels / features / boxes (:func:`vitlab.inputs.check_batch_values`).
     """
     if not isinstance(inputs, Mapping):
         raise TypeError(f"{method}: inputs must be a dict of tensors (keys among {LXMERT_INPUTS}), "
@@ -157,7 +157,7 @@ def _check_regions(config, inputs, method: str) -> None:
             raise ValueError(f"{method}: inputs['visual_attention_mask'] must hold 1 (a region) or 0 (masked out)")
 
 
-def _real_tokens(kwargs: dict, text_tokens: int, image_tokens: int, like: torch.Tensor):
+def real_tokens(kwargs: dict, text_tokens: int, image_tokens: int, like: torch.Tensor):
     """``(text B x Nt, image B x Ni)``: 1 for a real token, 0 for padding / a masked region
     (``attention_mask`` / ``visual_attention_mask``; all 1 where none was given), in ``like``'s
     dtype and device."""
@@ -177,8 +177,8 @@ def _real_tokens(kwargs: dict, text_tokens: int, image_tokens: int, like: torch.
 # --- LXMERT ----------------------------------------------------------------------------------------
 def _lxmert_forward(model, inputs, method: str, grad: bool, backbone: bool = False):
     """Checks, then one recorded forward: ``(rec, logits, kwargs)`` (the checked inputs)."""
-    _require_family(model, "lxmert", method)
-    kwargs, _ = _checked_lxmert_inputs(model, inputs, method)
+    require_family(model, "lxmert", method)
+    kwargs, _ = checked_lxmert_inputs(model, inputs, method)
     if backbone and "pixel_values" not in kwargs:
         raise ValueError(f"{method}(backbone=True) needs the images as inputs['pixel_values'] (the backbone "
                          "runs inside the model); with region features there is no backbone to go through")
@@ -237,18 +237,18 @@ def lxmert_relevance(model, inputs: dict, target=None, backbone: bool = False, *
         :class:`BimodalMaps` (``image`` ``B x regions``, ``text`` ``B x tokens``).
     """
     method = "lxmert_relevance"
-    _require_family(model, "lxmert", method)
+    require_family(model, "lxmert", method)
     for name, value in (("eq11", eq11), ("simultaneous", simultaneous), ("self_in_eq10", self_in_eq10)):
         if not isinstance(value, bool):
             raise TypeError(f"{method}: {name} must be True or False, got {value!r}")
-    batch = _checked_lxmert_inputs(model, inputs, method)[1]
+    batch = checked_lxmert_inputs(model, inputs, method)[1]
     from vitlab.targets import check_target, resolve_target
 
     target = check_target(target, batch)
     rec, logits, _ = _lxmert_forward(model, inputs, method, grad=True, backbone=backbone)
     t = resolve_target(target, logits)
     captures = [c for c in rec.events if backbone or c.stream != "backbone"]
-    image_tokens = _last(rec, "lang->vision", method).attention.shape[-1]
+    image_tokens = last_capture(rec, "lang->vision", method).attention.shape[-1]
     prefix = _backbone_prefix(rec, image_tokens, method) if backbone else 0
     grad_output = torch.zeros_like(logits)
     grad_output[torch.arange(batch, device=logits.device), t] = 1  # the score: sum over samples of each one's target logit
@@ -271,8 +271,8 @@ def lxmert_raw_attention(model, inputs: dict) -> BimodalMaps:
     """
     method = "lxmert_raw_attention"
     rec, logits, _ = _lxmert_forward(model, inputs, method, grad=False)
-    image = _last(rec, "lang->vision", method).attention.mean(dim=1)[:, 0]  # B x regions
-    text = _last(rec, "cross.lang", method).attention.mean(dim=1)[:, 0].clone()  # B x tokens
+    image = last_capture(rec, "lang->vision", method).attention.mean(dim=1)[:, 0]  # B x regions
+    text = last_capture(rec, "cross.lang", method).attention.mean(dim=1)[:, 0].clone()  # B x tokens
     text[:, 0] = 0
     return BimodalMaps(image, text, logits.argmax(-1), logits)
 
@@ -297,9 +297,9 @@ def lxmert_rollout(model, inputs: dict) -> BimodalMaps:
     """
     method = "lxmert_rollout"
     rec, logits, kwargs = _lxmert_forward(model, inputs, method, grad=False)
-    co = _last(rec, "lang->vision", method)
+    co = last_capture(rec, "lang->vision", method)
     last_layer = co.layer
-    text, image = _real_tokens(kwargs, *co.attention.shape[-2:], co.attention)
+    text, image = real_tokens(kwargs, *co.attention.shape[-2:], co.attention)
 
     def cam(c, rows, cols):  # head-averaged, padding's rows and columns zeroed
         return c.attention.mean(dim=1) * rows[:, :, None] * cols[:, None, :]
@@ -312,7 +312,7 @@ def lxmert_rollout(model, inputs: dict) -> BimodalMaps:
     T = _rollout(text_cams, C.shape[-2], C)
     V = _rollout(image_cams, C.shape[-1], C)
     image_map = (T.mT @ C @ V)[:, 0]
-    text_all = _rollout(text_cams + [cam(_last(rec, "cross.lang", method), text, text)], C.shape[-2], C)
+    text_all = _rollout(text_cams + [cam(last_capture(rec, "cross.lang", method), text, text)], C.shape[-2], C)
     text_map = text_all[:, 0].clone()
     text_map[:, 0] = 0
     return BimodalMaps(image_map, text_map, logits.argmax(-1), logits)
@@ -331,14 +331,14 @@ def lxmert_gradcam(model, inputs: dict, target=None) -> BimodalMaps:
     what the reference explains), so padding never rescales the map.
     """
     method = "lxmert_gradcam"
-    _require_family(model, "lxmert", method)
+    require_family(model, "lxmert", method)
     from vitlab.targets import check_target, resolve_target
 
-    target = check_target(target, _checked_lxmert_inputs(model, inputs, method)[1])
+    target = check_target(target, checked_lxmert_inputs(model, inputs, method)[1])
     rec, logits, kwargs = _lxmert_forward(model, inputs, method, grad=True)
     t = resolve_target(target, logits)
-    co, lang = _last(rec, "lang->vision", method), _last(rec, "cross.lang", method)
-    real_text, real_image = _real_tokens(kwargs, *co.attention.shape[-2:], co.attention)
+    co, lang = last_capture(rec, "lang->vision", method), last_capture(rec, "cross.lang", method)
+    real_text, real_image = real_tokens(kwargs, *co.attention.shape[-2:], co.attention)
     grad_output = torch.zeros_like(logits)
     grad_output[torch.arange(logits.shape[0], device=logits.device), t] = 1
     g_co, g_lang = _attention_grads(logits, grad_output, [co, lang], batched=False, method=method)
@@ -382,7 +382,7 @@ def named_word_positions(tokenizer, questions) -> np.ndarray:
     return pos
 
 
-def _encoded_questions(model, scenes: int, questions, method: str):
+def encoded_questions(model, scenes: int, questions, method: str):
     """``(input_ids, attention_mask, scene)`` of ``questions`` for ``shapes-lxmert``, checked
     before any forward: every question within the model's positions (its tokens within its
     vocabulary) and every ``questions.scene`` an index into the ``scenes`` scenes."""
@@ -407,7 +407,7 @@ def lxmert_scene_features(model, x: torch.Tensor, batch_size: int = 100) -> tupl
     check_images(x, "lxmert_scene_features")
     feats, pos = [], []
     with torch.no_grad(), eval_mode(model):
-        for s in _batches(x.shape[0], batch_size):
+        for s in batches(x.shape[0], batch_size):
             f, p = model.visual_inputs(x[s])
             feats.append(f)
             pos.append(p)
@@ -429,13 +429,13 @@ def lxmert_method_maps(model, x: torch.Tensor, questions, methods=BIMODAL_METHOD
     """
     methods = _checked_methods(methods)
     table = _lxmert_methods()
-    ids, mask, scene = _encoded_questions(model, x.shape[0], questions, "lxmert_method_maps")
+    ids, mask, scene = encoded_questions(model, x.shape[0], questions, "lxmert_method_maps")
     grid = tuple(int(g) for g in model.backbone.patch_embed.grid_size)
     feats, pos = lxmert_scene_features(model, x, batch_size) if features is None else features
     out = {}
     for name in methods:
         parts = []
-        for s in _batches(len(questions), batch_size):
+        for s in batches(len(questions), batch_size):
             if name == "relevance + backbone":  # relevance through the ViT: the pixels go in
                 images = dict(pixel_values=x[scene[s]])
             else:  # the frozen ViT's tokens, computed once per scene, are the same input
@@ -510,9 +510,9 @@ def grade_lxmert(model, x: torch.Tensor, masks, questions, methods=BIMODAL_METHO
     highest of the text map (``[CLS]`` is 0 there, padding never counts)? ``features``: the
     scenes' visual inputs from :func:`lxmert_scene_features`, if already computed.
     """
-    from vitlab.localization import _as_tensor
+    from vitlab.localization import as_cpu_tensor
 
-    masks = _as_tensor(masks)
+    masks = as_cpu_tensor(masks)
     if masks.ndim != 4 or masks.shape[:2] != (x.shape[0], 2):
         raise ValueError(f"masks must be S x 2 x H x W for the {x.shape[0]} scenes of x, got {tuple(masks.shape)}")
     maps = lxmert_method_maps(model, x, questions, methods, batch_size, features)
@@ -540,14 +540,14 @@ def lxmert_relevance_variants(model, x: torch.Tensor, questions, variants=None, 
     variants = dict(LXMERT_ABLATIONS if variants is None else variants)
     if not variants:
         raise ValueError("variants must name at least one set of lxmert_relevance keywords")
-    ids, mask, scene = _encoded_questions(model, x.shape[0], questions, "lxmert_relevance_variants")
+    ids, mask, scene = encoded_questions(model, x.shape[0], questions, "lxmert_relevance_variants")
     grid = tuple(int(g) for g in model.backbone.patch_embed.grid_size)
     feats, pos = lxmert_scene_features(model, x, batch_size) if features is None else features
     out = {}
     for name, kwargs in variants.items():
         parts = [lxmert_relevance(model, dict(input_ids=ids[s], attention_mask=mask[s], visual_feats=feats[scene[s]],
                                               visual_pos=pos[scene[s]]), **kwargs)
-                 for s in _batches(len(questions), batch_size)]
+                 for s in batches(len(questions), batch_size)]
         out[name] = BimodalMaps(torch.cat([p.image for p in parts]).reshape(len(questions), *grid),
                                 torch.cat([p.text for p in parts]), torch.cat([p.target for p in parts]),
                                 torch.cat([p.logits for p in parts]))

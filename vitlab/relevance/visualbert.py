@@ -48,13 +48,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vitlab.attention import _batches
-from vitlab.relevance._common import (
-    BimodalMaps, _attention_grads, _recorded_forward, _require_gradients_possible, _rollout,
-    attention_matrix_gradcam,
+from vitlab.inputs import batches, require_gradients
+from vitlab.relevance.bimodal import (
+    BimodalMaps, _attention_grads, _recorded_forward, _rollout, attention_matrix_gradcam,
 )
 from vitlab.relevance.engine import propagate, read_rows, self_attention_events
-from vitlab.relevance.lxmert import QuestionGrades, _encoded_questions, _grade_question_maps, lxmert_scene_features
+from vitlab.relevance.lxmert import QuestionGrades, _grade_question_maps, encoded_questions, lxmert_scene_features
 
 __all__ = [
     "VILT_INPUTS", "VISUALBERT_INPUTS", "answer_rows", "vilt_gradcam", "vilt_raw_attention", "vilt_relevance",
@@ -86,7 +85,7 @@ def _require(model, family: str, method: str) -> None:
                         + (f" (model_type {model_type!r})" if model_type else ""))
 
 
-def _checked_inputs(model, inputs, family: str, method: str) -> tuple[dict, int]:
+def checked_visualbert_inputs(model, inputs, family: str, method: str) -> tuple[dict, int]:
     """``inputs`` as a dict of tensors the model takes, checked before any forward; and the batch size."""
     _require(model, family, method)
     names = VISUALBERT_INPUTS if family == "visual_bert" else VILT_INPUTS
@@ -174,7 +173,7 @@ class _Joint:
 
 
 def _forward(model, inputs, family: str, method: str, grad: bool) -> _Joint:
-    kwargs, _ = _checked_inputs(model, inputs, family, method)
+    kwargs, _ = checked_visualbert_inputs(model, inputs, family, method)
     text_tokens = int(kwargs["input_ids"].shape[1])
     rows = answer_rows(model, kwargs)
     if family == "visual_bert":
@@ -216,7 +215,7 @@ def _vilt_recorded_forward(model, kwargs: dict, grad: bool, method: str):
     if mask is None:
         mask = torch.ones(pixels.shape[0], *pixels.shape[-2:], dtype=torch.long, device=pixels.device)
     if grad:
-        _require_gradients_possible(method)
+        require_gradients(method)
     context = torch.enable_grad() if grad else torch.no_grad()
     devices = [pixels.device.index or 0] if pixels.device.type == "cuda" else []
     with context, record(model, detach=not grad, eval_mode=True, capture=("attention",)) as rec:
@@ -250,7 +249,7 @@ def _explained_row(joint: _Joint, matrix: torch.Tensor) -> tuple[torch.Tensor, t
 def _relevance(model, inputs, target, family: str, method: str) -> BimodalMaps:
     from vitlab.targets import check_target, resolve_target
 
-    batch = _checked_inputs(model, inputs, family, method)[1]
+    batch = checked_visualbert_inputs(model, inputs, family, method)[1]
     target = check_target(target, batch)
     joint = _forward(model, inputs, family, method, grad=True)
     t = resolve_target(target, joint.logits)
@@ -281,7 +280,7 @@ def _rollout_maps(model, inputs, family: str, method: str) -> BimodalMaps:
 def _gradcam(model, inputs, target, family: str, method: str) -> BimodalMaps:
     from vitlab.targets import check_target, resolve_target
 
-    batch = _checked_inputs(model, inputs, family, method)[1]
+    batch = checked_visualbert_inputs(model, inputs, family, method)[1]
     target = check_target(target, batch)
     joint = _forward(model, inputs, family, method, grad=True)
     t = resolve_target(target, joint.logits)
@@ -427,13 +426,13 @@ def visualbert_method_maps(model, x: torch.Tensor, questions, methods=VISUALBERT
     if not methods or unknown:
         raise ValueError(f"methods must be names from {VISUALBERT_METHODS}, got {methods!r}")
     table = _visualbert_methods()
-    ids, mask, scene = _encoded_questions(model, x.shape[0], questions, "visualbert_method_maps")
+    ids, mask, scene = encoded_questions(model, x.shape[0], questions, "visualbert_method_maps")
     grid = tuple(int(g) for g in model.backbone.patch_embed.grid_size)
     feats = (lxmert_scene_features(model, x, batch_size) if features is None else features)[0]
     out = {}
     for name in methods:
         parts = [table[name](model, dict(input_ids=ids[s], attention_mask=mask[s], visual_feats=feats[scene[s]]))
-                 for s in _batches(len(questions), batch_size)]
+                 for s in batches(len(questions), batch_size)]
         image = torch.cat([p.image for p in parts]).reshape(len(questions), *grid)
         out[name] = BimodalMaps(image, torch.cat([p.text for p in parts]),
                                 torch.cat([p.target for p in parts]), torch.cat([p.logits for p in parts]))
@@ -448,9 +447,9 @@ def grade_visualbert(model, x: torch.Tensor, masks, questions, methods=VISUALBER
     tokens; ``[CLS]`` and ``[SEP]`` do not count (VisualBERT's answer row is the ``?``, whose
     own entry is 0, and its ``[CLS]`` is a token like any other, not the answer's own).
     """
-    from vitlab.localization import _as_tensor
+    from vitlab.localization import as_cpu_tensor
 
-    masks = _as_tensor(masks)
+    masks = as_cpu_tensor(masks)
     if masks.ndim != 4 or masks.shape[:2] != (x.shape[0], 2):
         raise ValueError(f"masks must be S x 2 x H x W for the {x.shape[0]} scenes of x, got {tuple(masks.shape)}")
     maps = visualbert_method_maps(model, x, questions, methods, batch_size, features)

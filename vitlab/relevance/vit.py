@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vitlab.attention import (
-    _attention_gradients, _batches, _in_chunks, attention_gradients, checked_layout, gradcam_cls_row, require_cls,
-)
+from vitlab.attention import attention_gradients, attention_gradients_for_blocks, gradcam_cls_row
+from vitlab.inputs import batches, checked_layout, in_chunks, require_cls
 from vitlab.relevance.engine import head_averaged_relevance, propagate, self_attention_events
 from vitlab.rollout import (
     discard_lowest, grad_fuse_heads, max_normalize, residual_normalize, rollout_from_attentions, rollout_row,
@@ -49,7 +48,7 @@ def chefer_relevance(model, x: torch.Tensor, target=None, score: str = "logit") 
     logit; the map is ``R[CLS, patches]`` on the patch grid, not rescaled (relevance
     units; the CLS->CLS entry is left out with the other prefix tokens). One forward and
     one backward for the whole batch (per chunk of a batch over
-    :data:`vitlab.attention.MEMORY_BUDGET`).
+    :data:`vitlab.inputs.MEMORY_BUDGET`).
 
     Args:
         model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
@@ -58,10 +57,10 @@ def chefer_relevance(model, x: torch.Tensor, target=None, score: str = "logit") 
         score: differentiate the target's ``"logit"`` (the paper) or its ``"log_probability"``.
     """
     layout = checked_layout(model, x, "chefer_relevance")
-    chunked = _in_chunks(chefer_relevance, model, x, layout, gradients=True, target=target, score=score)
-    if chunked is not None:  # a batch larger than vitlab.attention.MEMORY_BUDGET allows
+    chunked = in_chunks(chefer_relevance, model, x, layout, gradients=True, target=target, score=score)
+    if chunked is not None:  # a batch larger than vitlab.inputs.MEMORY_BUDGET allows
         return chunked
-    ag = _attention_gradients(model, x, target, layers=None, score=score, method="chefer_relevance")
+    ag = attention_gradients_for_blocks(model, x, target, layers=None, score=score, method="chefer_relevance")
     row = relevance_row(ag.attentions, ag.gradients, index=0)  # R[CLS, :], B x N
     return ag.layout.patches_to_grid(row)  # B x gh x gw
 
@@ -79,7 +78,7 @@ def last_block_relevance(model, x: torch.Tensor, target=None, score: str = "logi
     block by its gradient, but with one mean gradient per head (GradCAM's weighting). Not
     rescaled (relevance units, like :func:`chefer_relevance`); a patch whose every head has
     ``grad * A <= 0`` is 0. One forward and one backward through the last block for the whole
-    batch (per chunk of a batch over :data:`vitlab.attention.MEMORY_BUDGET`).
+    batch (per chunk of a batch over :data:`vitlab.inputs.MEMORY_BUDGET`).
 
     Args:
         model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
@@ -92,10 +91,10 @@ def last_block_relevance(model, x: torch.Tensor, target=None, score: str = "logi
             does not read a CLS token -- all before the forward.
     """
     layout = checked_layout(model, x, "last_block_relevance")
-    chunked = _in_chunks(last_block_relevance, model, x, layout, gradients=True, target=target, score=score)
-    if chunked is not None:  # a batch larger than vitlab.attention.MEMORY_BUDGET allows
+    chunked = in_chunks(last_block_relevance, model, x, layout, gradients=True, target=target, score=score)
+    if chunked is not None:  # a batch larger than vitlab.inputs.MEMORY_BUDGET allows
         return chunked
-    ag = _attention_gradients(model, x, target, layers=[-1], score=score, method="last_block_relevance")
+    ag = attention_gradients_for_blocks(model, x, target, layers=[-1], score=score, method="last_block_relevance")
     abar = head_averaged_relevance(ag.attentions[-1], ag.gradients[-1])  # B x N x N
     return ag.layout.patches_to_grid(abar[:, 0, :])  # CLS row, patch columns: B x gh x gw
 
@@ -149,7 +148,7 @@ def asked_object_maps(model, x: torch.Tensor, labels, batch_size: int = 50,
         raise ValueError(f"need labels B x K for B = {x.shape[0]} inputs; got labels {tuple(labels.shape)}")
     B, K = labels.shape
     out = {m: [] for m in CLASS_METHODS}
-    for s in _batches(B, batch_size):
+    for s in batches(B, batch_size):
         b = s.stop - s.start
         xb = x[s].repeat(K, 1, 1, 1)  # ask k occupies rows k*b .. (k+1)*b - 1
         ag = attention_gradients(model, xb, labels[s].T.reshape(-1), score=score)
@@ -168,10 +167,10 @@ def grade_asked_object(model, x: torch.Tensor, labels, masks, batch_size: int = 
     the highest patch of its map lies on the asked object (:func:`pointing_game`).
     :func:`asked_object_maps` then :func:`grade_asked`; see the latter for the keys.
     """
-    from vitlab.localization import _as_tensor, grade_asked
+    from vitlab.localization import as_cpu_tensor, grade_asked
 
     labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
-    masks = _as_tensor(masks)
+    masks = as_cpu_tensor(masks)
     if labels.ndim != 2 or masks.ndim != 4 or masks.shape[:2] != labels.shape or labels.shape[0] != x.shape[0]:
         raise ValueError(
             f"need labels B x K and masks B x K x H x W for B = {x.shape[0]} inputs; "

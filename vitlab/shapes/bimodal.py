@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from transformers import DetrConfig, DetrForObjectDetection, LxmertConfig, LxmertForQuestionAnswering
 
+from vitlab.models import WEIGHTS_DIR
 from vitlab.shapes.data import CLASSES
 from vitlab.shapes.model import MEAN, STD
 from vitlab.shapes.model import WEIGHTS_PATH as BACKBONE_PATH
@@ -56,10 +57,9 @@ __all__ = [
     "save_bimodal",
 ]
 
-_MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 #: Where the shipped weights live (inside the installed package).
-LXMERT_PATH = _MODELS_DIR / "shapes-lxmert.safetensors"
-DETR_PATH = _MODELS_DIR / "shapes-detr.safetensors"
+LXMERT_PATH = WEIGHTS_DIR / "shapes-lxmert.safetensors"
+DETR_PATH = WEIGHTS_DIR / "shapes-detr.safetensors"
 
 #: LXMERT size of ``shapes-lxmert`` (``LxmertConfig`` keywords; vocabulary, answers and the
 #: visual feature width come from the tokenizer, :data:`ANSWERS` and the backbone). Weights are
@@ -174,7 +174,7 @@ class ShapesLxmertForQuestionAnswering(LxmertForQuestionAnswering):
         """The answer to each question about the matching image (one question per image).
         Non-finite, empty or integer pixels and questions longer than the model reads are refused
         before the forward."""
-        from vitlab.attention import check_images
+        from vitlab.inputs import check_images
 
         check_images(pixel_values, "answer")
         ids, mask = self.encode(questions)
@@ -211,7 +211,7 @@ def load_shapes_lxmert(pretrained: bool = True, *, weights_path: str | Path | No
     """``shapes-lxmert`` in eval mode (``vitlab.load_model("shapes-lxmert")``).
 
     Args:
-        pretrained: load the trained weights (``vitlab/models/shapes-lxmert.safetensors`` unless
+        pretrained: load the trained weights (``vitlab/weights/shapes-lxmert.safetensors`` unless
             ``weights_path`` is given); ``False``: the same architecture, randomly initialised
             (on the trained backbone), with ``arch`` overriding :data:`LXMERT_ARCH`.
 

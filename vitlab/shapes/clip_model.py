@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from transformers import CLIPConfig, CLIPModel
 
+from vitlab.models import WEIGHTS_DIR
 from vitlab.shapes.captions import CaptionTokenizer, zero_shot_prompts
 from vitlab.shapes.data import CLASSES
 from vitlab.shapes.model import MEAN, STD
@@ -55,7 +56,7 @@ __all__ = [
 ]
 
 #: Where the shipped weights live (inside the installed package).
-CLIP_PATH = Path(__file__).resolve().parent.parent / "models" / "shapes-clip.safetensors"
+CLIP_PATH = WEIGHTS_DIR / "shapes-clip.safetensors"
 _RETRAIN = "python -m vitlab.shapes.train_clip"
 
 #: Architecture of ``shapes-clip`` (keywords of :func:`clip_config`). The vision part is
@@ -331,7 +332,7 @@ def load_shapes_clip(pretrained: bool = True, *, weights_path: str | Path | None
     """``shapes-clip`` in eval mode (``vitlab.load_model("shapes-clip")``).
 
     Args:
-        pretrained: load the trained weights (``vitlab/models/shapes-clip.safetensors`` unless
+        pretrained: load the trained weights (``vitlab/weights/shapes-clip.safetensors`` unless
             ``weights_path`` is given); ``False``: the same architecture with Hugging Face's random
             initialisation (both towers; ``arch`` overrides :data:`CLIP_ARCH`, e.g. ``text_layers=1``).
 

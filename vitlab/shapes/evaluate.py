@@ -79,7 +79,7 @@ def pointing_game(maps: np.ndarray, masks: np.ndarray, min_fraction: float = 0.0
     return pointing_game_on_grid(maps, masks, min_coverage=threshold).numpy()
 
 
-def _logits(model, x: torch.Tensor, batch: int) -> torch.Tensor:
+def logits_of(model, x: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.cat([model(x[i : i + batch]).float() for i in range(0, len(x), batch)])
 
 
@@ -118,7 +118,7 @@ def removal_effect(model, n: int, seed: int, difficulty: float = 1.0, batch: int
 
     def scores(images):
         x = scenes_to_tensor(images, cfg["input_size"], cfg["mean"], cfg["std"])
-        return _logits(model, x, batch).gather(1, lab)             # n x 2: logits of the two classes
+        return logits_of(model, x, batch).gather(1, lab)             # n x 2: logits of the two classes
 
     full = scores(s.images)
     without = [scores(remove_objects(n, seed, 2, difficulty=difficulty, size=size, remove=j)) for j in (0, 1)]
@@ -176,12 +176,12 @@ def _evaluate(model, n: int, batch: int, difficulty: float, bf16: bool) -> dict:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         one = make_scenes(n, SEED_SINGLE, 1, difficulty=difficulty, size=size)
         x1 = scenes_to_tensor(one.images, cfg["input_size"], mean, std)
-        pred1 = _logits(model, x1, batch).argmax(1).numpy()
+        pred1 = logits_of(model, x1, batch).argmax(1).numpy()
         out["single_top1"] = float((pred1 == one.labels[:, 0]).mean())
 
         two = make_scenes(n, SEED_TWO, 2, difficulty=difficulty, size=size)
         x2 = scenes_to_tensor(two.images, cfg["input_size"], mean, std)
-        logits2 = _logits(model, x2, batch)
+        logits2 = logits_of(model, x2, batch)
         top2 = logits2.topk(2, dim=1).indices.numpy()
         both = np.sort(top2, 1) == np.sort(two.labels, 1)
         out["two_both_top2"] = float(both.all(1).mean())

@@ -25,6 +25,7 @@ from torch import nn
 from timm.layers import PatchEmbed
 from timm.models.vision_transformer import VisionTransformer
 
+from vitlab.models import WEIGHTS_DIR
 from vitlab.shapes.data import CLASSES
 
 __all__ = [
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 #: Where the shipped weights live (inside the installed package).
-WEIGHTS_PATH = Path(__file__).resolve().parent.parent / "models" / "shapes-vit-tiny.safetensors"
+WEIGHTS_PATH = WEIGHTS_DIR / "shapes-vit-tiny.safetensors"
 
 #: Input normalisation (images scaled to [0, 1] first).
 MEAN = (0.5, 0.5, 0.5)
@@ -198,7 +199,7 @@ def load_shapes_vit(pretrained: bool = True, *, weights_path: str | Path | None 
     """The ``shapes-vit-tiny`` model, in eval mode.
 
     Args:
-        pretrained: load the trained weights (the file shipped in ``vitlab/models`` unless
+        pretrained: load the trained weights (the file shipped in ``vitlab/weights`` unless
             ``weights_path`` is given); ``False`` gives the same architecture, randomly initialised.
         weights_path: a safetensors file written by :func:`save_shapes_vit` / ``vitlab.shapes.train``.
         **arch: :class:`ShapesViTConfig` fields. With ``pretrained=False`` they change the

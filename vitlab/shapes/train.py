@@ -1,6 +1,6 @@
 """Train ``shapes-vit-tiny`` from scratch on freshly generated scenes: ``python -m vitlab.shapes.train``.
 
-Recipe (see ``vitlab/models/shapes-vit-tiny.md`` for the reasons and the measured numbers):
+Recipe (see ``vitlab/weights/shapes-vit-tiny.md`` for the reasons and the measured numbers):
 
 - data: an endless stream of new :func:`vitlab.shapes.make_scenes` scenes (no scene is seen
   twice, so no augmentation is needed), a share of them with two objects; the background

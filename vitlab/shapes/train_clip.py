@@ -1,6 +1,6 @@
 """Train ``shapes-clip`` contrastively on generated scenes and captions: ``python -m vitlab.shapes.train_clip``.
 
-Recipe (``vitlab/models/shapes-clip.md`` has the measured numbers; the card is written by this
+Recipe (``vitlab/weights/shapes-clip.md`` has the measured numbers; the card is written by this
 command):
 
 - data: an endless stream of fresh scenes at difficulty 1 (:func:`vitlab.shapes.make_scenes`),
@@ -652,7 +652,7 @@ def write_card(report: dict, path: str | Path) -> None:
     lines += [
         "",
         "```",
-        f".venv/bin/python -m vitlab.shapes.train_clip      # writes vitlab/models/shapes-clip.{{safetensors,json,md}}",
+        f".venv/bin/python -m vitlab.shapes.train_clip      # writes vitlab/weights/shapes-clip.{{safetensors,json,md}}",
         "```",
         "",
         "`--quick` is the smoke test (a few steps, nothing written); `--steps`, `--minutes`, `--batch`, "

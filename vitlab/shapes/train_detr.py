@@ -1,6 +1,6 @@
 """Train ``shapes-detr`` to find the shapes: ``python -m vitlab.shapes.train_detr``.
 
-Recipe (see ``vitlab/models/shapes-detr.md`` for the measured numbers):
+Recipe (see ``vitlab/weights/shapes-detr.md`` for the measured numbers):
 
 - data: an endless stream of new scenes (:func:`vitlab.shapes.make_scenes`, difficulty 1, the
   evaluated setting), half with one object and half with two; no scene is seen twice;
@@ -25,6 +25,7 @@ import json
 import numpy as np
 import torch
 
+from vitlab.localization import box_iou
 from vitlab.shapes.bimodal import DETR_ARCH, DETR_PATH, build_shapes_detr
 from vitlab.shapes.data import make_scenes, scenes_to_tensor
 from vitlab.shapes.model import MEAN, STD
@@ -33,7 +34,7 @@ from vitlab.shapes.train import TRAIN_SEED_BASE
 from vitlab.shapes.train_loop import fit, optimizer_step, parse, parser, start
 
 __all__ = [
-    "EVAL_SEED", "VAL_SEED", "batch_loss", "box_iou", "detect", "detr_targets", "evaluate_detr", "main", "parse_args",
+    "EVAL_SEED", "VAL_SEED", "batch_loss", "detect", "detr_targets", "evaluate_detr", "main", "parse_args",
     "scene_features", "train", "train_step",
 ]
 
@@ -104,16 +105,6 @@ def batch_loss(model, batch) -> torch.Tensor:
 def train_step(model, opt, feature_map, labels, clip: float = 1.0) -> float:
     """One optimiser step on a batch of precomputed feature maps; returns the loss before it."""
     return optimizer_step(model, opt, batch_loss(model, (feature_map, labels)), clip)
-
-
-def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU of every box in ``a`` (``n x 4``) with every box in ``b`` (``m x 4``), ``(x0, y0, x1, y1)``."""
-    a, b = np.asarray(a, dtype=np.float64)[:, None], np.asarray(b, dtype=np.float64)[None]
-    iw = np.clip(np.minimum(a[..., 2], b[..., 2]) - np.maximum(a[..., 0], b[..., 0]), 0, None)
-    ih = np.clip(np.minimum(a[..., 3], b[..., 3]) - np.maximum(a[..., 1], b[..., 1]), 0, None)
-    inter = iw * ih
-    area = lambda z: (z[..., 2] - z[..., 0]) * (z[..., 3] - z[..., 1])  # noqa: E731
-    return inter / np.maximum(area(a) + area(b) - inter, 1e-12)
 
 
 def detect(logits: torch.Tensor, pred_boxes: torch.Tensor, threshold: float = 0.5) -> list[dict]:

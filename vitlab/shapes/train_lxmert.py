@@ -1,6 +1,6 @@
 """Train ``shapes-lxmert`` on generated questions: ``python -m vitlab.shapes.train_lxmert``.
 
-Recipe (see ``vitlab/models/shapes-lxmert.md`` for the measured numbers):
+Recipe (see ``vitlab/weights/shapes-lxmert.md`` for the measured numbers):
 
 - data: an endless stream of new two-object scenes (:func:`vitlab.shapes.make_scenes`, difficulty
   1, the evaluated setting), ``--per-scene`` questions about each (:func:`vitlab.shapes.qa.make_questions`:

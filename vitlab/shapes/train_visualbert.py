@@ -1,6 +1,6 @@
 """Train ``shapes-visualbert`` on generated questions: ``python -m vitlab.shapes.train_visualbert``.
 
-Recipe (see ``vitlab/models/shapes-visualbert.md`` for the measured numbers): the same data as
+Recipe (see ``vitlab/weights/shapes-visualbert.md`` for the measured numbers): the same data as
 ``shapes-lxmert`` (:mod:`vitlab.shapes.train_lxmert`: an endless stream of new two-object scenes
 at difficulty 1, ``--per-scene`` questions about each from :func:`vitlab.shapes.qa.make_questions`,
 ``where`` first as a curriculum, then where / exists / which drawn 2 : 1 : 1; the frozen

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from transformers import VisualBertConfig, VisualBertForQuestionAnswering
 
+from vitlab.models import WEIGHTS_DIR
 from vitlab.shapes.bimodal import (
     BACKBONE_PATH, ShapesLxmertForQuestionAnswering, _data_config, _file_sha256, _load_backbone, grid_boxes,
 )
@@ -45,7 +46,7 @@ __all__ = [
 ]
 
 #: Where the shipped weights live (inside the installed package).
-VISUALBERT_PATH = Path(__file__).resolve().parent.parent / "models" / "shapes-visualbert.safetensors"
+VISUALBERT_PATH = WEIGHTS_DIR / "shapes-visualbert.safetensors"
 _RETRAIN = "python -m vitlab.shapes.train_visualbert"
 
 #: VisualBERT size of ``shapes-visualbert`` (``VisualBertConfig`` keywords; vocabulary, answers
@@ -183,7 +184,7 @@ def load_shapes_visualbert(pretrained: bool = True, *, weights_path: str | Path 
     """``shapes-visualbert`` in eval mode (``vitlab.load_model("shapes-visualbert")``).
 
     Args:
-        pretrained: load the trained weights (``vitlab/models/shapes-visualbert.safetensors`` unless
+        pretrained: load the trained weights (``vitlab/weights/shapes-visualbert.safetensors`` unless
             ``weights_path`` is given); ``False``: the same architecture, randomly initialised (on
             the trained backbone), with ``arch`` overriding :data:`VISUALBERT_ARCH`.
 

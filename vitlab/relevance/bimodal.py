@@ -42,7 +42,7 @@ class DetectionMaps(NamedTuple):
     maps: torch.Tensor
 
 
-def _require_family(model, family: str, method: str) -> None:
+def require_family(model, family: str, method: str) -> None:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if not isinstance(model, torch.nn.Module) or model_type != family:
         what = {"lxmert": "a Hugging Face LXMERT question-answering model (LxmertForQuestionAnswering)",
@@ -51,25 +51,19 @@ def _require_family(model, family: str, method: str) -> None:
                         + (f" (model_type {model_type!r})" if model_type else ""))
 
 
-def _require_gradients_possible(method: str) -> None:
-    if torch.is_inference_mode_enabled():
-        raise RuntimeError(
-            f"{method} needs gradients, but it was called inside torch.inference_mode(), which cannot be "
-            "switched off from inside: call it outside inference_mode (inside torch.no_grad() is fine)")
-
-
 def _recorded_forward(model, kwargs: dict, grad: bool, method: str, through_pixels: bool = False):
     """One forward of ``model(**kwargs)`` inside :func:`vitlab.record` (attention only, eval
     mode): ``(rec, output)``; with ``grad`` the attentions stay in the autograd graph.
     ``through_pixels``: the images go in as a copy that requires grad, so that a frozen
     backbone's attention joins the graph too (relevance through the backbone)."""
+    from vitlab.inputs import require_gradients
     from vitlab.record import record
 
     if through_pixels:
         x = kwargs["pixel_values"]
         kwargs = {**kwargs, "pixel_values": (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)}
     if grad:
-        _require_gradients_possible(method)
+        require_gradients(method)
     context = torch.enable_grad() if grad else torch.no_grad()
     with context, record(model, detach=not grad, eval_mode=True, capture=("attention",)) as rec:
         out = model(**kwargs)
@@ -152,7 +146,7 @@ def _backbone_prefix(rec, image_tokens: int, method: str) -> int:
     return layout.num_prefix
 
 
-def _last(rec, stream: str, method: str):
+def last_capture(rec, stream: str, method: str):
     caps = rec.stream(stream)
     if not caps:
         raise ValueError(f"{method}: the model has no {stream!r} attention layer")

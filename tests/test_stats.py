@@ -1,0 +1,53 @@
+"""The intervals the chapters give with every grade (vitlab.stats.rate, mean_interval,
+paired_difference): the Wilson interval against scipy's, the bootstrap against the normal
+approximation where that holds."""
+import numpy as np
+import pytest
+import torch
+
+from vitlab import stats
+
+
+def test_rate_is_the_wilson_interval():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for k, n in ((378, 500), (0, 40), (40, 40), (3, 7)):
+        est = stats.rate([1] * k + [0] * (n - k))
+        ci = scipy_stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+        assert est.value == pytest.approx(k / n) and est.n == n
+        assert est.low == pytest.approx(ci.low, abs=1e-12) and est.high == pytest.approx(ci.high, abs=1e-12)
+    est = stats.rate(torch.tensor([True, False, True, True]), level=0.5)
+    ci = scipy_stats.binomtest(3, 4).proportion_ci(confidence_level=0.5, method="wilson")
+    assert (est.low, est.high) == pytest.approx((ci.low, ci.high), abs=1e-9)
+    assert str(stats.rate([1, 1, 0, 0])) == "0.500 [0.150, 0.850]"
+    with pytest.raises(ValueError, match="bools or 0/1"):
+        stats.rate([0.5, 1.0])
+    with pytest.raises(ValueError, match="at least one value"):
+        stats.rate([])
+    with pytest.raises(ValueError, match=r"level must be a number in \(0, 1\)"):
+        stats.rate([1, 0], level=95)
+
+
+def test_bootstrap_intervals_and_paired_differences():
+    rng = np.random.default_rng(1)
+    v = rng.normal(0.3, 1.0, 4000)
+    est = stats.mean_interval(v)
+    half = 1.96 * v.std(ddof=1) / np.sqrt(v.size)           # the normal approximation, for large n
+    assert est.value == pytest.approx(v.mean()) and est.n == 4000
+    assert est.low == pytest.approx(v.mean() - half, abs=0.15 * half)
+    assert est.high == pytest.approx(v.mean() + half, abs=0.15 * half)
+    assert stats.mean_interval(np.full(5, 0.25)) == (0.25, 0.25, 0.25, 5)
+    assert stats.mean_interval(v, seed=2) != stats.mean_interval(v, seed=3)
+    a = rng.random(300)
+    same = stats.paired_difference(a, a)
+    assert (same.value, same.low, same.high) == (0.0, 0.0, 0.0) and not same.excludes(0.0)
+    shifted = stats.paired_difference(a + 0.1, a)           # a constant gap: no spread at all
+    assert shifted.value == pytest.approx(0.1) and shifted.high - shifted.low < 1e-12 and shifted.excludes(0.0)
+    # pairing removes what the two grades share: the paired interval is far narrower than the unpaired one
+    b = a + rng.normal(0.02, 0.01, 300)
+    paired = stats.paired_difference(b, a)
+    unpaired_half = 1.96 * np.sqrt(a.var(ddof=1) / 300 + b.var(ddof=1) / 300)
+    assert paired.high - paired.low < 0.1 * 2 * unpaired_half and paired.excludes(0.0)
+    with pytest.raises(ValueError, match="one value per scene on both sides"):
+        stats.paired_difference(a, a[:-1])
+    with pytest.raises(ValueError, match="NaN or inf"):
+        stats.mean_interval([0.1, float("nan")])

@@ -1,0 +1,184 @@
+"""What every method checks and shares before its forward: the input checks, the memory
+budget and chunking of a batch, the inference-mode refusal, the positive-int check.
+
+- :func:`check_images`, :func:`check_batch_values`, :func:`check_input_dtype`,
+  :func:`checked_layout`, :func:`require_cls` (with :data:`CLS_POOLS`): a wrong input is named,
+  with what to do, before any forward pass;
+- :data:`MEMORY_BUDGET`, :func:`chunk_size`, :func:`in_chunks`, :func:`batches`: a batch whose
+  recorded attention would exceed the budget runs in chunks of samples, with the same maps;
+- :func:`require_gradients`: a gradient method called inside ``torch.inference_mode()`` says so;
+- :func:`positive_int`: the check of a count argument.
+"""
+from __future__ import annotations
+
+import torch
+
+from vitlab.layout import TokenLayout, token_layout
+from vitlab.record import attention_size
+from vitlab.targets import check_target
+
+#: Most bytes of recorded attention one forward of a map method (rollout, grad_rollout,
+#: chefer_relevance, cls_attention, raw_attention, attention_gradcam) may hold: a forward inside
+#: ``record`` keeps every block's ``B x heads x N x N`` attention (and, for the gradient methods,
+#: its gradient), about 0.5 GB per image for DINOv2-S at 518 px. A larger batch runs in chunks
+#: of samples, each through the whole method (:func:`chunk_size`): the same maps, since samples
+#: do not interact in eval mode, at a bounded peak memory. 1 GiB by default; set
+#: ``vitlab.inputs.MEMORY_BUDGET`` (in bytes) to suit the machine.
+MEMORY_BUDGET = 1 << 30
+
+
+
+#: Values of ``TokenLayout.pool`` whose output reads the CLS token (``""``: every token).
+CLS_POOLS = ("token", "")
+
+
+def require_cls(layout: TokenLayout, method: str) -> None:
+    """Raise ``ValueError`` when ``method`` cannot read a map from the CLS row of this layout.
+
+    Two cases: the model has no CLS token (none at all, or only registers: a register is
+    not a class token, and row 0 would be register 0), or its output does not read the CLS
+    token (timm ``global_pool="avg"``, ``"map"``, ...: a CLS-row map would explain a token
+    the head ignores). Methods call it with ``token_layout(model, x)`` before any forward
+    pass.
+    """
+    if not layout.has_class_token:
+        what = (f"its {layout.num_prefix} prefix tokens are registers, and a register is not a class token"
+                if layout.num_prefix else "it has no prefix tokens")
+        raise ValueError(
+            f"{method} reads the class-token (CLS) row of the attention, but this model has no class "
+            f"token ({what}); use a ViT with a class token"
+        )
+    if layout.pool not in CLS_POOLS:
+        raise ValueError(
+            f"{method} reads the class-token (CLS) row of the attention, but this model's head does not "
+            f"read the class token: it pools the patch tokens (global_pool={layout.pool!r}), so a CLS-row map "
+            "would explain a token the output ignores. Use a model whose head reads the class token "
+            "(timm global_pool='token')"
+        )
+
+
+def check_images(x, method: str) -> None:
+    """Raise ``ValueError`` unless ``x`` is a non-empty, finite ``B x C x H x W`` float batch.
+
+    Every method calls it first, so a wrong input is named before any forward pass (and a
+    NaN or infinite pixel never becomes an all-NaN map); the value checks are
+    :func:`check_batch_values`.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(
+            f"{method} takes a B x 3 x H x W image tensor, got {type(x).__name__}; "
+            "make one with vitlab.preprocess(image, model)"
+        )
+    if x.ndim == 3:
+        raise ValueError(
+            f"{method} takes a batch B x C x H x W, got a single image of shape {tuple(x.shape)}; "
+            "add the batch dimension: x[None] (or x.unsqueeze(0))"
+        )
+    if x.ndim != 4:
+        raise ValueError(f"{method} takes an image batch B x C x H x W, got shape {tuple(x.shape)}")
+    check_batch_values(x, method)
+
+
+def check_batch_values(x: torch.Tensor, method: str, name: str | None = None, unit: str = "image") -> None:
+    """Raise ``ValueError`` when the batch ``x`` (samples first) is empty, not floating point,
+    or holds a NaN or infinite value -- before any forward pass, so that a wrong input is
+    named instead of becoming an all-NaN map (or an answer computed from NaN).
+
+    :func:`check_images` calls it for pixels; the bimodal methods call it for every float
+    input (``name``, e.g. ``"inputs['visual_feats']"``; None: the image batch), ``unit``
+    naming what one sample is in the messages.
+    """
+    where = "" if name is None else f" {name}"
+    if x.shape[0] == 0:
+        raise ValueError(
+            f"{method} got an empty batch{where} (B = 0, shape {tuple(x.shape)}); pass at least one {unit}"
+        )
+    if not x.is_floating_point():
+        if name is None:
+            raise ValueError(
+                f"{method} takes a float image batch (normalised as the model expects), got dtype {x.dtype}; "
+                "make one with vitlab.preprocess(image, model)"
+            )
+        raise ValueError(f"{method}:{where} must be a float tensor, got dtype {x.dtype}; convert it with .float()")
+    fix = f"check how the {unit}s were loaded and normalised" if name is None else "check how it was computed"
+    finite = torch.isfinite(x).flatten(1).all(dim=1) if x.ndim > 1 else torch.isfinite(x)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().flatten().tolist()
+        raise ValueError(
+            f"{method}:{where or ' the input'} holds NaN or infinite values (in sample{'s' if len(bad) > 1 else ''} "
+            f"{', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''}), which would make every "
+            f"map and score NaN; {fix}"
+        )
+
+
+def check_input_dtype(model, x: torch.Tensor, method: str) -> None:
+    """Raise ``ValueError`` when ``x`` is not in the dtype of the model's floating-point parameters
+    (a float64 batch for a float32 model would fail inside its first layer with "expected scalar
+    type Double but found Float"); the message names both and the remedies. Under autocast the
+    model casts its inputs itself: no check."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is None or x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
+        return
+    raise ValueError(f"{method}: x is {x.dtype} but the model's parameters are {dtype}; pass x.to({dtype}) "
+                     f"(or a model in {x.dtype}: model.to({x.dtype}), e.g. model.double() for float64)")
+
+
+def checked_layout(model, x, method: str, cls_row: bool = True) -> TokenLayout:
+    """:func:`check_images`, :func:`check_input_dtype`, then ``token_layout(model, x)`` and, for a
+    method that reads the CLS row (``cls_row``), :func:`require_cls`: every check a method makes
+    before its forward."""
+    check_images(x, method)
+    check_input_dtype(model, x, method)
+    layout = token_layout(model, x)
+    if cls_row:
+        require_cls(layout, method)
+    return layout
+
+
+def chunk_size(model, x: torch.Tensor, layout: TokenLayout, gradients: bool = False) -> int:
+    """How many samples of ``x`` one forward may take within :data:`MEMORY_BUDGET` (at least 1).
+
+    One sample's recording holds :func:`vitlab.record.attention_size` entries of ``x``'s dtype
+    (sum over blocks of ``heads x N x N``), twice that with ``gradients`` (the attention and
+    its gradient).
+    """
+    per_sample = attention_size(model, layout.num_tokens) * x.element_size() * (2 if gradients else 1)
+    return max(1, int(MEMORY_BUDGET) // max(1, per_sample))
+
+
+def batches(n: int, batch_size: int):
+    """Slices ``0 .. n`` in runs of ``batch_size`` (a positive int, else ``ValueError``)."""
+    positive_int("batch_size", batch_size)
+    for start in range(0, n, batch_size):
+        yield slice(start, min(start + batch_size, n))
+
+
+def in_chunks(method, model, x: torch.Tensor, layout: TokenLayout, gradients: bool = False, **kwargs):
+    """``method(model, chunk, **kwargs)`` over chunks of :func:`chunk_size` samples, concatenated
+    along the batch; ``None`` when the whole batch fits in one forward (the method goes on).
+    A gradient method's ``target`` is checked against the whole batch and split with it."""
+    size = chunk_size(model, x, layout, gradients)
+    if size >= x.shape[0]:
+        return None
+    chunks = x.split(size)
+    if gradients:
+        t = check_target(kwargs.pop("target"), x.shape[0])
+        targets = [None] * len(chunks) if t is None else t.split(size)
+        return torch.cat([method(model, c, target=tc, **kwargs) for c, tc in zip(chunks, targets)])
+    return torch.cat([method(model, c, **kwargs) for c in chunks])
+
+
+def require_gradients(method: str) -> None:
+    """Raise ``RuntimeError`` when called inside ``torch.inference_mode()``: ``method`` needs
+    gradients, and inference mode cannot be switched off from inside (``torch.no_grad()`` can)."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{method} needs gradients, but it was called inside torch.inference_mode(), which cannot be "
+            "switched off from inside: call it outside inference_mode (inside torch.no_grad() is fine)")
+
+
+def positive_int(name: str, value):
+    """``value`` when it is an int >= 1 (not a bool), else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value

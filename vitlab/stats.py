@@ -1,0 +1,112 @@
+"""Uncertainty of a measurement over a sample of scenes (or questions, images, ...).
+
+- :func:`rate` -- a hit rate with its Wilson score interval;
+- :func:`mean_interval` -- a mean with its percentile bootstrap interval (:func:`bootstrap`);
+- :func:`paired_difference` -- two measurements of the same scenes, the mean difference with the
+  bootstrap interval of the scenes resampled together;
+
+each an :class:`Estimate`, which prints itself as ``0.370 [0.340, 0.400]``.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from vitlab.inputs import positive_int
+
+
+class Estimate(NamedTuple):
+    """A measured value with its 95% (or ``level``) interval over the scenes: ``value``,
+    ``low``, ``high`` and ``n`` (scenes). ``str()`` gives ``"0.756 [0.717, 0.792]"``."""
+
+    value: float
+    low: float
+    high: float
+    n: int
+
+    def __str__(self) -> str:
+        return f"{self.value:.3f} [{self.low:.3f}, {self.high:.3f}]"
+
+    def excludes(self, v: float = 0.0) -> bool:
+        """Whether ``v`` lies outside the interval (for a difference: it is not a tie)."""
+        return v < self.low or v > self.high
+
+
+def _level(level) -> float:
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < level < 1.0:
+        raise ValueError(f"level must be a number in (0, 1), got {level!r}")
+    return float(level)
+
+
+def _values(values, what: str) -> np.ndarray:
+    v = np.asarray(values.detach().cpu() if isinstance(values, torch.Tensor) else values, dtype=np.float64).ravel()
+    if v.size == 0:
+        raise ValueError(f"{what} needs at least one value, got none")
+    if not np.isfinite(v).all():
+        raise ValueError(f"{what} got NaN or inf among its {v.size} values; drop the scenes where the grade is undefined")
+    return v
+
+
+def rate(hits, level: float = 0.95) -> Estimate:
+    """The share of hits (one bool or 0/1 per scene, e.g. :func:`pointing_game`) with its Wilson
+    score interval (Wilson 1927): the rates p whose binomial test would not reject the observed
+    count, ``(k + z^2/2 +- z sqrt(k (n - k) / n + z^2 / 4)) / (n + z^2)``, with ``z`` the normal
+    quantile of ``level``. Unlike ``p +- z * SE`` it stays inside [0, 1] and keeps its width near
+    0 and 1."""
+    z = _normal_quantile(_level(level))
+    v = _values(hits, "rate")
+    if not np.isin(v, (0.0, 1.0)).all():
+        raise ValueError("rate needs hits (bools or 0/1), got other values; use mean_interval for a mean")
+    n, k = v.size, float(v.sum())
+    centre = (k + z * z / 2) / (n + z * z)
+    half = z * math.sqrt(k * (n - k) / n + z * z / 4) / (n + z * z)
+    return Estimate(k / n, max(0.0, centre - half), min(1.0, centre + half), n)
+
+
+def mean_interval(values, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> Estimate:
+    """The mean of per-scene ``values`` with its percentile bootstrap interval (Efron 1979):
+    the scenes are resampled with replacement ``n_boot`` times (a generator seeded with
+    ``seed``), the mean is taken each time, and the interval is the middle ``level`` of those
+    means."""
+    lv = _level(level)
+    positive_int("n_boot", n_boot)
+    v = _values(values, "mean_interval")
+    low, high = bootstrap(v, lv, n_boot, seed)
+    return Estimate(float(v.mean()), low, high, int(v.size))
+
+
+def bootstrap(v: np.ndarray, level: float, n_boot: int, seed: int) -> tuple[float, float]:
+    """The percentile bootstrap of the mean of checked float64 ``v``: ``n_boot`` resamples with
+    replacement drawn by ``np.random.default_rng(seed)``, the middle ``level`` of their means.
+    The one resampling behind every interval of a mean here and in
+    :func:`vitlab.bimodal_faithfulness.bootstrap_interval`."""
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, v.size, size=(n_boot, v.size))].mean(1)
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
+
+
+def paired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> Estimate:
+    """``a - b`` for two grades of the *same* scenes (per-scene values or hits, in the same
+    order): the mean difference with the bootstrap interval of :func:`mean_interval`, the
+    scenes resampled together, so what the two share cancels. An interval that holds 0 is a
+    tie on these scenes."""
+    va, vb = _values(a, "paired_difference"), _values(b, "paired_difference")
+    if va.shape != vb.shape:
+        raise ValueError(f"paired_difference needs one value per scene on both sides, got {va.size} and {vb.size}")
+    return mean_interval(va - vb, level, n_boot, seed)
+
+
+def _normal_quantile(level: float) -> float:
+    """z with P(|N(0, 1)| <= z) = level (bisection on erf; no scipy needed)."""
+    lo, hi = 0.0, 10.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if math.erf(mid / math.sqrt(2)) < level:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
