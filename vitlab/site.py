@@ -437,26 +437,33 @@ def stage(repo: Path, dest: Path) -> Path:
 
 
 #: The file a build writes into its output folder: it lists every path the build wrote there,
-#: so that a later build replaces the folder only when it holds nothing else.
+#: so that a later build replaces the folder only when it holds nothing else. It is written
+#: before the first file is moved into the folder, listing what is about to come, so a build
+#: killed at any point leaves a record that covers everything it wrote.
 BUILD_MARK = ".vitlab-site-build"
 _MARK_WRITER = "python -m vitlab.site build"
+#: The build's scratch folders inside ``work``: an output folder may not be one of them.
+_SCRATCH = ("site-assets", "site-src", "site-html", "site-doctrees")
 
 
 def _listing(out: Path) -> list[str]:
-    return sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.name != BUILD_MARK or p.parent != out)
+    own = {BUILD_MARK, BUILD_MARK + ".new"}          # the record and its next version
+    return sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.name not in own or p.parent != out)
 
 
-def _write_mark(out: Path, listed: bool) -> None:
-    """Mark ``out`` as this command's: before Sphinx runs (``listed=False``: the folder was just
-    emptied, whatever is in it is the build's) and after (every path it holds, listed)."""
+def _write_mark(out: Path, paths) -> None:
+    """Record in ``out`` that this command wrote (or is about to write) ``paths`` (relative, posix)."""
     import json
 
-    (out / BUILD_MARK).write_text(json.dumps({"written_by": _MARK_WRITER, "listed": listed,
-                                              "paths": _listing(out) if listed else []}, indent=0) + "\n")
+    text = json.dumps({"written_by": _MARK_WRITER, "listed": True, "paths": sorted(set(paths))}, indent=0) + "\n"
+    tmp = out / (BUILD_MARK + ".new")
+    tmp.write_text(text)
+    os.replace(tmp, out / BUILD_MARK)      # never a half-written record
 
 
-def check_out_folder(out: Path) -> None:
-    """Refuse (``ValueError``, saying what to do) an output folder a build may not replace.
+def check_out_folder(out: Path) -> list[str]:
+    """Refuse (``ValueError``, saying what to do) an output folder a build may not replace;
+    returns the paths of the previous build it holds (empty for a new or empty folder).
 
     A build writes only into a folder that does not exist yet, an empty folder, or a folder
     holding a previous build of this command (its :data:`BUILD_MARK` file lists what it
@@ -470,7 +477,7 @@ def check_out_folder(out: Path) -> None:
         raise ValueError(f"the site's output folder {out} is {'a link' if out.is_symlink() else 'a file'}, not a "
                          f"folder: {remedy}")
     if not out.exists() or not any(out.iterdir()):
-        return
+        return []
     mark = out / BUILD_MARK
     if not mark.is_file():
         found = sorted(p.name for p in out.iterdir())
@@ -479,19 +486,30 @@ def check_out_folder(out: Path) -> None:
                          f"everything in it: {remedy}")
     try:
         record = json.loads(mark.read_text())
-        ok = record.get("written_by") == _MARK_WRITER and isinstance(record.get("paths"), list)
+        ok = (record.get("written_by") == _MARK_WRITER and record.get("listed") is True
+              and isinstance(record.get("paths"), list) and all(isinstance(p, str) for p in record["paths"]))
     except (OSError, UnicodeDecodeError, ValueError, AttributeError):
         ok = False
-    if not ok:
-        raise ValueError(f"{mark} is not the record a site build writes (damaged, or not ours), so what else "
-                         f"{out} holds is unknown: {remedy}")
-    if not record.get("listed"):       # a build interrupted while Sphinx ran, into the folder it had emptied
-        return
+    if not ok:       # damaged, someone else's, or left unlisted by an older version killed mid-build
+        raise ValueError(f"{mark} is not the record a site build writes, or not a complete one (damaged, not "
+                         f"ours, or left by an older build killed before it listed its files), so what else {out} "
+                         f"holds is unknown: {remedy}")
     added = sorted(set(_listing(out)) - set(record["paths"]))
     if added:
         raise ValueError(f"the site's output folder {out} holds a previous build and files added to it since "
                          f"({', '.join(added[:5])}{', ...' if len(added) > 5 else ''}), which a build would delete: "
                          f"move them out of it first, or {remedy.split('; ', 1)[1]}")
+    return list(record["paths"])
+
+
+def _remove_listed(out: Path, paths) -> None:
+    """Delete the listed files of a previous build, then its listed folders that are left empty."""
+    for rel in sorted(paths, key=lambda r: r.count("/"), reverse=True):
+        p = out / rel
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.is_dir() and not any(p.iterdir()):
+            p.rmdir()
 
 
 def build(repo: Path, out: Path, work: Path | None = None, quiet: bool = True) -> Path:
@@ -501,29 +519,47 @@ def build(repo: Path, out: Path, work: Path | None = None, quiet: bool = True) -
     ``out`` must be new, empty, or a previous build of this function (marked by its
     :data:`BUILD_MARK` file), whose contents are replaced; any other folder is refused with a
     ``ValueError`` before anything is done (:func:`check_out_folder`), so no file of yours is
-    ever deleted."""
+    ever deleted. Sphinx writes into ``work/site-html``; only when it has succeeded is the
+    record in ``out`` extended by the new pages' paths, the previous build's files removed and
+    the new ones moved in, so a build killed at any point leaves ``out`` with a record that
+    lists everything the build put there."""
     out = Path(out)
+    work = Path(work or repo / "build")
+    scratch = [(work / name).resolve() for name in _SCRATCH]
+    where = out.resolve()
+    if any(where == s or s in where.parents or where in s.parents for s in scratch):
+        raise ValueError(f"the site's output folder {out} overlaps the build's own scratch folders in {work} "
+                         f"({', '.join(_SCRATCH)}), which each build empties: nothing was changed; give --out "
+                         "a folder outside them")
     check_out_folder(out)
-    work = work or repo / "build"
     static = fetch_assets(work / "site-assets")
     src = stage(repo, work / "site-src")
-    check_out_folder(out)                # still ours after the (possibly long) fetch and staging
-    out.mkdir(parents=True, exist_ok=True)
-    for entry in out.iterdir():          # the previous build's files; the folder itself stays
-        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-    _write_mark(out, listed=False)
+    html = work / "site-html"
+    shutil.rmtree(html, ignore_errors=True)
+    html.mkdir(parents=True)
     env = dict(os.environ, VITLAB_SITE_ASSETS=str(static))
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-c", str(repo / "site"),
-           "-W", "--keep-going", "-j", "1", "-d", str(work / "site-doctrees"), str(src), str(out)]
+           "-W", "--keep-going", "-j", "1", "-d", str(work / "site-doctrees"), str(src), str(html)]
     if quiet:
         cmd.insert(3, "-q")
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    finally:
-        _write_mark(out, listed=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"the site's Sphinx build failed (exit {proc.returncode}):\n"
+        raise RuntimeError(f"the site's Sphinx build failed (exit {proc.returncode}); {out} was not changed:\n"
                            + (proc.stderr or proc.stdout).strip()[-4000:])
+    previous = check_out_folder(out)     # still ours after the (possibly long) fetch, staging and Sphinx
+    new = _listing(html)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_mark(out, set(previous) | set(new))      # listed before anything is written or deleted
+    _remove_listed(out, previous)
+    for rel in new:
+        target = out / rel
+        if (html / rel).is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(html / rel, target)
+    _write_mark(out, new)
+    shutil.rmtree(html, ignore_errors=True)
     return out
 
 
