@@ -27,11 +27,11 @@ def test_runner_executes_and_writes_figures(tmp_path, monkeypatch):
     start, end = runner.RUN_TIMES_MARKERS
     (src / "README.md").write_text(f"# Notebooks\n\n{start}\n| `00_old` | 12 s |  |\n{end}\n\nthe rest\n")
     figs = tmp_path / "figs"
-    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--only", "demo"]) == 0
+    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--only", "demo", "--write-times"]) == 0
     written = sorted(p.name for p in (figs / "01_demo").glob("*.png"))
     assert written == ["01_cell01.png", "02_cell03.png"]
     assert (figs / "01_demo" / "01_cell01.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert runner.main(["--notebooks", str(src), "--figures", str(figs)]) == 1
+    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--write-times"]) == 1
     times = json.loads((figs / "run_times.json").read_text())
     assert set(times["full"]) == {"00_old", "01_demo"} and times["full"]["01_demo"] > 0
     readme = (src / "README.md").read_text()         # the README's table is the measured one
@@ -104,7 +104,7 @@ def test_only_and_quick_runs_update_the_tracked_table_and_never_empty_it(tmp_pat
     src, figs = _fresh_clone(tmp_path), tmp_path / "figs"
     readme = src / "README.md"
     assert not (figs / "run_times.json").exists()
-    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--only", "demo"]) == 0
+    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--only", "demo", "--write-times"]) == 0
     assert _row(readme, "07_long") == ["| `07_long` | 6.7 min | 47 s |"]      # not measured: kept
     assert _row(readme, "08_other") == ["| `08_other` | 4.3 min | 21 s |"]
     demo = _row(readme, "01_demo")[0].split("|")
@@ -113,7 +113,7 @@ def test_only_and_quick_runs_update_the_tracked_table_and_never_empty_it(tmp_pat
     assert set(full) == {"01_demo", "07_long", "08_other"} and full["07_long"] == pytest.approx(402)
     after_full = readme.read_text()
     # a quick run over everything: 07 fails (keeps both times), 01's quick cell changes, no full cell does
-    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--quick"]) == 1
+    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--quick", "--write-times"]) == 1
     lines_before = {ln.split("|")[1]: ln.split("|")[2:4] for ln in after_full.splitlines() if ln.startswith("| `")}
     lines_after = {ln.split("|")[1]: ln.split("|")[2:4] for ln in readme.read_text().splitlines() if ln.startswith("| `")}
     assert set(lines_after) == set(lines_before)
@@ -137,13 +137,48 @@ def test_a_damaged_table_is_refused_before_any_notebook_runs(tmp_path, monkeypat
     monkeypatch.delenv("VITLAB_QUICK", raising=False)
     src, figs = _fresh_clone(tmp_path), tmp_path / "figs"
     (src / "README.md").write_text(_table(SHIPPED[:3] + ["| `07_long` | about 7 minutes | 47 s |"]))
-    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--only", "demo"]) == 2
+    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--only", "demo", "--write-times"]) == 2
     err = capfd.readouterr().err
     assert "README.md, line 7" in err and "'about 7 minutes'" in err and "Traceback" not in err
     assert not figs.exists()                                                   # nothing ran
     (src / "README.md").write_text(_table(SHIPPED[:3] + ["| typed by hand |"]))
     with pytest.raises(ValueError, match=r"line 7: a run-time row must read"):
         runner.read_run_times_table(src / "README.md")
+
+
+def test_a_run_without_write_times_leaves_the_tracked_table_alone(tmp_path, monkeypatch):
+    """Issue 37, item 11: the README's command must not rewrite the reader's checkout."""
+    monkeypatch.delenv("VITLAB_QUICK", raising=False)
+    src, figs = _fresh_clone(tmp_path), tmp_path / "figs"
+    readme = src / "README.md"
+    shipped = readme.read_bytes()
+    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--only", "demo"]) == 0
+    assert readme.read_bytes() == shipped
+    times = json.loads((figs / "run_times.json").read_text())            # the numbers still go to figures/
+    assert set(times["full"]) == {"01_demo", "07_long", "08_other"} and times["full"]["07_long"] == pytest.approx(402)
+    assert times["full"]["01_demo"] != pytest.approx(10) and times["quick"]["01_demo"] == 9
+    (src / "README.md").write_text(_table(SHIPPED[:3] + ["| `07_long` | about 7 minutes | 47 s |"]))
+    damaged = readme.read_bytes()                                          # a damaged table is not read
+    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--only", "demo"]) == 0
+    assert readme.read_bytes() == damaged and set(json.loads((figs / "run_times.json").read_text())["full"]) == {"01_demo"}
+
+
+def test_a_timeout_of_zero_or_less_is_refused_not_read_as_no_limit(tmp_path, capfd):
+    """Issue 37, item 7: nbclient reads 0 and negative timeouts as 'no limit'."""
+    src = tmp_path / "nb"
+    src.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import time\ntime.sleep(3)")]),
+                   src / "01_slow.ipynb")
+    for bad in ("0", "-5", "1.5"):
+        with pytest.raises(SystemExit) as e:
+            runner.main(["--notebooks", str(src), "--figures", str(tmp_path / "figs"), "--timeout", bad])
+        assert e.value.code == 2
+        err = capfd.readouterr().err
+        assert "positive whole number of seconds" in err and "leave --timeout out for no limit" in err
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="positive whole number of seconds"):
+            runner.run_notebook(src / "01_slow.ipynb", tmp_path / "figs", timeout=bad)
+    assert not (tmp_path / "figs").exists()                                # nothing ran
 
 
 def test_printed_times_read_back_as_themselves(tmp_path):
@@ -182,7 +217,7 @@ def test_store_writes_outputs_and_widget_state_without_progress_bars(tmp_path, m
     (src / "README.md").write_text(_table([]))
     assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--store", "--quick"]) == 2
     assert "drop --quick" in capfd.readouterr().err
-    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--store"]) == 1
+    assert runner.main(["--notebooks", str(src), "--figures", str(figs), "--store", "--write-times"]) == 1
     assert (src / "02_broken.ipynb").read_text() == before_broken              # a failure is never stored
     stored = nbformat.read(src / "01_store.ipynb", as_version=4)
     state = stored.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]

@@ -5,16 +5,19 @@ directory: ``notebooks/``); every image it displays is written to
 ``figures/<notebook>/<NN>_cell<K>.png`` in display order. One line per notebook with its
 time; a failing notebook is reported with the failing cell (its number and first line) and
 the error, and the run exits non-zero. Cells have no time limit unless ``--timeout`` sets
-one, so a slow or busy machine only takes longer.
+one (a positive number of seconds), so a slow or busy machine only takes longer.
 
-The run-time table. The measured times are kept in the tracked table of
-``notebooks/README.md``, between the markers :data:`RUN_TIMES_MARKERS` (columns "full run"
-and "quick run"): a run reads that table, replaces the cells of the notebooks it measured in
-its own column (``quick`` with ``--quick``, else ``full``) and writes it back, so every other
-row and the other column stay as they were -- also on a fresh clone, and also when a notebook
-fails (a failed notebook keeps its old time). A table that cannot be read is refused before
-any notebook runs. ``figures/run_times.json`` is a copy of the same numbers for scripts
-(``{"full": {notebook: seconds}, "quick": {...}}``); it is written, never read.
+The run-time table. A run writes only into ``figures/`` (ignored by git) unless asked to
+write tracked files: ``figures/run_times.json`` holds the times of the tracked table in
+``notebooks/README.md`` with those this run measured put in
+(``{"full": {notebook: seconds}, "quick": {...}}``; written, never read). With
+``--write-times`` the measured times also go into that table, between the markers
+:data:`RUN_TIMES_MARKERS` (columns "full run" and "quick run"): the run replaces the cells of
+the notebooks it measured in its own column (``quick`` with ``--quick``, else ``full``), so
+every other row and the other column stay as they were -- also when a notebook fails (a
+failed notebook keeps its old time). With ``--write-times`` a table that cannot be read is
+refused before any notebook runs. The maintainers' run; a reader's run never changes the
+checkout, whatever its machine measured.
 
 Options: ``--quick`` sets ``VITLAB_QUICK=1`` for the kernels (the documented switch that
 notebooks read to run fewer steps, as CI does); ``--only PATTERN`` runs the notebooks
@@ -26,7 +29,7 @@ a code host's preview) draws the explorers' controls, and with progress bars lef
 ``--store`` is a full run: it refuses ``--quick``, whose shorter loops print numbers the
 prose does not quote. One full run gives both the stored outputs and the run-time table::
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m vitlab.notebooks --store
+    HF_HUB_OFFLINE=1 .venv/bin/python -m vitlab.notebooks --store --write-times
 """
 from __future__ import annotations
 
@@ -221,11 +224,32 @@ def _failing_cell(nb) -> tuple[int, str] | None:
     return None
 
 
+def _timeout_seconds(value) -> int | None:
+    """``value`` as a cell time limit: None (no limit) or a positive whole number of seconds.
+    0 and negative numbers are refused: nbclient would read them as 'no limit'."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"timeout must be a positive whole number of seconds per cell (or None for no limit), "
+                         f"got {value!r}")
+    return value
+
+
+def _timeout_option(text: str) -> int:
+    try:
+        return _timeout_seconds(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number of seconds per cell, got {text!r} "
+                                         "(leave --timeout out for no limit)") from None
+
+
 def run_notebook(path: Path, figures_root: Path, timeout: int | None = None, store: bool = False):
-    """Execute ``path`` in a fresh kernel (no time limit unless ``timeout`` seconds per cell)
-    and write its figures; raises :class:`NotebookFailed` naming the failing cell. With
-    ``store``, the executed notebook (widget state in its metadata, progress bars left out by
-    :func:`clean_outputs`) is written over ``path``; a failing one never is."""
+    """Execute ``path`` in a fresh kernel (no time limit unless ``timeout`` seconds per cell,
+    a positive whole number) and write its figures; raises :class:`NotebookFailed` naming the
+    failing cell. With ``store``, the executed notebook (widget state in its metadata,
+    progress bars left out by :func:`clean_outputs`) is written over ``path``; a failing one
+    never is."""
+    timeout = _timeout_seconds(timeout)
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
@@ -281,10 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--figures", type=Path, default=_repo_root() / "figures")
     ap.add_argument("--quick", action="store_true", help="fewer steps, as in CI (sets VITLAB_QUICK=1)")
     ap.add_argument("--only", default=None, help="run notebooks whose name contains this")
-    ap.add_argument("--timeout", type=int, default=None,
-                    help="seconds a cell may run before the notebook fails (default: no limit)")
+    ap.add_argument("--timeout", type=_timeout_option, default=None,
+                    help="seconds (a positive whole number) a cell may run before the notebook fails "
+                         "(default: no limit)")
     ap.add_argument("--store", action="store_true",
                     help="write the executed notebooks (outputs, widget state) back into --notebooks")
+    ap.add_argument("--write-times", action="store_true",
+                    help="also write the measured times into the run-time table of --notebooks/README.md "
+                         "(tracked; maintainers only). Without it only --figures is written")
     args = ap.parse_args(argv)
 
     if args.store and (args.quick or os.environ.get("VITLAB_QUICK") == "1"):
@@ -292,11 +320,12 @@ def main(argv: list[str] | None = None) -> int:
               "(and unset VITLAB_QUICK)", file=sys.stderr)
         return 2
     readme = args.notebooks / "README.md"
-    try:
-        read_run_times_table(readme)      # a damaged table is refused before hours of running
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
+    if args.write_times:
+        try:
+            read_run_times_table(readme)      # a damaged table is refused before hours of running
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
     if args.quick:
         os.environ["VITLAB_QUICK"] = "1"
     paths = find_notebooks(args.notebooks, args.only)
@@ -320,10 +349,17 @@ def main(argv: list[str] | None = None) -> int:
         tqdm.write(f"{path.name:<44} {time.perf_counter() - t0:7.1f} s  {status}")
     if times:
         key = "quick" if os.environ.get("VITLAB_QUICK") == "1" else "full"
-        merged = update_run_times(readme, key, times)
-        if not _table_span(readme.read_text() if readme.is_file() else ""):
-            print(f"{readme} has no run-time markers {RUN_TIMES_MARKERS}: times only in "
-                  f"{args.figures / 'run_times.json'}", file=sys.stderr)
+        if args.write_times:
+            merged = update_run_times(readme, key, times)
+            if not _table_span(readme.read_text() if readme.is_file() else ""):
+                print(f"{readme} has no run-time markers {RUN_TIMES_MARKERS}: times only in "
+                      f"{args.figures / 'run_times.json'}", file=sys.stderr)
+        else:                                 # the checkout is left alone: the times go to figures/ only
+            try:
+                merged = read_run_times_table(readme)
+            except ValueError:
+                merged = {c: {} for c in COLUMNS}
+            merged[key].update(times)
         args.figures.mkdir(parents=True, exist_ok=True)
         (args.figures / "run_times.json").write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     if failed:

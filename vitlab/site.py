@@ -227,7 +227,7 @@ def chapter(stem: str) -> Chapter:
 def _run_time(stem: str, times: dict) -> str:
     full, quick = times.get("full", {}).get(stem), times.get("quick", {}).get(stem)
     if full is None and quick is None:
-        return (f"not measured yet: `python -m vitlab.notebooks --only {stem}` measures it and "
+        return (f"not measured yet: `python -m vitlab.notebooks --only {stem} --write-times` measures it and "
                 "writes it into the [run-time table](README.md#run-times)")
     parts = []
     if full is not None:
