@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -31,9 +32,17 @@ ELECTIVES = ["06_lrp_route", "07_class_embedding_projection", "08_activation_max
 WPM = 200
 
 
+class KitError(ValueError):
+    """The kit or a chapter is not as this script reads it; the message says what to fix."""
+
+
 def sections(stem: str) -> tuple[dict, list]:
     """Words per section (None: before the first heading) and the headings in order."""
-    cells = json.loads((NB / f"{stem}.ipynb").read_text(encoding="utf-8"))["cells"]
+    path = NB / f"{stem}.ipynb"
+    if not path.is_file():
+        raise KitError(f"the kit's \"Chapter by chapter\" table names `{stem}`, and there is no {path}: "
+                       "correct the row's name (or restore the notebook)")
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
     words, heads, cur = {}, [], None
     for cell in cells:
         if cell["cell_type"] != "markdown":
@@ -52,7 +61,11 @@ def sections(stem: str) -> tuple[dict, list]:
 
 def plan(kit: str) -> dict:
     """{stem: (run, read, skip)} from the kit's "Chapter by chapter" table."""
-    table = re.search(r"^\| chapter \| run live.*?\n\n", kit, re.S | re.M).group(0)
+    found = re.search(r"^\| chapter \| run live.*?\n\n", kit, re.S | re.M)
+    if found is None:
+        raise KitError(f"{KIT} has no \"Chapter by chapter\" table (a header row starting "
+                       "'| chapter | run live', followed by a blank line): restore it")
+    table = found.group(0)
     rows = {}
     for line in table.splitlines()[2:]:
         if line.strip():
@@ -75,8 +88,16 @@ def reading_load(kit: str) -> tuple[str, list]:
     lines = ["| chapter | prose | without the exercises | on the room's path |", "|---|---:|---:|---:|"]
     lines += [f"| `{s}` | {t:,} | {n:,} | {'—' if r is None else f'{r:,}'} |" for s, (t, n, r) in counts.items()]
     lines.append(f"| all chapters | {sum(c[0] for c in counts.values()):,} | {sum(c[1] for c in counts.values()):,} | |")
+    absent = [s for s in WORKSHOP if counts.get(s, (0, 0, None))[2] is None]
+    if absent:
+        raise KitError(f"the kit's \"Chapter by chapter\" table has no row with *run live* sections for the "
+                       f"workshop chapter{'s' if len(absent) > 1 else ''} {', '.join(absent)}: add "
+                       f"{'them' if len(absent) > 1 else 'it'} (or change WORKSHOP in {Path(__file__).name})")
     core = sum(counts[s][2] for s in WORKSHOP)
     el = [counts[s][2] for s in ELECTIVES if s in counts and counts[s][2]]
+    if not el:
+        raise KitError("the kit's \"Chapter by chapter\" table has no row with *run live* sections for any "
+                       f"elective ({', '.join(ELECTIVES)}): add one (or change ELECTIVES in {Path(__file__).name})")
     lines.append(f"| **workshop path** (00-05) + one elective | | | {core:,} + {min(el):,} to {max(el):,} |")
     lines.append("")
     lines.append(f"At {WPM} words a minute, the room's path alone is about {(core + min(el)) / WPM:.0f}-"
@@ -99,21 +120,32 @@ def solution_times() -> str:
 
 def replace(text: str, name: str, body: str) -> str:
     start, end = f"<!-- {name}: written by python scripts/kit_tables.py -->", f"<!-- /{name} -->"
-    a, b = text.index(start) + len(start), text.index(end)
+    a, b = text.find(start), text.find(end)
+    if a < 0 or b < a:
+        raise KitError(f"{KIT} lacks the {name} table's markers ({start} ... {end}, in that order): "
+                       "put them back around the table")
+    a += len(start)
     return text[:a] + "\n" + body + "\n" + text[b:]
 
 
 def main(argv: list[str]) -> int:
-    kit = KIT.read_text(encoding="utf-8")
-    load, missing = reading_load(kit)
-    if missing:
-        print("headings named in the kit but not in the chapter:", *missing, sep="\n  ", file=sys.stderr)
+    ap = argparse.ArgumentParser(prog="python scripts/kit_tables.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--write", action="store_true", help="rewrite the tables between their markers")
+    args = ap.parse_args(argv)                  # a misspelt option is refused, not ignored
+    try:
+        kit = KIT.read_text(encoding="utf-8")
+        load, missing = reading_load(kit)
+        if missing:
+            print("headings named in the kit but not in the chapter:", *missing, sep="\n  ", file=sys.stderr)
+            return 1
+        new = replace(replace(kit, "reading-load", load), "solution-times", solution_times())
+    except (KitError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
-    new = replace(replace(kit, "reading-load", load), "solution-times", solution_times())
-    if "--write" in argv:
+    if args.write:
         KIT.write_text(new, encoding="utf-8")
     print(load)
-    print("kit tables " + ("written" if "--write" in argv else "unchanged" if new == kit else "out of date (--write)"))
+    print("kit tables " + ("written" if args.write else "unchanged" if new == kit else "out of date (--write)"))
     return 0
 
 

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,3 +112,203 @@ def test_site_build_refuses_an_output_folder_inside_its_scratch_folders(tmp_path
     with pytest.raises(ValueError, match="scratch folders"):
         site.build(tmp_path / "repo", tmp_path / "work" / "site-src", work=tmp_path / "work")
     assert not (tmp_path / "work").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# 10. leaderboard out= a file and empty data; kit_tables.py's missing parts and misspelt flags;
+#     saco on a CLIP without score=
+# --------------------------------------------------------------------------------------------
+
+class _Images:
+    def __init__(self, x):
+        self.x = x
+
+    def __len__(self):
+        return self.x.shape[0]
+
+    def batch(self, indices):
+        from vitlab import evaluate as ev
+        return ev.Batch(self.x[list(indices)], None, None)
+
+
+def test_leaderboard_refuses_a_file_as_out_and_empty_data_before_any_work(vit, tmp_path, capsys):
+    from vitlab import evaluate as ev
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    data = _Images(torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3)))
+    kw = dict(methods=["random"], ks=(3,), chunk=2, progress=False)
+    for out in (notes, notes / "run"):
+        with pytest.raises(ValueError, match="a file, not a folder"):
+            ev.leaderboard(vit, data, out=out, **kw)
+    board = ev.leaderboard(vit, data, **kw)
+    with pytest.raises(ValueError, match="a file, not a folder"):
+        ev.write(board, notes)
+    assert notes.read_text() == "mine"
+    with pytest.raises(ValueError, match="at least one sample"):
+        ev.leaderboard(vit, _Images(torch.zeros(0, 3, 32, 32)), **kw)
+    # the command line: a message and exit 2, no traceback
+    assert ev.main(["--model", "shapes-vit-tiny", "--samples", "2", "--chunk", "2", "--methods", "random",
+                    "--k", "3", "--out", str(notes), "--no-progress", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "a file, not a folder" in err and "Traceback" not in err and notes.read_text() == "mine"
+
+
+def _kit_module(tmp_path, monkeypatch):
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("kit_tables_under_test", ROOT / "scripts" / "kit_tables.py")
+    kit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kit)
+    nb = tmp_path / "notebooks"
+    shutil.copytree(ROOT / "notebooks", nb, ignore=shutil.ignore_patterns("results", "*.png", "*.npz"))
+    monkeypatch.setattr(kit, "NB", nb)
+    monkeypatch.setattr(kit, "KIT", nb / "README.md")
+    return kit, nb / "README.md"
+
+
+def test_kit_tables_names_a_missing_marker_notebook_or_row_and_refuses_a_misspelt_flag(tmp_path, monkeypatch, capsys):
+    kit, readme = _kit_module(tmp_path, monkeypatch)
+    shipped = readme.read_text()
+    assert kit.main([]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        kit.main(["--wirte"])                                     # misspelt: refused, not a silent check
+    assert e.value.code == 2 and "unrecognized arguments: --wirte" in capsys.readouterr().err
+    def in_plan(stem, change):             # the row of ``stem`` in the "Chapter by chapter" table, changed
+        lines = shipped.splitlines()
+        start = next(i for i, ln in enumerate(lines) if ln.startswith("| chapter | run live"))
+        row = next(i for i in range(start, len(lines)) if lines[i].startswith(f"| `{stem}`"))
+        new = change(lines[row])
+        return "\n".join(lines[:row] + ([] if new is None else [new]) + lines[row + 1:]) + "\n"
+
+    cases = {
+        "marker": (shipped.replace("<!-- /solution-times -->", ""), "solution-times table's markers"),
+        "notebook": (in_plan("03_attention_rollout", lambda ln: ln.replace("03_attention_rollout", "03_attention_rolout")),
+                     "no " + str(readme.parent / "03_attention_rolout.ipynb")),
+        "row": (in_plan("02_cls_attention_by_layer", lambda ln: None), "workshop chapter 02_cls_attention_by_layer"),
+        "table": (shipped.replace("| chapter | run live", "| chapters | run live"), "no \"Chapter by chapter\" table"),
+    }
+    for name, (text, says) in cases.items():
+        assert text != shipped, name
+        readme.write_text(text)
+        assert kit.main(["--write"]) == 1, name
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, (name, err)
+        assert readme.read_text() == text, name                  # nothing written
+
+
+def test_saco_on_a_clip_without_score_says_to_pass_image_text_score():
+    from test_record_clip import pairs, tiny_clip
+
+    from vitlab import faithfulness as fa
+
+    model = tiny_clip(legacy=False)
+    inputs = pairs((2, 3))
+    maps = torch.rand(2, 4, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for measure in (fa.saco, fa.perturbation_curve):
+        with pytest.raises(ValueError, match=r"score=vitlab\.faithfulness\.image_text_score\(model, inputs\)"):
+            measure(model, inputs["pixel_values"], maps)
+    from vitlab import evaluate as ev
+    with pytest.raises(ValueError, match="scores image-text pairs") as e:
+        ev.leaderboard(model, _Images(inputs["pixel_values"]), ["random"], ks=(3,), progress=False)
+    assert "score=" not in str(e.value)                           # the leaderboard takes no score=
+
+
+# --------------------------------------------------------------------------------------------
+# 2. pointing_game / grade_maps: a map with a NaN is refused, not counted as a hit
+# 3. map_change: signed maps stay in [0, 2]
+# --------------------------------------------------------------------------------------------
+
+def test_a_map_holding_nan_is_refused_by_every_grade_not_counted_as_a_hit():
+    from vitlab import localization as loc
+
+    masks = torch.zeros(3, 8, 8, dtype=torch.bool)
+    masks[:, :4, :4] = True                                    # the object: the top-left patch of a 2 x 2 grid
+    maps = torch.tensor([[[0.0, 1.0], [0.0, 0.0]]] * 3)       # top patch off the object: a miss
+    assert loc.pointing_game(maps, masks).tolist() == [False] * 3
+    for bad in (torch.full((2, 2), float("nan")), torch.tensor([[float("nan"), 1.0], [0.0, 0.0]]),
+                torch.tensor([[float("inf"), 0.0], [0.0, 0.0]])):
+        m = maps.clone()
+        m[1] = bad
+        for grade in (loc.pointing_game, loc.grade_maps, loc.mass_on_object):
+            with pytest.raises(ValueError, match="map 1 holds NaN or infinite values"):
+                grade(m, masks)
+        with pytest.raises(ValueError, match="map 1 holds NaN"):
+            loc.grade_asked({"m": m[:, None]}, masks[:, None])
+    nan_mask = masks.float()
+    nan_mask[2, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="mask 2 holds NaN"):
+        loc.pointing_game(maps, nan_mask)
+
+
+def test_map_change_of_signed_maps_stays_in_its_range_and_matches_the_l1_of_shares():
+    from vitlab.localization import map_change
+
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(50, 3, 3, generator=g, dtype=torch.float64)
+    b = torch.randn(50, 3, 3, generator=g, dtype=torch.float64)
+    a[0] -= a[0].mean()                                        # sums to 0
+    a[1] = -a[1].abs()                                         # sums below 0
+    l1 = map_change(a, b)["l1"]
+    assert ((l1 >= 0) & (l1 <= 2)).all()
+    for q in range(50):                                         # each map over its own L1 norm, by hand
+        ra, rb = a[q].flatten().tolist(), b[q].flatten().tolist()
+        na, nb = sum(abs(v) for v in ra), sum(abs(v) for v in rb)
+        assert l1[q] == pytest.approx(sum(abs(u / na - v / nb) for u, v in zip(ra, rb)), rel=1e-12)
+    pos = a.abs()                                              # non-negative maps: shares of the sum, as before
+    shares = (pos / pos.sum((1, 2), keepdim=True) - b.abs() / b.abs().sum((1, 2), keepdim=True)).abs().sum((1, 2))
+    assert map_change(pos, b.abs())["l1"] == pytest.approx(shares.numpy(), rel=1e-12)
+    assert map_change(-pos, -pos)["l1"] == pytest.approx([0.0] * 50, abs=1e-15)
+    z = torch.zeros(1, 3, 3, dtype=torch.float64)
+    assert map_change(z, z)["l1"].tolist() == [0.0] and map_change(z, pos[:1])["l1"] == pytest.approx([1.0])
+    with pytest.raises(ValueError, match="question 0 holds NaN"):
+        map_change(a[:1] * float("nan"), b[:1])
+
+
+# --------------------------------------------------------------------------------------------
+# 8. clip_decomposition: text_embeddings checks its texts; class_masks refuses a NaN score
+# --------------------------------------------------------------------------------------------
+
+def test_text_embeddings_checks_the_texts_as_every_clip_method_does():
+    from test_record_clip import EOS, captions, tiny_clip
+
+    from vitlab.clip_decomposition import text_embeddings
+
+    model = tiny_clip(legacy=False)
+    ids, mask = captions([2, 3])
+    no_end = ids.clone()
+    no_end[no_end == EOS] = 5                                  # "<start> w w 5": HF would pool at <start>
+    out_of_vocab = ids.clone()
+    out_of_vocab[1, 1] = model.config.text_config.vocab_size
+    padded_end = mask.clone()
+    padded_end[0, 3] = 0
+    calls = [0]
+    handle = model.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    try:
+        for args, match in (((no_end, mask), "text 0 holds no end-of-text token"),
+                            ((out_of_vocab, mask), "token id 40 \\(text 1, position 1\\), outside the model's vocabulary"),
+                            ((ids, padded_end), "end-of-text token of text 0 .* is padding in attention_mask"),
+                            ((ids.float(), mask), "input_ids must hold integers"),
+                            ((ids[0], None), "B x T token ids")):
+            with pytest.raises((ValueError, TypeError), match=match):
+                text_embeddings(model, *args)
+        with pytest.raises(TypeError, match="explains a Hugging Face CLIPModel"):
+            text_embeddings(torch.nn.Linear(2, 2), ids, mask)
+    finally:
+        handle.remove()
+    assert calls[0] == 0                                       # refused before any forward
+    t = text_embeddings(model, ids, mask)
+    assert t.shape == (2, 16) and torch.allclose(t.norm(dim=-1), torch.ones(2, dtype=t.dtype))
+
+
+def test_class_masks_refuses_a_nan_score_instead_of_emptying_the_mask():
+    from vitlab.clip_decomposition import class_masks
+
+    s = torch.zeros(2, 2, 2, 3, dtype=torch.float64)
+    s[:, 1, :, 0] = 3.0
+    assert class_masks(s, 1)[1].any()
+    s[1, 0, 1, 2] = float("nan")                               # one score of image 1
+    with pytest.raises(ValueError, match="scores of image 1 hold NaN"):
+        class_masks(s, 1)

@@ -48,7 +48,7 @@ import torch
 
 from vitlab.compat import renamed_arguments
 from vitlab.layout import TokenLayout
-from vitlab.relevance.clip import check_clip_images, clip_towers, start_index
+from vitlab.relevance.clip import check_clip_images, check_clip_texts, clip_towers, start_index
 
 __all__ = [
     "ImageDecomposition", "LayerAblation", "Segmentation", "class_masks", "decompose_image", "head_maps",
@@ -160,8 +160,12 @@ def _decomposition(vision, projection, rec, image_embeds: torch.Tensor) -> Image
 
 def text_embeddings(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The texts' embeddings (``get_text_features``), unit length: ``T x P``; eval mode, no gradients,
-    every module's mode put back."""
+    every module's mode put back. The texts are checked first, as every CLIP method checks them
+    (:func:`vitlab.relevance.clip.check_clip_texts`: ids in the vocabulary, each text with its
+    end-of-text token, a 0/1 mask that does not cover it as padding)."""
     from vitlab.record import eval_mode
+
+    check_clip_texts(model, input_ids, attention_mask, "text_embeddings")
 
     with torch.no_grad(), eval_mode(model):
         out = model.get_text_features(input_ids=input_ids, attention_mask=attention_mask)
@@ -341,6 +345,14 @@ def class_masks(scores: torch.Tensor, target) -> torch.Tensor:
     if not isinstance(scores, torch.Tensor) or scores.ndim != 4:
         raise ValueError("class_masks takes the B x C x gh x gw scores of zero_shot_segmentation")
     B, C = scores.shape[:2]
+    if not scores.is_floating_point():
+        raise ValueError(f"class_masks takes float scores (zero_shot_segmentation's), got dtype {scores.dtype}")
+    finite = torch.isfinite(scores).flatten(1).all(1)
+    if not bool(finite.all()):           # one NaN would make the mean over classes, and so the mask, NaN
+        bad = (~finite).nonzero().flatten().tolist()
+        raise ValueError(f"class_masks: the scores of image{'s' if len(bad) > 1 else ''} "
+                         f"{', '.join(map(str, bad[:10]))} hold NaN or infinite values, which would empty the mask; "
+                         "compute the scores from finite images and texts (zero_shot_segmentation checks both)")
     if isinstance(target, numbers.Integral) and not isinstance(target, bool):
         target = torch.full((B,), int(target), dtype=torch.long)
     target = _check_labels(target, B, C, "class_masks").to(scores.device)

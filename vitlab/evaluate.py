@@ -479,6 +479,20 @@ def _dist_info() -> tuple[int, int]:
     return 0, 1
 
 
+def _out_folder(out, what: str) -> Path:
+    """``out`` as a folder to write into: refused (``ValueError``) when it is a file, a link to a
+    file, or lies under a file, before anything is computed or written."""
+    out = Path(out)
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            where = "is" if p == out else f"lies under {str(p)!r}, which is"
+            raise ValueError(f"{what}: {str(out)!r} {where} a file, not a folder; give a folder (new, or one "
+                             "this command wrote before) as --out / out=")
+        if p.exists():
+            break
+    return out
+
+
 def _check_config(out: Path, config: dict) -> None:
     path = out / "config.json"
     if path.exists():
@@ -677,6 +691,10 @@ def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     n = len(data)
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"the leaderboard needs data with at least one sample, got len(data) = {n!r}; "
+                         "pass data that holds samples (e.g. ShapesData(model, n=500))")
+    out = None if out is None else _out_folder(out, "leaderboard")
     has_masks = data.batch([0]).object_masks is not None
     measures = measure_names(ks, has_masks)
     from vitlab import __version__
@@ -685,7 +703,6 @@ def leaderboard(model, data, methods: Sequence[str] | None = None, ks: Sequence[
               "weights": model_fingerprint(model), "vitlab": __version__,
               "methods": methods, "ks": ks, "chunk": chunk, "probability": probability, "target": target}
     rank, world = _dist_info()
-    out = None if out is None else Path(out)
     if out is not None:
         _check_config(out, config)
         (out / "chunks").mkdir(parents=True, exist_ok=True)
@@ -786,7 +803,7 @@ def join(*boards: Leaderboard) -> Leaderboard:
 def write(board: Leaderboard, out) -> list[Path]:
     """Write ``leaderboard.csv`` (one row per cell), ``leaderboard.json`` (config, cells,
     timing) and ``per_sample.npz`` (values, targets, names, the samples' fingerprints) into ``out``."""
-    out = Path(out)
+    out = _out_folder(out, "write")
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "leaderboard.csv", out / "leaderboard.json", out / "per_sample.npz"]
     with open(paths[0], "w", newline="") as f:

@@ -66,10 +66,11 @@ _NOT_CLASSIFIERS = {
     "lxmert": "LXMERT answers questions; chapter 9 grades its maps (vitlab.relevance.grade_lxmert)",
     "detr": "DETR detects objects; chapter 10 grades its maps (vitlab.relevance.grade_detr)",
     "visual_bert": "VisualBERT answers questions about an image",
+    "clip": "a CLIP scores image-text pairs, not classes",
 }
 
 
-def require_image_classifier(model, method: str) -> None:
+def require_image_classifier(model, method: str, takes_score: bool = False) -> None:
     """Raise ``ValueError`` unless ``model`` is an image classifier with a class head, which
     the faithfulness measures (and the leaderboard) grade by its target class's probability.
 
@@ -85,6 +86,9 @@ def require_image_classifier(model, method: str) -> None:
             "ForImageClassification" in c.__name__ for c in mro):
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         hint = _NOT_CLASSIFIERS.get(model_type, "its output holds no class scores")
+        if takes_score and model_type == "clip":
+            hint += (": pass score=vitlab.faithfulness.image_text_score(model, inputs) to grade how each pair's "
+                     "score drops instead (chapter 11)")
         raise ValueError(f"{method} grades image classifiers (a timm ViT, or a Hugging Face ...ForImageClassification), "
                          f"but got {type(model).__name__}: {hint}")
     try:
@@ -103,7 +107,7 @@ def _check_model_and_images(model, x, method: str) -> None:
     from vitlab.inputs import check_images
 
     check_images(x, method)
-    require_image_classifier(model, method)
+    require_image_classifier(model, method, takes_score=True)
 
 
 def _channel_means(x: torch.Tensor) -> torch.Tensor:

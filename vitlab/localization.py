@@ -49,6 +49,21 @@ def as_cpu_tensor(a, dtype=torch.float32) -> torch.Tensor:
     return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype)  # also reversed/strided views
 
 
+def _refuse_non_finite(values: torch.Tensor, what: str) -> None:
+    """``ValueError`` naming the samples (first axis) of ``values`` that hold NaN or infinity.
+
+    A map with a NaN is a failed computation, not a map: it has no highest patch and no mass,
+    so no score of it would mean anything (``NaN == max`` is never true, so a pointing game
+    that read it would call it a hit). It is refused before grading, as every input is."""
+    finite = torch.isfinite(values.reshape(values.shape[0], -1)).all(1)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().flatten().tolist()
+        raise ValueError(f"{what} {', '.join(map(str, bad[:10]))}{', ...' if len(bad) > 10 else ''} "
+                         f"hold{'s' if len(bad) == 1 else ''} NaN or infinite values, so no patch is the highest "
+                         "and nothing can be graded; find where the map went NaN (a 0/0 normalisation, a "
+                         "non-finite input) and grade the maps once they are finite")
+
+
 def _check(maps: torch.Tensor, masks: torch.Tensor) -> None:
     if maps.ndim != 3:
         raise ValueError(f"maps must be B x gh x gw, got shape {tuple(maps.shape)}")
@@ -56,6 +71,8 @@ def _check(maps: torch.Tensor, masks: torch.Tensor) -> None:
         raise ValueError(f"masks must be B x H x W, got shape {tuple(masks.shape)}")
     if maps.shape[0] != masks.shape[0]:
         raise ValueError(f"got {maps.shape[0]} maps for {masks.shape[0]} masks")
+    _refuse_non_finite(maps, "map")
+    _refuse_non_finite(masks, "mask")
     gh, gw = maps.shape[1:]
     H, W = masks.shape[1:]
     if H % gh or W % gw:
@@ -532,12 +549,17 @@ def top_token_is(scores: torch.Tensor, positions, valid=None) -> np.ndarray:
 def map_change(a: torch.Tensor, b: torch.Tensor) -> dict:
     """How much map ``b`` differs from map ``a``, per question (``Q x ...`` each): ``"top_moved"``
     (bool, the highest entry is elsewhere), ``"l1"`` (the L1 distance of the two maps each
-    divided by its sum, in [0, 2]; 0 where both maps are 0)."""
-    a, b = a.flatten(1).double(), b.flatten(1).double()
+    divided by its L1 norm ``sum |m|`` -- its sum, for a non-negative map --, in [0, 2] by the
+    triangle inequality, also for signed maps; 0 where both maps are 0, 1 where one is).
+    Maps holding NaN or infinity are refused."""
+    a, b = _as_tensor(a, torch.float64).flatten(1), _as_tensor(b, torch.float64).flatten(1)
     if a.shape != b.shape:
         raise ValueError(f"the maps must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
-    na = a / a.sum(1, keepdim=True).clamp_min(1e-300)
-    nb = b / b.sum(1, keepdim=True).clamp_min(1e-300)
+    _refuse_non_finite(a, "map a of question")
+    _refuse_non_finite(b, "map b of question")
+    # divided by sum |m|, not sum m: a signed map's sum can be 0 or negative (an L1 of 1e300 before)
+    na = a / a.abs().sum(1, keepdim=True).clamp_min(1e-300)
+    nb = b / b.abs().sum(1, keepdim=True).clamp_min(1e-300)
     return {"top_moved": (a.argmax(1) != b.argmax(1)).numpy(), "l1": (na - nb).abs().sum(1).numpy()}
 
 

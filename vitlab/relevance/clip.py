@@ -53,9 +53,9 @@ from vitlab.relevance.bimodal import _rollout, attention_matrix_gradcam
 from vitlab.relevance.engine import propagate, read_rows, self_attention_events
 
 __all__ = [
-    "CLIP_INPUTS", "ClipMaps", "check_clip_images", "check_clip_inputs", "check_pair_target", "clip_chunk_size",
-    "clip_forward", "clip_gradcam", "clip_in_chunks", "clip_raw_attention", "clip_relevance", "clip_rollout", "end_of_text",
-    "start_blocks", "text_entries",
+    "CLIP_INPUTS", "ClipMaps", "check_clip_images", "check_clip_inputs", "check_clip_texts", "check_pair_target",
+    "clip_chunk_size", "clip_forward", "clip_gradcam", "clip_in_chunks", "clip_raw_attention", "clip_relevance",
+    "clip_rollout", "end_of_text", "start_blocks", "text_entries",
 ]
 
 #: What the CLIP methods take in ``inputs``: the images (normalised as the model expects, e.g.
@@ -112,11 +112,11 @@ def end_of_text(model, input_ids: torch.Tensor) -> torch.Tensor:
     return (ids == eos).int().argmax(dim=-1).long()
 
 
-def _int_tensor(value, key: str, method: str) -> torch.Tensor:
+def _int_tensor(value, label: str, method: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{method}: inputs[{key!r}] must be a tensor, got {type(value).__name__}")
+        raise TypeError(f"{method}: {label} must be a tensor, got {type(value).__name__}")
     if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-        raise TypeError(f"{method}: inputs[{key!r}] must hold integers, got dtype {value.dtype}")
+        raise TypeError(f"{method}: {label} must hold integers, got dtype {value.dtype}")
     return value
 
 
@@ -130,6 +130,61 @@ def check_clip_images(model, x, method: str) -> None:
     if x.shape[1] != channels or tuple(x.shape[-2:]) != (size, size):
         raise ValueError(f"{method}: the images have shape {tuple(x.shape)}; this model takes "
                          f"B x {channels} x {size} x {size} images (vitlab.preprocess(image, model) makes them)")
+
+
+def check_clip_texts(model, input_ids, attention_mask, method: str, rows: int | None = None,
+                     key=lambda k: k) -> None:
+    """Refuse, before any forward, texts the CLIP's text tower cannot read as meant: ``input_ids``
+    that are not ``B x T`` integers (``T >= 1``, ``B = rows`` where given: one text per image) within
+    the vocabulary and the position embeddings; an ``attention_mask`` of another shape, holding
+    values other than 0 and 1, or padding before a token; a text without its end-of-text token
+    (where the model pools by ``eos_token_id``: Hugging Face would pool it at position 0, the
+    start token) or whose end-of-text token is padding. ``key(name)`` names an argument in the
+    messages (``inputs['input_ids']`` for a dict of inputs)."""
+    clip_towers(model, method)
+    ids = _int_tensor(input_ids, key("input_ids"), method)
+    if ids.ndim != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
+        raise ValueError(f"{method}: {key('input_ids')} must be B x T token ids with T >= 1 (one text per row), "
+                         f"got shape {tuple(ids.shape)}")
+    if rows is not None and ids.shape[0] != rows:
+        raise ValueError(f"{method}: {rows} images but {ids.shape[0]} texts ({key('input_ids')} "
+                         f"{tuple(ids.shape)}); row b is the pair image b / text b, so give one text per image")
+    tcfg = model.config.text_config
+    vocab, positions = int(tcfg.vocab_size), int(tcfg.max_position_embeddings)
+    bad = (ids < 0) | (ids >= vocab)
+    if bool(bad.any()):
+        b, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{method}: {key('input_ids')} holds token id {int(ids[b, t])} (text {b}, position {t}), "
+                         f"outside the model's vocabulary 0 .. {vocab - 1}; tokenise with the model's own tokenizer")
+    if ids.shape[1] > positions:
+        raise ValueError(f"{method}: the texts are {ids.shape[1]} tokens long, more than the model's {positions} "
+                         "positions (max_position_embeddings); pad to the longest text only, or shorten them")
+    mask = attention_mask
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"{method}: {key('attention_mask')} must be a tensor, got {type(mask).__name__}")
+        if tuple(mask.shape) != tuple(ids.shape):
+            raise ValueError(f"{method}: {key('attention_mask')} has shape {tuple(mask.shape)}, but input_ids has "
+                             f"{tuple(ids.shape)}: one entry per token (1 token, 0 padding)")
+        if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(f"{method}: {key('attention_mask')} must hold 0 (padding) and 1 (token) only")
+        if bool((mask[:, 1:] > mask[:, :-1]).any()):
+            raise ValueError(f"{method}: {key('attention_mask')} has padding before a token; pad the texts at the "
+                             "end, as the tokenizers do")
+    eos_id = _eos_id(model)
+    eos = end_of_text(model, ids)
+    if eos_id != 2:
+        found = (ids == eos_id).any(dim=1)
+        if not bool(found.all()):
+            b = int((~found).nonzero()[0])
+            raise ValueError(f"{method}: text {b} holds no end-of-text token (id {eos_id}, the model's eos_token_id), "
+                             "where the text tower pools; tokenise with the model's own tokenizer")
+    if mask is not None:
+        at_eos = mask.gather(1, eos[:, None].to(mask.device))[:, 0]
+        if bool((at_eos == 0).any()):
+            b = int((at_eos == 0).nonzero()[0])
+            raise ValueError(f"{method}: the end-of-text token of text {b} (position {int(eos[b])}) is padding in "
+                             f"{key('attention_mask')}; the mask must cover every token up to and including it")
 
 
 def check_clip_inputs(model, inputs, method: str) -> tuple[dict, int]:
@@ -158,50 +213,9 @@ def check_clip_inputs(model, inputs, method: str) -> tuple[dict, int]:
                          f"one per image); missing {', '.join(map(repr, missing))}")
     x = inputs["pixel_values"]
     check_clip_images(model, x, f"{method}: inputs['pixel_values']")
-    ids = _int_tensor(inputs["input_ids"], "input_ids", method)
-    if ids.ndim != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
-        raise ValueError(f"{method}: inputs['input_ids'] must be B x T token ids with T >= 1 (one text per image), "
-                         f"got shape {tuple(ids.shape)}")
+    check_clip_texts(model, inputs["input_ids"], inputs.get("attention_mask"), method, rows=int(x.shape[0]),
+                     key=lambda k: f"inputs[{k!r}]")
     B = int(x.shape[0])
-    if ids.shape[0] != B:
-        raise ValueError(f"{method}: {B} images (pixel_values {tuple(x.shape)}) but {ids.shape[0]} texts (input_ids "
-                         f"{tuple(ids.shape)}); row b is the pair image b / text b, so give one text per image")
-    tcfg = model.config.text_config
-    vocab, positions = int(tcfg.vocab_size), int(tcfg.max_position_embeddings)
-    bad = (ids < 0) | (ids >= vocab)
-    if bool(bad.any()):
-        b, t = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{method}: inputs['input_ids'] holds token id {int(ids[b, t])} (text {b}, position {t}), "
-                         f"outside the model's vocabulary 0 .. {vocab - 1}; tokenise with the model's own tokenizer")
-    if ids.shape[1] > positions:
-        raise ValueError(f"{method}: the texts are {ids.shape[1]} tokens long, more than the model's {positions} "
-                         "positions (max_position_embeddings); pad to the longest text only, or shorten them")
-    mask = inputs.get("attention_mask")
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"{method}: inputs['attention_mask'] must be a tensor, got {type(mask).__name__}")
-        if tuple(mask.shape) != tuple(ids.shape):
-            raise ValueError(f"{method}: inputs['attention_mask'] has shape {tuple(mask.shape)}, but input_ids has "
-                             f"{tuple(ids.shape)}: one entry per token (1 token, 0 padding)")
-        if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError(f"{method}: inputs['attention_mask'] must hold 0 (padding) and 1 (token) only")
-        if bool((mask[:, 1:] > mask[:, :-1]).any()):
-            raise ValueError(f"{method}: inputs['attention_mask'] has padding before a token; pad the texts at the "
-                             "end, as the tokenizers do")
-    eos_id = _eos_id(model)
-    eos = end_of_text(model, ids)
-    if eos_id != 2:
-        found = (ids == eos_id).any(dim=1)
-        if not bool(found.all()):
-            b = int((~found).nonzero()[0])
-            raise ValueError(f"{method}: text {b} holds no end-of-text token (id {eos_id}, the model's eos_token_id), "
-                             "where the text tower pools; tokenise with the model's own tokenizer")
-    if mask is not None:
-        at_eos = mask.gather(1, eos[:, None].to(mask.device))[:, 0]
-        if bool((at_eos == 0).any()):
-            b = int((at_eos == 0).nonzero()[0])
-            raise ValueError(f"{method}: the end-of-text token of text {b} (position {int(eos[b])}) is padding in "
-                             "attention_mask; the mask must cover every token up to and including it")
     return dict(inputs), B
 
 
