@@ -312,3 +312,65 @@ def test_class_masks_refuses_a_nan_score_instead_of_emptying_the_mask():
     s[1, 0, 1, 2] = float("nan")                               # one score of image 1
     with pytest.raises(ValueError, match="scores of image 1 hold NaN"):
         class_masks(s, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. faithfulness: a float64 map keeps its ranks (and values above float32's range); a float64
+#    model's logits are read in float64
+# --------------------------------------------------------------------------------------------
+
+def _fine_and_rank_maps(B=2, H=32, W=32, seed=8):
+    """A float64 pixel map whose values differ by 1e-12 (one float32 value) and its ranks as a
+    well-separated map of the same order."""
+    g = torch.Generator().manual_seed(seed)
+    rank = torch.stack([torch.randperm(H * W, generator=g) for _ in range(B)]).double().reshape(B, H, W)
+    fine = 1.0 + 1e-12 * rank
+    assert (fine.float() == 1.0).all()                         # float32 would make it constant
+    return fine, rank
+
+
+def test_a_fine_float64_map_keeps_its_ranks_in_the_perturbation_curve_and_saco(vit, x):
+    from vitlab import faithfulness as fa
+
+    fine, rank = _fine_and_rank_maps()
+    x = x[:2]
+    for positive in (True, False):                             # the same pixels removed: the same curve
+        a = fa.perturbation_curve(vit, x, fine, positive=positive)
+        b = fa.perturbation_curve(vit, x, rank, positive=positive)
+        assert torch.equal(a.probability, b.probability) and torch.equal(a.correct, b.correct)
+    assert torch.equal(fa.pixel_groups(fa.pixel_saliency(fine, x), 5), fa.pixel_groups(rank, 5))
+    got = fa.saco_details(vit, x, fine, k=5)                   # not "constant": ranked as the map says
+    same_groups = fa.saco_details(vit, x, rank, k=5)
+    assert torch.equal(got.drops, same_groups.drops)
+    groups = fa.pixel_groups(rank, 5).reshape(2, -1)
+    sums = torch.zeros(2, 5, dtype=torch.float64).scatter_add_(1, groups, fine.reshape(2, -1))
+    want = fa.saco_from_drops(same_groups.drops.double(), sums)
+    torch.testing.assert_close(got.saco, want.float(), rtol=2 ** -24, atol=0)
+    huge = rank * 1e39                                         # finite, above float32's 3.4e38
+    torch.testing.assert_close(fa.saco(vit, x, huge, k=5), fa.saco(vit, x, rank, k=5), rtol=1e-6, atol=0)
+    assert torch.equal(fa.perturbation_curve(vit, x, huge).probability, fa.perturbation_curve(vit, x, rank).probability)
+
+
+def test_a_float64_models_logits_are_read_in_float64(vit64, x64):
+    from vitlab import faithfulness as fa
+
+    _, rank = _fine_and_rank_maps(B=3)
+    k = 4
+    got = fa.saco_details(vit64, x64, rank, k=k)
+    groups = fa.pixel_groups(rank, k)
+    drops = torch.zeros(3, k, dtype=torch.float64)
+    with torch.no_grad():
+        for b in range(3):                                     # each group replaced by the channel means, by hand
+            items = [x64[b]]
+            for g in range(k):
+                xi = x64[b].clone()
+                on = groups[b] == g
+                xi[:, on] = x64[b].mean(dim=(1, 2))[:, None]
+                items.append(xi)
+            p = torch.softmax(vit64(torch.stack(items)), dim=-1)[:, got.target[b]]
+            drops[b] = p[0] - p[1:]
+    # float64 throughout: one float32 rounding of the result (SaCoResult stores float32), plus
+    # float64's own (depth 1e4 x 2^-52 ~ 2e-12 of the probability, far below it); float32 logits
+    # would be off by about |z| 2^-24 ~ 1e-7 of the probability, which these drops would show
+    tol = drops.abs() * 2 ** -24 + 1e-11
+    assert ((got.drops.double() - drops).abs() <= tol).all(), (got.drops.double() - drops).abs().max()

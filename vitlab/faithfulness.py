@@ -34,11 +34,16 @@ from vitlab.inputs import batches
 
 
 def _pixel_saliency(saliency, x: torch.Tensor) -> torch.Tensor:
-    """``B x gh x gw`` (bilinear upsampling) or ``B x H x W`` map -> ``B x H x W`` float on x's device."""
+    """``B x gh x gw`` (bilinear upsampling) or ``B x H x W`` map -> ``B x H x W`` on x's device:
+    float64 for a float64 (or integer) map, whose ranks float32 would collapse into ties, else
+    float32."""
     if x.ndim != 4:
         raise ValueError(f"x must be B x C x H x W, got shape {tuple(x.shape)}")
     s = saliency.detach() if isinstance(saliency, torch.Tensor) else torch.as_tensor(np.asarray(saliency))
-    s = s.to(device=x.device, dtype=torch.float32)
+    if s.is_complex():
+        raise ValueError(f"saliency must hold real numbers, got dtype {s.dtype}")
+    wide = s.dtype == torch.float64 or not s.is_floating_point()
+    s = s.to(device=x.device, dtype=torch.float64 if wide else torch.float32)
     B, _, H, W = x.shape
     if s.ndim != 3 or s.shape[0] != B:
         raise ValueError(
@@ -56,8 +61,9 @@ def _pixel_saliency(saliency, x: torch.Tensor) -> torch.Tensor:
 
 def pixel_saliency(saliency, x: torch.Tensor) -> torch.Tensor:
     """A map at the input's resolution, as :func:`saco` and :func:`perturbation_curve` rank it:
-    ``B x gh x gw`` maps are upsampled bilinearly to ``B x H x W`` (pixel maps pass through).
-    Wrong shapes and NaN raise ``ValueError``."""
+    ``B x gh x gw`` maps are upsampled bilinearly to ``B x H x W`` (pixel maps pass through), in
+    float64 for a float64 map (its ranks kept), else float32. Wrong shapes and NaN raise
+    ``ValueError``."""
     return _pixel_saliency(saliency, x)
 
 
@@ -116,7 +122,8 @@ def _channel_means(x: torch.Tensor) -> torch.Tensor:
 
 def _run_items(model, n_items: int, make_chunk, batch_size: int, progress: bool, desc: str,
                score=None, per_sample: int = 1) -> torch.Tensor:
-    """Logits of ``n_items`` inputs built chunk by chunk (``make_chunk(start, stop)``): one
+    """Logits of ``n_items`` inputs built chunk by chunk (``make_chunk(start, stop)``), in the
+    model's own dtype (a float64 model's are not rounded to float32): one
     forward per chunk of ``batch_size``, eval mode and no_grad; every module's mode restored.
     With ``score`` (see :func:`saco`): ``n_items`` float64 scores instead, item i belonging to
     sample ``i // per_sample``."""
@@ -131,7 +138,7 @@ def _run_items(model, n_items: int, make_chunk, batch_size: int, progress: bool,
         for s in tqdm(chunks, desc=desc, unit="forward", disable=not progress):
             items = make_chunk(s.start, s.stop)
             if score is None:
-                out.append(logits_of(model(items)).detach().float().cpu())
+                out.append(logits_of(model(items)).detach().cpu())
                 continue
             rows = torch.arange(s.start, s.stop, device=items.device) // per_sample
             v = score(items, rows)
@@ -538,8 +545,8 @@ def group_logits(model, x: torch.Tensor, saliency, k: int = 10, batch_size: int 
     """The logits behind SaCo (Wu et al., CVPR 2024): the clean input and each of the ``k``
     pixel groups of :func:`pixel_groups` replaced on its own, the inputs of :func:`saco_details`.
 
-    Unlike :func:`saco_details`, which reads float32 logits, they keep the model's dtype: run a
-    float64 copy of the model on ``x.double()`` to see how far float32 rounding moves them.
+    Like :func:`saco_details`, they keep the model's dtype: run a float64 copy of the model on
+    ``x.double()`` to see how far float32 rounding moves them.
     ``saliency`` as in :func:`saco` (wrong shape, NaN or a constant map: ``ValueError``); an
     empty or non-finite ``x``, or a model without a class head, is refused before any forward.
     Forward only, eval mode, no_grad; every module's mode restored.
