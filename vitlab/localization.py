@@ -552,7 +552,7 @@ def map_change(a: torch.Tensor, b: torch.Tensor) -> dict:
     divided by its L1 norm ``sum |m|`` -- its sum, for a non-negative map --, in [0, 2] by the
     triangle inequality, also for signed maps; 0 where both maps are 0, 1 where one is).
     Maps holding NaN or infinity are refused."""
-    a, b = _as_tensor(a, torch.float64).flatten(1), _as_tensor(b, torch.float64).flatten(1)
+    a, b = as_cpu_tensor(a, torch.float64).flatten(1), as_cpu_tensor(b, torch.float64).flatten(1)
     if a.shape != b.shape:
         raise ValueError(f"the maps must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     _refuse_non_finite(a, "map a of question")
