@@ -374,3 +374,48 @@ def test_a_float64_models_logits_are_read_in_float64(vit64, x64):
     # would be off by about |z| 2^-24 ~ 1e-7 of the probability, which these drops would show
     tol = drops.abs() * 2 ** -24 + 1e-11
     assert ((got.drops.double() - drops).abs() <= tol).all(), (got.drops.double() - drops).abs().max()
+
+
+# --------------------------------------------------------------------------------------------
+# 10. a model on the meta device: a clear error before any forward, for every kind of method
+# --------------------------------------------------------------------------------------------
+
+def test_a_model_on_the_meta_device_is_refused_before_any_forward(x):
+    from timm.models.vision_transformer import VisionTransformer
+    from test_record_clip import pairs, tiny_clip
+
+    from conftest import TINY
+    from vitlab import faithfulness as fa
+    from vitlab.attention import attention_gradcam, cls_attention
+    from vitlab.clip_decomposition import decompose_image, text_embeddings
+    from vitlab.gradients import integrated_gradients
+    from vitlab.lrp import lrp
+    from vitlab.record import record
+    from vitlab.relevance import chefer_relevance, clip_relevance
+    from vitlab.rollout import rollout
+
+    with torch.device("meta"):
+        vit = VisionTransformer(**TINY).eval()
+    clip = tiny_clip(dtype=torch.float32).to_empty(device="meta")
+    inputs = pairs(dtype=torch.float32)
+    maps = torch.rand(3, 4, 4)
+    calls = []
+    for m in (vit, clip):
+        m.register_forward_pre_hook(lambda *a: calls.append(1))
+    cases = {
+        "cls_attention": lambda: cls_attention(vit, x), "rollout": lambda: rollout(vit, x),
+        "chefer_relevance": lambda: chefer_relevance(vit, x), "attention_gradcam": lambda: attention_gradcam(vit, x),
+        "lrp": lambda: lrp(vit, x), "integrated_gradients": lambda: integrated_gradients(vit, x),
+        "saco": lambda: fa.saco(vit, x, maps), "perturbation_curve": lambda: fa.perturbation_curve(vit, x, maps),
+        "group_logits": lambda: fa.group_logits(vit, x, maps, k=3),
+        "record": lambda: record(vit).__enter__(),
+        "clip_relevance": lambda: clip_relevance(clip, inputs),
+        "decompose_image": lambda: decompose_image(clip, inputs["pixel_values"]),
+        "text_embeddings": lambda: text_embeddings(clip, inputs["input_ids"], inputs["attention_mask"]),
+        "image_text_score": lambda: fa.image_text_score(clip, inputs),
+    }
+    for name, call in cases.items():
+        with pytest.raises(ValueError, match=r"is on the 'meta' device .* load the weights first") as e:
+            call()
+        assert str(e.value).startswith(name), (name, str(e.value))
+    assert calls == []

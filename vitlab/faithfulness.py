@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from vitlab.inputs import batches
+from vitlab.record import require_materialized
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,6 +115,7 @@ def _check_model_and_images(model, x, method: str) -> None:
 
     check_images(x, method)
     require_image_classifier(model, method, takes_score=True)
+    require_materialized(model, method)
 
 
 def _channel_means(x: torch.Tensor) -> torch.Tensor:
@@ -213,6 +215,7 @@ def _check_score(score, model, x, target, method: str) -> None:
     from vitlab.inputs import check_images
 
     check_images(x, method)
+    require_materialized(model, method)
     if not callable(score):
         raise TypeError(f"{method}: score must be a callable score(images, rows) -> one number per image "
                         f"(e.g. vitlab.faithfulness.image_text_score(model, inputs)), got {type(score).__name__}")
@@ -557,6 +560,7 @@ def group_logits(model, x: torch.Tensor, saliency, k: int = 10, batch_size: int 
 
     check_images(x, "group_logits")
     require_class_head(model, "group_logits")
+    require_materialized(model, "group_logits")
     sal = _pixel_saliency(saliency, x)
     B = x.shape[0]
     flat = sal.reshape(B, -1)

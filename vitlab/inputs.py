@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from vitlab.layout import TokenLayout, token_layout
-from vitlab.record import attention_size
+from vitlab.record import attention_size, require_materialized
 from vitlab.targets import check_target
 
 #: Most bytes of recorded attention one forward of a map method (rollout, grad_rollout,
@@ -115,7 +115,9 @@ def check_input_dtype(model, x: torch.Tensor, method: str) -> None:
     """Raise ``ValueError`` when ``x`` is not in the dtype of the model's floating-point parameters
     (a float64 batch for a float32 model would fail inside its first layer with "expected scalar
     type Double but found Float"); the message names both and the remedies. Under autocast the
-    model casts its inputs itself: no check."""
+    model casts its inputs itself: no dtype check. A model on the ``meta`` device (no weights) is
+    refused first (:func:`vitlab.record.require_materialized`)."""
+    require_materialized(model, method)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     if dtype is None or x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
         return

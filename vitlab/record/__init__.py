@@ -108,6 +108,21 @@ def _adapter_for(model: nn.Module):
     )
 
 
+def require_materialized(model: nn.Module, method: str) -> None:
+    """Raise ``ValueError`` when a parameter or buffer of ``model`` is on PyTorch's ``meta``
+    device (a shape without values: the model was made under ``torch.device("meta")`` or an
+    empty-weights context and its weights never loaded), before any forward -- which would
+    otherwise fail inside torch with a device error. :func:`record` and every method's input
+    check (:func:`vitlab.inputs.check_input_dtype`, the CLIP and faithfulness checks) call it."""
+    if not isinstance(model, nn.Module):
+        return
+    meta = next((name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta), None)
+    if meta is not None:
+        raise ValueError(f"{method}: {type(model).__name__} is on the 'meta' device ({meta} has a shape but no "
+                         "values: the model was built without its weights); load the weights first, e.g. "
+                         "vitlab.load_model(name), or model.to_empty(device='cpu') then model.load_state_dict(...)")
+
+
 def _vit_only(model: nn.Module, what: str):
     attach, found = _adapter_for(model)
     if attach in _MULTI:
@@ -219,6 +234,7 @@ def record(
         RuntimeError: with ``gradients=True``, a forward inside the block ran with gradients
             disabled (``torch.no_grad()`` / ``torch.inference_mode()``).
     """
+    require_materialized(model, "record")
     captured = check_capture(capture)
     if residual:
         captured |= {"hidden"}

@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 
 from vitlab.inputs import check_images, require_gradients
+from vitlab.record import require_materialized
 from vitlab.relevance.bimodal import _rollout, attention_matrix_gradcam
 from vitlab.relevance.engine import propagate, read_rows, self_attention_events
 
@@ -124,6 +125,7 @@ def check_clip_images(model, x, method: str) -> None:
     """Refuse, before any forward, images that are not a finite, non-empty float
     ``B x C x H x W`` batch of the CLIP model's channels and size."""
     clip_towers(model, method)
+    require_materialized(model, method.split(":")[0])
     check_images(x, method)
     vcfg = model.config.vision_config
     size, channels = int(vcfg.image_size), int(vcfg.num_channels)
@@ -142,6 +144,7 @@ def check_clip_texts(model, input_ids, attention_mask, method: str, rows: int | 
     start token) or whose end-of-text token is padding. ``key(name)`` names an argument in the
     messages (``inputs['input_ids']`` for a dict of inputs)."""
     clip_towers(model, method)
+    require_materialized(model, method)
     ids = _int_tensor(input_ids, key("input_ids"), method)
     if ids.ndim != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
         raise ValueError(f"{method}: {key('input_ids')} must be B x T token ids with T >= 1 (one text per row), "
