@@ -419,3 +419,28 @@ def test_a_model_on_the_meta_device_is_refused_before_any_forward(x):
             call()
         assert str(e.value).startswith(name), (name, str(e.value))
     assert calls == []
+
+
+# --------------------------------------------------------------------------------------------
+# 1. the CLIP gradient methods under torch.no_grad(), as the ViT methods and legrad
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["clip_relevance", "clip_gradcam", "grad_eclip", "legrad", "clip_rollout"])
+def test_each_clip_method_under_no_grad_gives_the_maps_it_gives_outside(name):
+    from test_record_clip import pairs, tiny_clip
+
+    import vitlab.relevance as rel
+    from vitlab.grad_eclip import grad_eclip
+    from vitlab.legrad import legrad
+
+    method = {"grad_eclip": grad_eclip, "legrad": legrad}.get(name) or getattr(rel, name)
+    model = tiny_clip(legacy=False)
+    inputs = pairs((2, 4))
+    outside = method(model, inputs)
+    with torch.no_grad():
+        inside = method(model, inputs)
+    assert torch.equal(inside.image, outside.image)
+    assert (inside.text is None and outside.text is None) or torch.equal(inside.text, outside.text)
+    assert torch.equal(inside.score, outside.score) and outside.image.abs().sum() > 0
+    assert not any(p.grad is not None for p in model.parameters())
+    assert torch.is_grad_enabled()

@@ -125,7 +125,7 @@ def grad_eclip(model, inputs, target=None, *, start_block=(-1, -8)) -> ClipMaps:
         return chunked
     f = clip_forward(model, inputs, method, grad=True, capture=("query", "key", "value"))
     image_caps, text_caps = f.rec.stream("image")[si:], f.rec.stream("text")[st:]
-    grads = torch.autograd.grad(f.cosine.sum(), [c.context for c in image_caps + text_caps])
+    grads = f.gradients(f.cosine, [c.context for c in image_caps + text_caps])
     B = f.cosine.shape[0]
     n_image = image_caps[0].context.shape[1]
     cls = torch.zeros(B, dtype=torch.long, device=f.cosine.device)

@@ -267,6 +267,14 @@ class ClipForward:
         """``B x T`` over the text tokens -> the text map: 0 outside :attr:`keep`."""
         return rows * self.keep.to(rows.dtype)
 
+    def gradients(self, of: torch.Tensor, wrt) -> tuple:
+        """``torch.autograd.grad(of.sum(), wrt)`` -- ``of`` being :attr:`score` or :attr:`cosine`
+        (one per pair, so the sum's gradient is each pair's own) -- with gradients switched on, so
+        that a caller's ``torch.no_grad()`` cannot cut the sum off the graph (the forward itself
+        runs under ``torch.enable_grad()``, :func:`clip_forward`)."""
+        with torch.enable_grad():
+            return torch.autograd.grad(of.sum(), list(wrt))
+
 
 def clip_forward(model, inputs, method: str, grad: bool, capture=("attention",)) -> ClipForward:
     """:func:`check_clip_inputs`, then one forward inside :func:`vitlab.record` (both towers,
@@ -424,7 +432,7 @@ def clip_relevance(model, inputs, target=None, *, start_block=0) -> ClipMaps:
     f = clip_forward(model, inputs, method, grad=True)
     image_caps, text_caps = f.rec.stream("image")[si:], f.rec.stream("text")[st:]
     used = image_caps + text_caps
-    grads = torch.autograd.grad(f.score.sum(), [c.attention for c in used])
+    grads = f.gradients(f.score, [c.attention for c in used])
     gi, gt = grads[:len(image_caps)], grads[len(image_caps):]
     Ni, Nt = image_caps[0].attention.shape[-1], text_caps[0].attention.shape[-1]
     Ri = propagate(self_attention_events("image", [c.attention.detach() for c in image_caps], gi), {"image": Ni})
@@ -500,7 +508,7 @@ def clip_gradcam(model, inputs, target=None) -> ClipMaps:
         return chunked
     f = clip_forward(model, inputs, method, grad=True)
     last_i, last_t = f.rec.stream("image")[-1], f.rec.stream("text")[-1]
-    gi, gt = torch.autograd.grad(f.score.sum(), [last_i.attention, last_t.attention])
+    gi, gt = f.gradients(f.score, [last_i.attention, last_t.attention])
     image = attention_matrix_gradcam(last_i.attention.detach(), gi)
     v = f.valid.to(gt.dtype)
     entries = (v[:, :, None] * v[:, None, :])[:, None]  # B x 1 x T x T
