@@ -444,3 +444,68 @@ def test_each_clip_method_under_no_grad_gives_the_maps_it_gives_outside(name):
     assert torch.equal(inside.score, outside.score) and outside.image.abs().sum() > 0
     assert not any(p.grad is not None for p in model.parameters())
     assert torch.is_grad_enabled()
+
+
+# --------------------------------------------------------------------------------------------
+# 9. float indices, seeds, levels and paired shapes
+# --------------------------------------------------------------------------------------------
+
+def test_float_indices_are_refused_not_truncated():
+    import numpy as np
+    from test_record_clip import pairs, tiny_clip
+
+    from vitlab import faithfulness as fa
+    from vitlab.shapes.captions import CaptionTokenizer
+
+    model = tiny_clip(legacy=False)
+    inputs = pairs((2, 3))
+    score = fa.image_text_score(model, inputs)
+    x = inputs["pixel_values"]
+    good = score(x, torch.tensor([1, 0]))
+    assert torch.equal(score(x, [1, 0]), good) and torch.equal(score(x, np.array([1, 0], dtype=np.int32)), good)
+    for rows in ([1.7, 0.2], torch.tensor([1.0, 0.0]), np.array([1.5, 0.0]), torch.tensor([True, False])):
+        with pytest.raises(ValueError, match="rows must hold integers"):
+            score(x, rows)
+    tok = CaptionTokenizer.for_captions()
+    ids = torch.as_tensor(tok.encode("a red circle")[0][0])
+    words = tok.decode(ids)
+    assert words == tok.decode(ids.tolist()) and words.endswith("circle")
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        tok.decode(ids.double() + 0.7)
+
+
+def test_seeds_levels_and_paired_shapes_of_the_statistics():
+    import numpy as np
+
+    from vitlab.stats import mean_interval, paired_difference, rate
+
+    v = np.random.default_rng(0).normal(size=40)
+    assert mean_interval(v, seed=3) == mean_interval(v, seed=3)
+    assert mean_interval(v, seed=np.int64(3)) == mean_interval(v, seed=3)
+    for seed in (None, -1, 1.5, True):
+        with pytest.raises(ValueError, match="seed must be an int >= 0"):
+            mean_interval(v, seed=seed)
+    hits = np.array([1, 0, 1, 1, 0, 1, 1, 1, 0, 1])
+    assert rate(hits, level=np.float32(0.9)) == rate(hits, level=float(np.float32(0.9)))
+    assert rate(hits, level=np.float64(0.9)) == rate(hits, level=0.9)
+    for level in (np.float32(1.5), float("nan"), True):
+        with pytest.raises(ValueError, match=r"level must be a number in \(0, 1\)"):
+            rate(hits, level=level)
+    a = np.arange(6.0).reshape(2, 3)
+    with pytest.raises(ValueError, match=r"shapes \(2, 3\) and \(3, 2\)"):
+        paired_difference(a, a.T.copy())
+    with pytest.raises(ValueError, match=r"shapes \(6,\) and \(2, 3\)"):
+        paired_difference(torch.arange(6.0), a)
+    d = paired_difference(a, a * 0.5)
+    assert d.value == pytest.approx(a.mean() * 0.5)
+
+
+def test_token_footprints_refuses_a_seed_of_none_with_a_message(vit, x):
+    from vitlab.footprints import token_footprints
+
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        token_footprints(vit, x[:1], seed=None)
+    import numpy as np
+
+    one = token_footprints(vit, x[:1], seed=2)
+    assert torch.equal(one, token_footprints(vit, x[:1], seed=np.int64(2)))

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitlab.inputs import batches
+from vitlab.inputs import batches, index_tensor
 from vitlab.record import require_materialized
 
 
@@ -173,7 +173,7 @@ class ImageTextScore:
     def __call__(self, images: torch.Tensor, rows) -> torch.Tensor:
         from vitlab.record import eval_mode
 
-        rows = torch.as_tensor(rows, dtype=torch.long, device=self.text_embeds.device)
+        rows = index_tensor(rows, "rows").to(self.text_embeds.device)
         if rows.ndim != 1 or rows.shape[0] != images.shape[0]:
             raise ValueError(f"rows must name one pair per image ({images.shape[0]}), got shape {tuple(rows.shape)}")
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.n):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vitlab.inputs import positive_int
+from vitlab.inputs import positive_int, seed_int
 from vitlab.layout import token_layout
 from vitlab.record import blocks, record
 
@@ -56,6 +56,7 @@ def token_footprints(model: nn.Module, x: torch.Tensor, block: int | None = None
     if probes is not None and (isinstance(probes, bool) or not isinstance(probes, int) or probes < 1):
         raise ValueError(f"probes must be a positive int (random directions per image) or None (exact), got {probes!r}")
     positive_int("batch_size", batch_size)
+    seed = seed_int("seed", seed)
     layout = token_layout(model, x)
     if block is not None:
         depth = len(blocks(model))

@@ -7,7 +7,8 @@ budget and chunking of a batch, the inference-mode refusal, the positive-int che
 - :data:`MEMORY_BUDGET`, :func:`chunk_size`, :func:`in_chunks`, :func:`batches`: a batch whose
   recorded attention would exceed the budget runs in chunks of samples, with the same maps;
 - :func:`require_gradients`: a gradient method called inside ``torch.inference_mode()`` says so;
-- :func:`positive_int`: the check of a count argument.
+- :func:`positive_int`, :func:`seed_int`, :func:`index_tensor`: the checks of a count, a seed
+  and an array of indices.
 """
 from __future__ import annotations
 
@@ -184,3 +185,34 @@ def positive_int(name: str, value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def seed_int(name: str, value) -> int:
+    """``value`` as a seed: an int >= 0 (a Python or numpy int, not a bool), else ``ValueError``.
+    ``None`` is refused too: vitlab's random draws (bootstrap resamples, probe directions) are
+    reproducible by design, so a seed picks one of them; pass another int for another draw."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 0:
+        raise ValueError(f"{name} must be an int >= 0 (the same seed gives the same draw; pass another int for "
+                         f"another one), got {value!r}")
+    return int(value)
+
+
+def index_tensor(values, name: str) -> torch.Tensor:
+    """``values`` (a tensor, array or list of integers) as an int64 tensor, else ``ValueError``:
+    a float index would be truncated (1.7 -> 1) and a bool read as 0/1, silently picking
+    another row."""
+    import numpy as np
+
+    if isinstance(values, torch.Tensor):
+        ok = not (values.is_floating_point() or values.is_complex() or values.dtype == torch.bool)
+        kind = str(values.dtype)
+    else:
+        arr = np.asarray(values)
+        ok, kind = arr.dtype.kind in "iu" or (arr.size == 0 and arr.dtype.kind == "f"), str(arr.dtype)
+        values = arr if ok else values
+    if not ok:
+        raise ValueError(f"{name} must hold integers (indices), got {kind}: a float would be truncated to another "
+                         "index; pass ints (e.g. torch.arange(n) or a list of ints)")
+    return torch.as_tensor(values).to(torch.long)

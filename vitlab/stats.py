@@ -10,12 +10,13 @@ each an :class:`Estimate`, which prints itself as ``0.370 [0.340, 0.400]``.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from vitlab.inputs import positive_int
+from vitlab.inputs import positive_int, seed_int
 
 
 class Estimate(NamedTuple):
@@ -36,7 +37,8 @@ class Estimate(NamedTuple):
 
 
 def _level(level) -> float:
-    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < level < 1.0:
+    # numbers.Real: also numpy's floats (np.float32(0.9) is a level like 0.9)
+    if isinstance(level, bool) or not isinstance(level, numbers.Real) or not 0.0 < float(level) < 1.0:
         raise ValueError(f"level must be a number in (0, 1), got {level!r}")
     return float(level)
 
@@ -69,8 +71,8 @@ def rate(hits, level: float = 0.95) -> Estimate:
 def mean_interval(values, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> Estimate:
     """The mean of per-scene ``values`` with its percentile bootstrap interval (Efron 1979):
     the scenes are resampled with replacement ``n_boot`` times (a generator seeded with
-    ``seed``), the mean is taken each time, and the interval is the middle ``level`` of those
-    means."""
+    ``seed``, an int >= 0: the same seed, the same interval; ``None`` is refused), the mean is
+    taken each time, and the interval is the middle ``level`` of those means."""
     lv = _level(level)
     positive_int("n_boot", n_boot)
     v = _values(values, "mean_interval")
@@ -83,7 +85,7 @@ def bootstrap(v: np.ndarray, level: float, n_boot: int, seed: int) -> tuple[floa
     replacement drawn by ``np.random.default_rng(seed)``, the middle ``level`` of their means.
     The one resampling behind every interval of a mean here and in
     :func:`vitlab.bimodal_faithfulness.bootstrap_interval`."""
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed_int("seed", seed))   # None (fresh entropy) refused: reproducible
     means = v[rng.integers(0, v.size, size=(n_boot, v.size))].mean(1)
     low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
     return float(low), float(high)
@@ -94,9 +96,11 @@ def paired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int =
     order): the mean difference with the bootstrap interval of :func:`mean_interval`, the
     scenes resampled together, so what the two share cancels. An interval that holds 0 is a
     tie on these scenes."""
+    shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else np.shape(v) for v in (a, b)]
+    if shapes[0] != shapes[1]:          # compared before flattening: a 2 x 3 and a 3 x 2 are not paired
+        raise ValueError(f"paired_difference needs the two grades of the same scenes in the same layout, got "
+                         f"shapes {shapes[0]} and {shapes[1]}")
     va, vb = _values(a, "paired_difference"), _values(b, "paired_difference")
-    if va.shape != vb.shape:
-        raise ValueError(f"paired_difference needs one value per scene on both sides, got {va.size} and {vb.size}")
     return mean_interval(va - vb, level, n_boot, seed)
 
 

@@ -258,7 +258,10 @@ def pad_rows(toks, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
 def decode_row(vocab, ids, skip) -> str:
     """The words of one row of ``ids`` over ``vocab``, leaving out the ids in ``skip``, space-joined;
     an id outside the vocabulary raises ``ValueError``."""
-    ids = [int(i) for i in np.asarray(ids).ravel()]
+    arr = np.asarray(ids.detach().cpu() if hasattr(ids, "detach") else ids)
+    if arr.size and arr.dtype.kind not in "iu":          # 3.7 would be read as id 3
+        raise ValueError(f"token ids must be integers, got {arr.dtype}; decode the ids the tokenizer encoded")
+    ids = [int(i) for i in arr.ravel()]
     unknown = [i for i in ids if not 0 <= i < len(vocab)]
     if unknown:
         raise ValueError(f"token id {unknown[0]} is not in this tokenizer's vocabulary (ids 0 .. "
