@@ -61,7 +61,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from vitlab.layout import is_hf_model, is_timm_vit, token_layout
+from vitlab.layout import is_hf_model, is_timm_vit, token_layout, windowed_refusal
 from vitlab.record._session import (  # noqa: F401  (the public names, and the engine's for adapters)
     CAPTURE_FIELDS, SUPPORTED, AttentionCapture, NotRecordedError, Recording, _MULTI_FIELDS, _Session,
     check_capture,
@@ -86,6 +86,9 @@ def _adapter_for(model: nn.Module):
     ``(name, block, attention)`` list)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"vitlab.record expects a torch.nn.Module, got {type(model).__name__}")
+    refusal = windowed_refusal(model)
+    if refusal is not None:
+        raise TypeError(refusal)
     if is_timm_vit(model):
         found = _timm_attention_modules(model)
         if found:
@@ -94,7 +97,8 @@ def _adapter_for(model: nn.Module):
         model_type = getattr(model.config, "model_type", None)
         finders = {"lxmert": (_lxmert_encoder, _attach_lxmert), "detr": (_detr_core, _attach_detr),
                    "visual_bert": (_visualbert_encoder, _attach_visualbert), "vilt": (_vilt_encoder, _attach_vilt),
-                   **{t: (_clip_towers, _attach_clip) for t in ("clip", "clip_vision_model", "clip_text_model")}}
+                   # CLIP's vision model alone is a ViT (one stack of blocks, a CLS token): the ViT adapter
+                   **{t: (_clip_towers, _attach_clip) for t in ("clip", "clip_text_model")}}
         if model_type in finders:
             find, attach = finders[model_type]
             found = find(model)
@@ -111,7 +115,12 @@ def _adapter_for(model: nn.Module):
 def _vit_only(model: nn.Module, what: str):
     attach, found = _adapter_for(model)
     if attach in _MULTI:
-        raise TypeError(f"{what} is defined for ViTs (one stack of blocks), not for {type(model).__name__}")
+        family = _MULTI[attach][0]
+        raise TypeError(
+            f"{type(model).__name__} is a {family} model with several attention streams, not a ViT (one stack of "
+            f"blocks over one image's tokens), which is what {what} explains; explain it with the {family} methods "
+            "of vitlab.relevance (e.g. clip_relevance for CLIP's image-text score), or pass its vision tower alone"
+        )
     return attach, found
 
 
@@ -131,13 +140,13 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
 
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a supported ViT, in the order they run (one per recorded layer)."""
-    return [block for _, block, _ in _vit_only(model, "vitlab.record.blocks")[1]]
+    return [block for _, block, _ in _vit_only(model, "this method")[1]]
 
 
 def attention_size(model: nn.Module, num_tokens: int) -> int:
     """Entries of one sample's attention that a forward inside :func:`record` keeps: the sum
     over blocks of ``heads x N x N``, for ``N = num_tokens``. Methods size their chunks by it."""
-    attach, found = _vit_only(model, "vitlab.record.attention_size")
+    attach, found = _vit_only(model, "this method")
     if attach is _attach_timm:
         heads = sum(int(attn.num_heads) for _, _, attn in found)
     else:
