@@ -317,6 +317,8 @@ class _Session:
                 had_own, old, _ = entry
                 if had_own:
                     obj.__dict__[name] = old
+                elif name in obj.__dict__:  # set on the instance over a class attribute: remove it again
+                    del obj.__dict__[name]
                 else:
                     setattr(obj, name, old)
 

@@ -139,14 +139,15 @@ def _eager_sdpa(s: _Session, cap: AttentionCapture, index: int, q, k, v, attn_ma
     return attn @ v
 
 
-def _attach_sdpa(s: _Session, attn: nn.Module, index: int, new_capture) -> None:
+def _attach_sdpa(s: _Session, attn: nn.Module, index: int, new_capture, fused_flag: bool = True) -> None:
     """Record ``attn`` at its ``F.scaled_dot_product_attention`` call (its fused path, switched on
     while the recording is open): Q, K, V exactly as the attention uses them (after q / k norms
     and RoPE, before the scale), and -- when the attention is asked for or edited -- the call
     computed eagerly with the softmax matrix captured."""
     want = s.capture
     eager = "attention" in want or s.attention_edit is not None
-    s.set_attr(attn, "fused_attn", True)
+    if fused_flag:
+        s.set_attr(attn, "fused_attn", True)
     s.set_attr(F, "scaled_dot_product_attention", _routed_sdpa)
 
     def handler(q, k, v, *args, **kwargs):
@@ -188,9 +189,38 @@ def _mlp_activation_module(block: nn.Module) -> nn.Module | None:
     return None
 
 
+#: the stream of an attention-pool head's probe (timm global_pool='map', SigLIP's pooling head): one
+#: ``B x heads x 1 x N`` capture per forward, the probe's attention over the last block's tokens
+POOL_STREAM = "pool"
+
+
+def _attach_probe(s: _Session, pool: nn.Module, name: str, modality: str) -> None:
+    """Record the attention of an attention-pool head (its probe's softmax over the tokens) as a
+    capture of :data:`POOL_STREAM`, at its ``F.scaled_dot_product_attention`` call. timm's
+    ``AttentionPoolLatent`` has a fused path; torch's ``nn.MultiheadAttention`` (SigLIP's head)
+    calls SDPA when asked for no weights, which it is while the recording is open."""
+    if "attention" not in s.capture:
+        return
+    s.rec.streams.setdefault(POOL_STREAM, [])
+    if isinstance(pool, nn.MultiheadAttention):
+        original = type(pool).forward
+
+        def without_weights(*args, **kwargs):
+            kwargs["need_weights"] = False
+            return original(pool, *args, **kwargs)
+        s.set_attr(pool, "forward", without_weights)
+
+    def new_capture():
+        return s.open_capture(POOL_STREAM, name, modality, modality, layer=0)
+    _attach_sdpa(s, pool, -1, new_capture, fused_flag=hasattr(pool, "fused_attn"))
+
+
 def _attach_timm(model: nn.Module, s: _Session, mlp: bool, blocks, stream: str = "self",
                  modality: str = "image") -> None:
     want = s.capture
+    pool = getattr(model, "attn_pool", None)
+    if isinstance(pool, nn.Module) and hasattr(pool, "fused_attn") and stream == "self":
+        _attach_probe(s, pool, "attn_pool", modality)
     # the eager path only where the attention matrix is read or edited; Q, K, V and hidden
     # states are the same on the fused path, which materialises no N x N matrix
     eager = "attention" in want or s.attention_edit is not None
@@ -319,6 +349,11 @@ def _attach_hf(model: nn.Module, s: _Session, mlp: bool, layers, stream: str = "
             s.set_attr(config, "_attn_implementation_internal", "eager")
     qkv_fields = want & {"query", "key", "value"}
     s.rec.streams.setdefault(stream, [])
+    for head_name, head in model.named_modules():  # SigLIP's attention-pool head: a probe and an nn.MultiheadAttention
+        if (isinstance(getattr(head, "attention", None), nn.MultiheadAttention)
+                and isinstance(getattr(head, "probe", None), nn.Parameter) and stream == "self"):
+            _attach_probe(s, head.attention, f"{head_name}.attention", modality)
+            break
     for index, (layer_name, layer, attn) in enumerate(layers):
         H = _hf_heads(attn)
         if s.residual:
