@@ -41,7 +41,7 @@ REASONS = [
 ]
 LEGEND = {
     "windows": "shifted-window attention (Swin) is not recorded per stage yet",
-    "probe head": "the head pools with an attention probe (timm global_pool='map', SigLIP's pooling head), not recorded",
+    "probe head": "the method reads the class token's own attention; the head pools with an attention probe (timm global_pool='map', SigLIP's pooling head), whose row the row methods read instead",
     "class attn": "the method reads the class token in every block; CaiT's joins only in its class-attention blocks",
     "talking heads": "CaiT's talking-heads attention mixes heads after the softmax: its rows are not the distributions rollout needs",
     "no LRP rule": "a non-linearity without an LRP rule (SiLU, SwiGLU's gated product)",
