@@ -384,3 +384,35 @@ def test_siglip_pooling_head_probe_is_recorded_exactly(models):
     expected = (q @ k.transpose(-2, -1) / (D // 2) ** 0.5).softmax(-1)
     got = rec.streams["pool"][-1].attention
     assert torch.allclose(got, expected, **tol(expected))
+
+
+@pytest.mark.parametrize("name", ["timm EVA-02", "timm BEiT", "HF SigLIP vision model (attention-pool head)",
+                                  "timm ViT, attention-pooled (global_pool='map')"])
+def test_recording_at_the_sdpa_call_leaves_everything_as_it_was(models, name):
+    """The SDPA route (EVA-02, BEiT, the pooling heads): torch's scaled_dot_product_attention and every
+    module's flags and attributes come back exactly, also when the forward raises."""
+    model, x = model_of(models, name), fam.images(family=name)
+    sdpa = F.scaled_dot_product_attention
+    state = [(m, dict(vars(m))) for m in model.modules()]
+    with pytest.raises(KeyError):
+        with vitlab.record(model, gradients=True):
+            fam.output_tensor(model(x)).sum().backward()
+            raise KeyError("user code failed")
+    assert F.scaled_dot_product_attention is sdpa
+    for m, before in state:
+        assert set(vars(m)) == set(before) and all(vars(m)[k] is v or vars(m)[k] == v
+                                                   for k, v in before.items() if not isinstance(v, dict))
+
+
+def test_attention_edit_reaches_the_sdpa_route(models):
+    """attention_edit on EVA-02 (recorded at its SDPA call): cut pairs get exactly 0, rows sum to 1."""
+    model, x = model_of(models, "timm EVA-02"), fam.images()
+    allowed = torch.ones(17, 17, dtype=torch.bool)
+    allowed[:, 5] = False
+    allowed[5, 5] = True
+    with vitlab.record(model, attention_edit=lambda layer, n: allowed if layer == 1 else None) as rec:
+        edited = model(x)
+    A = rec.attentions[1]
+    assert bool((A[..., :5, 5] == 0).all()) and bool((A[..., 6:, 5] == 0).all())
+    assert torch.allclose(A.sum(-1), torch.ones_like(A.sum(-1)), **tol(A))
+    assert not torch.allclose(edited, model(x), **tol(edited))
