@@ -416,3 +416,15 @@ def test_attention_edit_reaches_the_sdpa_route(models):
     assert bool((A[..., :5, 5] == 0).all()) and bool((A[..., 6:, 5] == 0).all())
     assert torch.allclose(A.sum(-1), torch.ones_like(A.sum(-1)), **tol(A))
     assert not torch.allclose(edited, model(x), **tol(edited))
+
+
+def test_an_attention_that_never_calls_sdpa_is_refused_not_silently_empty(models):
+    """A module recorded at its SDPA call that computes its attention another way (here: EVA-02's
+    eager path, its flag switched back inside the recording, as a module ignoring the flag would)."""
+    import copy
+
+    model = copy.deepcopy(model_of(models, "timm EVA-02"))
+    with pytest.raises(RuntimeError, match="without calling"):
+        with vitlab.record(model, capture=("query", "key")):
+            model.blocks[0].attn.fused_attn = False
+            model(fam.images())

@@ -150,7 +150,10 @@ def _attach_sdpa(s: _Session, attn: nn.Module, index: int, new_capture, fused_fl
         s.set_attr(attn, "fused_attn", True)
     s.set_attr(F, "scaled_dot_product_attention", _routed_sdpa)
 
+    calls = [0]
+
     def handler(q, k, v, *args, **kwargs):
+        calls[0] += 1
         cap = new_capture()
         for name, t in (("query", q), ("key", k), ("value", v)):
             if name in want:
@@ -163,10 +166,18 @@ def _attach_sdpa(s: _Session, attn: nn.Module, index: int, new_capture, fused_fl
         if not hasattr(_SDPA_LOCAL, "handlers"):
             _SDPA_LOCAL.handlers = []
         _SDPA_LOCAL.handlers.append(handler)
+        calls[0] = 0
 
     def pop(mod, args, kwargs, out):
         if _SDPA_LOCAL.handlers and _SDPA_LOCAL.handlers[-1] is handler:
             _SDPA_LOCAL.handlers.pop()
+        if calls[0] == 0:  # never silently without a capture
+            raise RuntimeError(
+                f"vitlab.record: {type(attn).__name__} computed its attention without calling "
+                "torch.nn.functional.scaled_dot_product_attention, where vitlab records attention modules of "
+                "its kind, so its attention, queries and keys cannot be recorded; this attention module is "
+                "not supported"
+            )
 
     s.hook(attn, push, pre=True, with_kwargs=True)
     s.hook(attn, pop, with_kwargs=True)
