@@ -97,8 +97,7 @@ def _adapter_for(model: nn.Module):
         model_type = getattr(model.config, "model_type", None)
         finders = {"lxmert": (_lxmert_encoder, _attach_lxmert), "detr": (_detr_core, _attach_detr),
                    "visual_bert": (_visualbert_encoder, _attach_visualbert), "vilt": (_vilt_encoder, _attach_vilt),
-                   # CLIP's vision model alone is a ViT (one stack of blocks, a CLS token): the ViT adapter
-                   **{t: (_clip_towers, _attach_clip) for t in ("clip", "clip_text_model")}}
+                   **{t: (_clip_towers, _attach_clip) for t in ("clip", "clip_vision_model", "clip_text_model")}}
         if model_type in finders:
             find, attach = finders[model_type]
             found = find(model)
@@ -114,6 +113,8 @@ def _adapter_for(model: nn.Module):
 
 def _vit_only(model: nn.Module, what: str):
     attach, found = _adapter_for(model)
+    if _vision_tower_alone(attach, found):  # CLIP's vision tower alone: one stack of blocks over image tokens
+        return attach, found
     if attach in _MULTI:
         family = _MULTI[attach][0]
         raise TypeError(
@@ -138,16 +139,26 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
             m.training = mode
 
 
+def _vision_tower_alone(attach, found) -> bool:
+    """Whether a CLIP recording has the image tower alone (``CLIPVisionModel``): a ViT to the methods."""
+    return attach is _attach_clip and [stream for stream, _, _ in found] == ["image"]
+
+
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a supported ViT, in the order they run (one per recorded layer)."""
-    return [block for _, block, _ in _vit_only(model, "this method")[1]]
+    attach, found = _vit_only(model, "this method")
+    if _vision_tower_alone(attach, found):
+        return list(found[0][2].encoder.layers)
+    return [block for _, block, _ in found]
 
 
 def attention_size(model: nn.Module, num_tokens: int) -> int:
     """Entries of one sample's attention that a forward inside :func:`record` keeps: the sum
     over blocks of ``heads x N x N``, for ``N = num_tokens``. Methods size their chunks by it."""
     attach, found = _vit_only(model, "this method")
-    if attach is _attach_timm:
+    if _vision_tower_alone(attach, found):
+        heads = sum(_hf_heads(layer.self_attn) for layer in found[0][2].encoder.layers)
+    elif attach is _attach_timm:
         heads = sum(int(attn.num_heads) for _, _, attn in found)
     else:
         heads = sum(_hf_heads(attn) for _, _, attn in found)

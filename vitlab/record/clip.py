@@ -8,10 +8,10 @@ text (``text_model``: token and position embeddings, the same layers with a caus
 two meet only in the score ``logit_scale.exp() * cos(image_embeds, text_embeds)``. The
 recording therefore has two streams (:data:`CLIP_STREAMS`): ``"image"`` (query and key modality
 ``image``) and ``"text"`` (``text``), one capture per layer of each, in ``rec.events`` in the
-order the model ran them (``CLIPModel.forward``: the image tower first). The text tower alone
-(``CLIPTextModel``, ``...WithProjection``) records its one stream, which is then the default
-(``rec.attentions`` etc. read it); the vision tower alone (``CLIPVisionModel``) is recorded as a
-ViT (stream ``"self"``, a token layout with its CLS token), so every ViT method explains it.
+order the model ran them (``CLIPModel.forward``: the image tower first). A tower alone
+(``CLIPVisionModel``, ``CLIPTextModel``, ``...WithProjection``) records its one stream, which is
+then the default (``rec.attentions`` etc. read it); the vision tower alone is a ViT to vitlab's
+methods (one stack of blocks over the image's tokens, with its token layout).
 
 What each capture (:class:`ClipCapture`) holds, per ``capture`` field of :func:`vitlab.record`:
 

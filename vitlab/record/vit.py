@@ -313,8 +313,8 @@ def _attach_timm(model: nn.Module, s: _Session, mlp: bool, blocks, stream: str =
 
 
 # Hugging Face vision towers whose layers call their attention ``self_attn`` (the ViT family's is
-# ``attention``): SigLIP's and CLIP's vision model alone
-_SELF_ATTN_TYPES = ("siglip", "siglip_vision_model", "clip_vision_model")
+# ``attention``): SigLIP's (CLIP's towers have their own adapter, record/clip.py)
+_SELF_ATTN_TYPES = ("siglip", "siglip_vision_model")
 
 
 def _hf_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
