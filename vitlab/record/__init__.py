@@ -118,9 +118,10 @@ def _vit_only(model: nn.Module, what: str):
     if attach in _MULTI:
         family = _MULTI[attach][0]
         raise TypeError(
-            f"{type(model).__name__} is a {family} model with several attention streams, not a ViT (one stack of "
-            f"blocks over one image's tokens), which is what {what} explains; explain it with the {family} methods "
-            "of vitlab.relevance (e.g. clip_relevance for CLIP's image-text score), or pass its vision tower alone"
+            f"{what} is defined for ViTs (one stack of blocks over one image's tokens), not for "
+            f"{type(model).__name__}, a {family} model with several attention streams; explain it with the "
+            f"{family} methods of vitlab.relevance (e.g. clip_relevance for CLIP's image-text score), or pass "
+            "its vision tower alone"
         )
     return attach, found
 
