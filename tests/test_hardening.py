@@ -120,15 +120,23 @@ def test_headless_timm_registry_model_and_the_embedded_photo_model_are_refused()
 
 
 # --- silent wrong 2 and 3: a head that does not read CLS; registers without CLS -------------------
+#: methods that read the row of the token the head reads: a mean-pooled head's (the mean of the patch rows)
+#: and an attention-pool head's (its probe's) row since #35 (definitions: tests/test_supported_models.py)
+POOLED_ROW = ("raw_attention", "rollout", "grad_rollout", "chefer_relevance")
+
+
 @pytest.mark.parametrize("pool", ["avg", "map", "max"])
 @pytest.mark.parametrize("name", list(CLS_ROW_METHODS))
 def test_cls_row_methods_refuse_a_head_that_pools_the_patches(name, pool, x):
     model = tiny_vit(global_pool=pool)
     assert vitlab.token_layout(model).pool == pool and vitlab.token_layout(model).has_class_token
     before = state(model)
+    if name in POOLED_ROW and pool in ("avg", "map"):  # the pooled token's row, not the CLS row
+        assert CLS_ROW_METHODS[name](model, x).shape == (x.shape[0], 4, 4)
+        assert_same(before, state(model))
+        return
     with forwards_counted(model) as calls, pytest.raises(
-        ValueError, match=rf"{name} reads the class-token \(CLS\) row .* does not read the class token: "
-                          rf"it pools the patch tokens \(global_pool='{pool}'\)"):
+            ValueError, match=rf"{name} reads the .*, but this model's head (reads the mean|pools|max-pools)"):
         CLS_ROW_METHODS[name](model, x)
     assert calls == []
     assert_same(before, state(model))
@@ -140,6 +148,10 @@ def test_registers_without_a_class_token_are_not_read_as_cls(name, x):
     model = tiny_vit(class_token=False, reg_tokens=4, global_pool="avg")
     layout = vitlab.token_layout(model)
     assert (layout.num_prefix, layout.num_registers, layout.has_class_token) == (4, 4, False)
+    if name in POOLED_ROW:  # the head averages the patches: the registers' rows get weight 0
+        assert torch.equal(layout.readout()[:4], torch.zeros(4))
+        assert CLS_ROW_METHODS[name](model, x).shape == (x.shape[0], 4, 4)
+        return
     with pytest.raises(ValueError, match="has no class token .*4 prefix tokens are registers"):
         CLS_ROW_METHODS[name](model, x)
 

@@ -17,8 +17,8 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 
 from vitlab import evaluate as ev
-from vitlab.attention import attention_gradcam, raw_attention
-from vitlab.relevance import chefer_relevance, last_block_relevance
+from vitlab.attention import attention_gradcam, attention_gradients, raw_attention
+from vitlab.relevance import chefer_relevance, head_averaged_relevance, last_block_relevance
 
 from conftest import TINY, TINY_DEPTH, TINY_GRAD_DEPTH, decided_argmax, f32_tol, f64_tol, module_depth, randomize
 
@@ -205,9 +205,13 @@ def test_a_model_without_class_head_or_class_token_is_refused(x):
     headless = randomize(VisionTransformer(**{**TINY, "num_classes": 0}), 1)
     with pytest.raises(ValueError, match="class head"):
         last_block_relevance(headless, x)
+    # a mean-pooled head (#35): the pooled token's row, the mean of the patch tokens' rows of Abar_L
     pooled = randomize(VisionTransformer(**{**TINY, "global_pool": "avg"}), 1)
-    with pytest.raises(ValueError, match="does not read the class token"):
-        last_block_relevance(pooled, x, 0)
+    ag = attention_gradients(pooled, x, 0)
+    abar = head_averaged_relevance(ag.attentions[-1], ag.gradients[-1])[:, 1:, 1:].mean(1).reshape(-1, 4, 4)
+    assert torch.allclose(last_block_relevance(pooled, x, 0), abar, **f32_tol(abar, TINY_GRAD_DEPTH + 3 * (3 + 17)))
+    cls_row = head_averaged_relevance(ag.attentions[-1], ag.gradients[-1])[:, 0, 1:].reshape(-1, 4, 4)
+    assert not torch.allclose(cls_row, abar, **f32_tol(abar, TINY_GRAD_DEPTH + 3 * (3 + 17)))
 
 
 def test_the_model_is_left_as_it_was_under_no_grad(x):

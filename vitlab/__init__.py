@@ -41,7 +41,7 @@ _EXPORTS = {
     "project": "vitlab.projection",            # every token, block by block, as class logits (chapter 7)
 }
 _SUBMODULES = {"plot", "images", "shapes", "imgfocus", "localization", "faithfulness", "actmax", "widgets",
-               "projection", "evaluate", "gradients", "inputs", "stats", "footprints",
+               "projection", "evaluate", "gradients", "inputs", "stats", "footprints", "lrp", "targets",
                "grad_eclip", "legrad", "clip_decomposition"}  # CLIP: Grad-ECLIP, LeGrad, the embedding's decomposition
 
 __all__ = [

@@ -32,12 +32,14 @@ import torch
 
 from vitlab.compat import moved_names, renamed_arguments
 from vitlab.inputs import (
-    batches, check_images, check_input_dtype, checked_layout, in_chunks, positive_int, require_gradients,
+    batches, check_images, check_input_dtype, checked_layout, in_chunks, positive_int, readout_weights,
+    require_gradients,
 )
 from vitlab.layout import TokenLayout
 from vitlab.record import record
 from vitlab.targets import (
-    check_score, check_target, is_multi_label, logits_of, require_class_head, resolve_target, target_score,
+    check_function_target, check_score, check_target, function_scores, is_function_target, is_multi_label, logits_of,
+    require_class_head, resolve_target, target_score,
 )
 
 QK_PATTERNS = ("one_way", "two_flow", "exchange", "same_region")
@@ -50,8 +52,9 @@ class AttentionGradients(NamedTuple):
         gradients: d(sum over samples of the target logit)/d(attention), same order and
             shapes; since samples are independent in eval mode, ``gradients[l][b]`` is the
             gradient of sample b's own target logit.
-        target: ``(B,)`` the class explained for each sample.
-        logits: ``B x num_classes`` the model's logits.
+        target: ``(B,)`` the class explained for each sample; None for a function target.
+        logits: ``B x num_classes`` the model's logits; for a function target, its scores
+            (``B x 1``).
         layout: the model's :class:`~vitlab.layout.TokenLayout`.
     """
 
@@ -85,8 +88,91 @@ class QKChannel(NamedTuple):
 def recorded_attentions(model, x: torch.Tensor) -> tuple[list[torch.Tensor], TokenLayout]:
     """Attention of every block (``B x heads x N x N`` each), one forward without gradients."""
     with torch.no_grad(), record(model, eval_mode=True, capture=("attention",)) as rec:
-        model(x)
-    return list(rec.attentions), rec.layout
+        run_images(model, x)
+    attentions, layout = list(rec.attentions), rec.layout
+    if layout is not None and layout.pool == "map":
+        attentions.append(_probe(rec))
+        attentions, _, layout = probe_sequence(attentions, None, layout)
+    return full_sequence(attentions, layout), layout
+
+
+def _probe(rec):
+    caps = rec.streams.get("pool") or []
+    if not caps or caps[-1].attention is None:
+        raise ValueError(
+            "this model's head pools the tokens with an attention probe that vitlab could not record (it records "
+            "timm's AttentionPoolLatent and SigLIP's pooling head); no row stands for the pooled output"
+        )
+    return caps[-1].attention
+
+
+def probe_sequence(attentions: list, gradients, layout: TokenLayout):
+    """An attention-pool head's probe as token 0 of the sequence, so the maps read its row as they
+    read a CLS token's: ``(attentions, gradients, layout)`` over ``N + 1`` tokens. ``attentions[-1]``
+    (and ``gradients[-1]``) is the probe's ``B x heads x 1 x M`` attention over the last block's last
+    M tokens (timm: the patches; SigLIP: all of them); every block before it gets a zero row and column 0 (the probe is not in the blocks: rollout's
+    ``A + I`` and relevance's ``R + Abar R`` leave it as it is), and the probe's own step has row 0 = its
+    attention. The pooled output is made of the probe's attention over the tokens alone (no residual
+    of the probe: its own column is dropped with the prefix), so its row of the propagated matrix is
+    the probe's attention times the tokens' rows -- the first step of the row. The layout gains the
+    probe as a prefix token and reads it (``pool="token"``)."""
+    N = attentions[0].shape[-1]
+
+    def pad(m, probe=False):
+        if m is None:
+            return None
+        full = m.new_zeros(*m.shape[:-2], N + 1, N + 1)
+        if probe:  # the probe attends to the last M tokens (timm: the patches, unless pool_include_prefix)
+            full[..., :1, N + 1 - m.shape[-1]:] = m
+        else:
+            full[..., 1:, 1:] = m
+        return full
+    n = len(attentions)
+    out_a = [pad(a, probe=i == n - 1) for i, a in enumerate(attentions)]
+    out_g = None if gradients is None else [pad(g, probe=i == n - 1) for i, g in enumerate(gradients)]
+    probed = TokenLayout(layout.num_prefix + 1, layout.grid, layout.num_registers, layout.has_distillation, "token")
+    return out_a, out_g, probed
+
+
+def full_sequence(matrices: list, layout: TokenLayout) -> list:
+    """Recorded attentions (or their gradients) as ``B x heads x N x N`` over the model's whole
+    sequence ``[CLS, patches]``. The identity for every model but CaiT (``layout.pool ==
+    "class_attention"``), whose self-attention blocks run over the P patch tokens alone (the class
+    token is not there yet: its row and column are 0, so rollout's ``A + I`` and relevance's
+    ``R + Abar R`` leave it as it is) and whose class-attention blocks update the class token alone
+    (``1 x N``: its row; the patch tokens' rows are 0, they pass unchanged). Entries None stay None."""
+    if layout is None or layout.pool != "class_attention":
+        return matrices
+    P, N = layout.num_patches, layout.num_tokens
+    out = []
+    for m in matrices:
+        if m is None or m.shape[-2:] == (N, N):
+            out.append(m)
+            continue
+        full = m.new_zeros(*m.shape[:-2], N, N)
+        if m.shape[-2:] == (P, P):            # self-attention over the patches
+            full[..., N - P:, N - P:] = m
+        elif m.shape[-2:] == (1, N):          # class attention: the class token's row
+            full[..., :1, :] = m
+        else:
+            raise ValueError(f"an attention of shape {tuple(m.shape)} fits neither CaiT's self-attention "
+                             f"({P} x {P}) nor its class attention (1 x {N})")
+        out.append(full)
+    return out
+
+
+def run_images(model, x: torch.Tensor):
+    """``model``'s output for the image batch ``x``: ``model(x)``, with
+    ``interpolate_pos_encoding=True`` for a Hugging Face ViT whose position embedding was made
+    for another image size and whose forward can interpolate it (ViT, DeiT, BEiT, Dinov2 always
+    interpolate; CLIP, SigLIP: :func:`vitlab.layout.hf_needs_interpolation`)."""
+    from vitlab.layout import hf_needs_interpolation
+
+    if hf_needs_interpolation(model, x):
+        return model(x, interpolate_pos_encoding=True)
+    return model(x)
+
+
 
 
 def attention_gradients_for_blocks(model, x: torch.Tensor, target, layers: list[int] | None,
@@ -96,9 +182,13 @@ def attention_gradients_for_blocks(model, x: torch.Tensor, target, layers: list[
     ``method``: the name the errors give."""
     check_images(x, method)
     check_input_dtype(model, x, method)
-    require_class_head(model, method)
-    target = check_target(target, x.shape[0])
-    check_score(score)
+    function = is_function_target(target)
+    if function:
+        check_function_target(target, score, method)
+    else:
+        require_class_head(model, method)
+        target = check_target(target, x.shape[0])
+        check_score(score)
     require_gradients(method)
     with torch.enable_grad():
         # A leaf that requires grad keeps the graph alive even if every parameter is frozen.
@@ -106,21 +196,33 @@ def attention_gradients_for_blocks(model, x: torch.Tensor, target, layers: list[
         x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
         # graph-attached attentions, nothing else kept
         with record(model, detach=False, eval_mode=True, capture=("attention",)) as rec:
-            logits = logits_of(model(x_in))
-            t = resolve_target(target, logits)
-            total = target_score(logits, t, score, is_multi_label(model)).sum()
+            output = run_images(model, x_in)
+            if function:
+                scores = function_scores(target, output, x.shape[0], method)
+                t, logits = None, scores[:, None]
+                total = scores.sum()
+            else:
+                logits = logits_of(output)
+                t = resolve_target(target, logits)
+                total = target_score(logits, t, score, is_multi_label(model)).sum()
             attentions = list(rec.attentions)
+            probed = rec.layout is not None and rec.layout.pool == "map"
+            if probed:  # the head's probe: one more attention, the last the output passes through
+                attentions.append(_probe(rec))
             wanted = range(len(attentions)) if layers is None else layers
             grads = torch.autograd.grad(total, [attentions[l] for l in wanted])
     gradients: list[torch.Tensor | None] = [None] * len(attentions)
     for l, g in zip(wanted, grads):
         gradients[l] = g.detach()
+    attentions, layout = [a.detach() for a in attentions], rec.layout
+    if probed:
+        attentions, gradients, layout = probe_sequence(attentions, gradients, layout)
     return AttentionGradients(
-        attentions=[a.detach() for a in attentions],
-        gradients=gradients,
+        attentions=full_sequence(attentions, layout),
+        gradients=full_sequence(gradients, layout),
         target=t,
         logits=logits.detach(),
-        layout=rec.layout,
+        layout=layout,
     )
 
 
@@ -137,7 +239,10 @@ def attention_gradients(model, x: torch.Tensor, target=None, score: str = "logit
     Args:
         model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
         x: ``B x 3 x H x W`` input batch.
-        target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
+        target: int, one class per sample (sequence / 1-D tensor), None (predicted), or a
+            function of the model's output returning one score per sample (a model without a
+            class head; see :mod:`vitlab.targets`), e.g.
+            ``target=lambda out: out.pooler_output @ direction``.
         score: ``"logit"`` (the papers') or ``"log_probability"`` (log-softmax, or log-sigmoid
             for a multi-label head; see :data:`vitlab.targets.SCORES`).
 
@@ -169,15 +274,19 @@ def cls_attention(model, x: torch.Tensor) -> torch.Tensor:
 def raw_attention(model, x: torch.Tensor) -> torch.Tensor:
     """Raw-attention baseline (Chefer et al. 2021): last block, CLS row, mean over heads.
 
-    Returns ``B x gh x gw``: ``mean_h A_L[h, CLS, patches]``.
+    Returns ``B x gh x gw``: ``mean_h A_L[h, CLS, patches]``. For a mean-pooled head (timm
+    ``global_pool="avg"``, BEiT, EVA-02) the row of the pooled token instead: ``w · mean_h A_L``
+    with ``w`` = 1/P on the patch tokens (:func:`vitlab.inputs.readout_weights`), the mean of the
+    patch tokens' rows; for an attention-pool head, its probe's attention (:func:`probe_sequence`).
     """
-    layout = checked_layout(model, x, "raw_attention")
+    layout = checked_layout(model, x, "raw_attention", pooled=True)
     chunked = in_chunks(raw_attention, model, x, layout)
     if chunked is not None:  # a batch larger than inputs.MEMORY_BUDGET allows
         return chunked
     attentions, layout = recorded_attentions(model, x)
-    A = attentions[-1]  # B x H x N x N
-    return layout.patches_to_grid(A[:, :, 0, :].mean(dim=1))  # B x gh x gw
+    A = attentions[-1].mean(dim=1)  # B x N x N
+    w = readout_weights(layout, "raw_attention", A.dtype, A.device)
+    return layout.patches_to_grid(w @ A)  # B x gh x gw
 
 
 def gradcam_cls_row(attn_row: torch.Tensor, grad_row: torch.Tensor) -> torch.Tensor:

@@ -14,16 +14,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vitlab.attention import run_images
 from vitlab.inputs import check_images, check_input_dtype, require_gradients
 from vitlab.layout import token_layout
 from vitlab.record import eval_mode
-from vitlab.targets import check_score, check_target, is_multi_label, logits_of, require_class_head, resolve_target
+from vitlab.targets import (
+    check_function_target, check_score, check_target, function_scores, is_function_target, is_multi_label, logits_of,
+    require_class_head, resolve_target,
+)
 
 
-def _scores_fn(model, score: str, multi_label: bool):
-    """The forward Captum differentiates: ``B x classes`` logits or log-probabilities."""
+def _scores_fn(model, score: str, multi_label: bool, function=None, method: str = ""):
+    """The forward Captum differentiates: ``B x classes`` logits or log-probabilities; for a
+    function target, its scores as ``B x 1``."""
     def forward(x):
-        logits = logits_of(model(x))
+        if function is not None:
+            return function_scores(function, run_images(model, x), x.shape[0], method)[:, None]
+        logits = logits_of(run_images(model, x))
         if score == "log_probability":
             return F.logsigmoid(logits) if multi_label else torch.log_softmax(logits, dim=-1)
         return logits
@@ -34,16 +41,23 @@ def _attribute(model, x, target, score, pixels, method, attribute):
     """Checks, eval mode, target, Captum's ``attribute(forward, inputs, target)``, pooling."""
     check_images(x, method)
     check_input_dtype(model, x, method)  # a float64 batch for a float32 model: the remedy, not a dtype clash
-    require_class_head(model, method)
-    target = check_target(target, x.shape[0])
-    check_score(score)
+    function = target if is_function_target(target) else None
+    if function is not None:
+        check_function_target(function, score, method)
+    else:
+        require_class_head(model, method)
+        target = check_target(target, x.shape[0])
+        check_score(score)
     require_gradients(method)
     grid = None if pixels else token_layout(model, x).grid
     x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
     with eval_mode(model), torch.enable_grad():
-        forward = _scores_fn(model, score, is_multi_label(model))
-        with torch.no_grad():  # the predicted class, or the given one checked against the classes
-            target = resolve_target(target, logits_of(model(x_in)))
+        forward = _scores_fn(model, score, is_multi_label(model), function, method)
+        if function is not None:
+            target = torch.zeros(x.shape[0], dtype=torch.long)  # column 0: the function's score
+        else:
+            with torch.no_grad():  # the predicted class, or the given one checked against the classes
+                target = resolve_target(target, logits_of(run_images(model, x_in)))
         attribution = attribute(forward, x_in, target.to(x.device))
     per_pixel = attribution.detach().sum(dim=1)  # B x H x W
     if pixels:
@@ -69,7 +83,9 @@ def input_x_gradient(model, x: torch.Tensor, target=None, score: str = "logit",
             read from :func:`vitlab.token_layout`, so with ``pixels=True`` any image
             classifier works).
         x: ``B x 3 x H x W`` input batch.
-        target: int, one class per sample, or None (the predicted class).
+        target: int, one class per sample, None (the predicted class), or a function of the
+            model's output returning one score per sample (a model without a class head, see
+            :mod:`vitlab.targets`), e.g. ``target=lambda out: out.pooler_output @ direction``.
         score: ``"logit"`` or ``"log_probability"`` (:data:`vitlab.targets.SCORES`).
         pixels: return the ``B x H x W`` per-pixel map.
     """

@@ -2,7 +2,8 @@
 budget and chunking of a batch, the inference-mode refusal, the positive-int check.
 
 - :func:`check_images`, :func:`check_batch_values`, :func:`check_input_dtype`,
-  :func:`checked_layout`, :func:`require_cls` (with :data:`CLS_POOLS`): a wrong input is named,
+  :func:`checked_layout`, :func:`require_cls` (with :data:`CLS_POOLS`), :func:`readout_weights`
+  (the token a model's output reads, a mean-pooled head's included): a wrong input is named,
   with what to do, before any forward pass;
 - :data:`MEMORY_BUDGET`, :func:`chunk_size`, :func:`in_chunks`, :func:`batches`: a batch whose
   recorded attention would exceed the budget runs in chunks of samples, with the same maps;
@@ -16,7 +17,7 @@ import torch
 
 from vitlab.layout import TokenLayout, token_layout
 from vitlab.record import attention_size, require_materialized
-from vitlab.targets import check_target
+from vitlab.targets import check_target, is_function_target
 
 #: Most bytes of recorded attention one forward of a map method (rollout, grad_rollout,
 #: chefer_relevance, cls_attention, raw_attention, attention_gradcam) may hold: a forward inside
@@ -33,29 +34,82 @@ MEMORY_BUDGET = 1 << 30
 CLS_POOLS = ("token", "")
 
 
+_POOL_WHY = {
+    "map": ("pools the tokens with an attention probe (attention pooling: timm global_pool='map', SigLIP's "
+            "pooling head), which has no class token of its own in the blocks; this method reads the class "
+            "token's own attention (rollout, grad_rollout, chefer_relevance, last_block_relevance and "
+            "raw_attention read the probe's row)"),
+    "class_attention": ("is CaiT's: its class token joins the patch tokens only in the class-attention blocks "
+                        "after the self-attention blocks, and this method reads the class token in every block "
+                        "(rollout, grad_rollout, chefer_relevance, last_block_relevance and raw_attention carry it "
+                        "through CaiT's blocks)"),
+    "max": "max-pools the patch tokens, which is not a weighted sum of tokens that a row could stand for",
+    "avgmax": "pools the patch tokens with avg + max, and the max is not a weighted sum of tokens",
+}
+
+
+def _pool_refusal(layout: TokenLayout, method: str, reads: str) -> ValueError:
+    if not layout.has_class_token and layout.pool in CLS_POOLS:
+        what = (f"its {layout.num_prefix} prefix tokens are registers, and a register is not a class token"
+                if layout.num_prefix else "it has no prefix tokens")
+        return ValueError(
+            f"{method} reads {reads}, but this model has no class token ({what}) and its output pools no "
+            "tokens; use a ViT with a class token or a mean-pooled head"
+        )
+    why = _POOL_WHY.get(layout.pool, f"pools the tokens with {layout.pool!r}")
+    return ValueError(f"{method} reads {reads}, but this model's head {why}. Use a model whose head reads the "
+                      "class token or the mean of the patch tokens (timm global_pool='token' or 'avg')")
+
+
 def require_cls(layout: TokenLayout, method: str) -> None:
     """Raise ``ValueError`` when ``method`` cannot read a map from the CLS row of this layout.
 
     Two cases: the model has no CLS token (none at all, or only registers: a register is
     not a class token, and row 0 would be register 0), or its output does not read the CLS
     token (timm ``global_pool="avg"``, ``"map"``, ...: a CLS-row map would explain a token
-    the head ignores). Methods call it with ``token_layout(model, x)`` before any forward
-    pass.
+    the head ignores). Methods defined on the class token's own attention (``cls_attention``,
+    ``attention_gradcam``) call it with ``token_layout(model, x)`` before any forward pass;
+    methods defined on a row of a matrix read :func:`readout_weights` instead.
     """
+    if layout.has_class_token and layout.pool in CLS_POOLS:
+        return
+    pooled_methods = ("rollout, grad_rollout, chefer_relevance, last_block_relevance, raw_attention")
     if not layout.has_class_token:
         what = (f"its {layout.num_prefix} prefix tokens are registers, and a register is not a class token"
                 if layout.num_prefix else "it has no prefix tokens")
+        hint = (f"its head reads the mean of the patch tokens, which these methods explain: {pooled_methods}"
+                if layout.pool == "avg" else "use a ViT with a class token")
         raise ValueError(
-            f"{method} reads the class-token (CLS) row of the attention, but this model has no class "
-            f"token ({what}); use a ViT with a class token"
+            f"{method} reads the class-token (CLS) row of the attention, but this model has no class token "
+            f"({what}); {hint}"
         )
-    if layout.pool not in CLS_POOLS:
+    if layout.pool == "avg":
         raise ValueError(
-            f"{method} reads the class-token (CLS) row of the attention, but this model's head does not "
-            f"read the class token: it pools the patch tokens (global_pool={layout.pool!r}), so a CLS-row map "
-            "would explain a token the output ignores. Use a model whose head reads the class token "
-            "(timm global_pool='token')"
+            f"{method} reads the class-token (CLS) row of the attention, but this model's head reads the mean of "
+            "the patch tokens (global_pool='avg' / use_mean_pooling), so a CLS-row map would explain a token the "
+            f"output ignores. Methods that read the pooled output's row do explain it: {pooled_methods}"
         )
+    raise _pool_refusal(layout, method, "the class-token (CLS) row of the attention")
+
+
+def readout_weights(layout: TokenLayout, method: str, dtype=torch.float32, device=None) -> torch.Tensor:
+    """The weights ``w`` (``N``) of the token the model's output reads, as a combination of the last
+    block's tokens (:meth:`vitlab.layout.TokenLayout.readout`): ``e_CLS`` for a head reading the
+    class token, ``1 / P`` on each of the ``P`` patch tokens for a mean-pooled head (timm
+    ``global_pool="avg"``, BEiT, EVA-02, SigLIP's classifier).
+
+    A map defined as row CLS of a matrix ``M`` over the tokens (rollout, Chefer relevance, the
+    last block's attention) becomes ``w M`` for the pooled token: the pooled output is
+    ``sum_i w_i h_i``, a fixed linear combination of the last block's tokens, so its row of the
+    propagated matrix is the same combination of their rows (each row says what one output
+    token is made of; the combination's is the combination of theirs). The prefix tokens'
+    rows get weight 0 when the head averages the patches only. ``ValueError`` (naming what is
+    missing) for any other head; called before the forward.
+    """
+    w = layout.readout(dtype=dtype, device=device)
+    if w is None:
+        raise _pool_refusal(layout, method, "the row of the token the model's output reads")
+    return w
 
 
 def check_images(x, method: str) -> None:
@@ -126,16 +180,23 @@ def check_input_dtype(model, x: torch.Tensor, method: str) -> None:
                      f"(or a model in {x.dtype}: model.to({x.dtype}), e.g. model.double() for float64)")
 
 
-def checked_layout(model, x, method: str, cls_row: bool = True) -> TokenLayout:
+def checked_layout(model, x, method: str, cls_row: bool = True, pooled: bool = False) -> TokenLayout:
     """:func:`check_images`, :func:`check_input_dtype`, then ``token_layout(model, x)`` and, for a
-    method that reads the CLS row (``cls_row``), :func:`require_cls`: every check a method makes
+    method that reads the CLS row (``cls_row``), :func:`require_cls`; for one that reads the row of
+    the token the output reads (``pooled``), :func:`readout_weights`: every check a method makes
     before its forward."""
     check_images(x, method)
     check_input_dtype(model, x, method)
     layout = token_layout(model, x)
-    if cls_row:
+    if pooled:
+        if layout.pool != "map":  # an attention-pool head's probe: checked once recorded (probe_sequence)
+            readout_weights(layout, method)
+    elif cls_row:
         require_cls(layout, method)
     return layout
+
+
+
 
 
 def chunk_size(model, x: torch.Tensor, layout: TokenLayout, gradients: bool = False) -> int:
@@ -165,8 +226,9 @@ def in_chunks(method, model, x: torch.Tensor, layout: TokenLayout, gradients: bo
         return None
     chunks = x.split(size)
     if gradients:
-        t = check_target(kwargs.pop("target"), x.shape[0])
-        targets = [None] * len(chunks) if t is None else t.split(size)
+        target = kwargs.pop("target")
+        t = None if is_function_target(target) else check_target(target, x.shape[0])
+        targets = [target] * len(chunks) if t is None else t.split(size)
         return torch.cat([method(model, c, target=tc, **kwargs) for c, tc in zip(chunks, targets)])
     return torch.cat([method(model, c, **kwargs) for c in chunks])
 

@@ -6,11 +6,19 @@ model may also have registers and no CLS token at all (``class_token=False``). E
 number here is read from the model (and, where the model accepts several input sizes,
 from the input), never assumed: no 197, 196 or 14 x 14 anywhere in vitlab.
 
-The layout also says which tokens the model's output reads (``pool``): the CLS token
-(timm's ``global_pool="token"``; every Hugging Face ViT, DeiT and Dinov2, whose Dinov2
-classifier reads the CLS token next to the patch mean) or a pooling of the patch tokens
-only (timm's ``"avg"``, ``"max"``, ``"avgmax"``, attention pooling ``"map"``). Maps read
-from the CLS row explain the CLS token, which only the first kind's output reads.
+The layout also says which tokens the model's output reads (``pool``, :data:`POOLS`): the CLS
+token (``"token"``: timm's ``global_pool="token"``; Hugging Face ViT, DeiT, CLIP's vision
+tower and Dinov2, whose Dinov2 classifier reads the CLS token next to the patch mean), the
+mean of the patch tokens (``"avg"``: timm's ``"avg"`` -- BEiT and EVA-02 by default --, Hugging
+Face BEiT with ``use_mean_pooling``, SigLIP's classifier), another pooling of them (timm's
+``"max"``, ``"avgmax"``), an attention probe over the tokens (``"map"``: timm's attention
+pooling, SigLIP's pooling head), CaiT's class-attention blocks (``"class_attention"``: its
+class token joins the patches only there), or nothing (``""``: every token, unpooled). Maps
+read from the CLS row explain the CLS token, which only the first kind's output reads; a
+mean-pooled output is explained through its own row (:meth:`TokenLayout.readout`).
+
+Hierarchical ViTs with windowed attention (Swin) have no single patch grid and no CLS token:
+:func:`token_layout` refuses them (:func:`windowed_refusal`).
 
 What each patch token actually reads, its footprint on the input pixels, is measured in
 :mod:`vitlab.footprints`.
@@ -34,9 +42,12 @@ class TokenLayout:
         grid: ``(gh, gw)`` patch grid, row-major in the sequence after the prefix.
         num_registers: register tokens among the prefix.
         has_distillation: whether the prefix holds a distillation token.
-        pool: what the model's output reads: ``"token"`` (the CLS token) or timm's name
-            of a pooling over the patch tokens (``"avg"``, ``"max"``, ``"avgmax"``, ``"map"``,
-            ``"prr"``), or ``""`` (every token, unpooled).
+        pool: what the model's output reads (:data:`POOLS`): ``"token"`` (the CLS token),
+            ``"avg"`` (the mean of the patch tokens, prefix tokens left out), timm's name of
+            another pooling over the patch tokens (``"max"``, ``"avgmax"``, ``"prr"``),
+            ``"map"`` (an attention probe over the tokens), ``"class_attention"`` (CaiT: the
+            class token joins the patch tokens only in the class-attention blocks after the
+            self-attention blocks), or ``""`` (every token, unpooled).
     """
 
     num_prefix: int
@@ -50,6 +61,23 @@ class TokenLayout:
         """Whether the sequence starts with a CLS token (the prefix minus registers and the
         distillation token is not empty). The CLS token, when there is one, is token 0."""
         return self.num_prefix - self.num_registers - int(self.has_distillation) > 0
+
+    def readout(self, dtype=torch.float32, device=None) -> torch.Tensor | None:
+        """Weights ``w`` over the ``N`` tokens with ``pooled = sum_i w_i h_i``: the token the output
+        reads, as a combination of the last block's tokens. ``"token"`` / ``""`` with a CLS
+        token: ``e_0``; ``"avg"``: ``1 / num_patches`` on every patch token, 0 on the prefix
+        (what timm and Hugging Face average); CaiT (``"class_attention"``): ``e_0``, its class
+        token after the class-attention blocks (:func:`vitlab.attention.full_sequence`). None
+        where the output is not such a weighted sum of tokens (max pooling, an attention probe,
+        no CLS token)."""
+        w = torch.zeros(self.num_tokens, dtype=dtype, device=device)
+        if self.pool in ("token", "", "class_attention") and self.has_class_token:
+            w[0] = 1
+            return w
+        if self.pool == "avg":
+            w[self.num_prefix:] = 1.0 / self.num_patches
+            return w
+        return None
 
     @property
     def num_patches(self) -> int:
@@ -70,6 +98,27 @@ class TokenLayout:
                 f"(patches) for this layout, got {n}"
             )
         return values.reshape(*values.shape[:-1], *self.grid)
+
+
+#: What ``TokenLayout.pool`` can say (timm's own pooling names kept: ``"avgmax"``, ``"prr"``).
+POOLS = ("token", "avg", "max", "avgmax", "prr", "map", "class_attention", "")
+
+
+def windowed_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be explained as a ViT, when it is a hierarchical ViT with windowed
+    attention (timm or Hugging Face Swin); None otherwise. The one place vitlab refuses Swin:
+    :func:`token_layout` and :func:`vitlab.record.record` raise ``TypeError`` with this text."""
+    name = type(model).__name__
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if "swin" in str(model_type).lower() or name.lower().startswith("swin"):
+        return (
+            f"{name} is a hierarchical ViT with shifted-window attention (Swin): its attention is computed per "
+            "window and its patch grid shrinks between stages (patch merging), and it has no class token. "
+            "vitlab's maps need one token sequence over one patch grid, and recording Swin's windows into "
+            "per-stage token matrices is not supported yet; use a plain ViT (timm ViT, DeiT, BEiT, EVA-02, "
+            "Hugging Face ViT, DeiT, BEiT, Dinov2, SigLIP)"
+        )
+    return None
 
 
 def _input_hw(x) -> tuple[int, int] | None:
@@ -125,9 +174,15 @@ def _timm_layout(model: nn.Module, hw) -> TokenLayout:
     num_reg = int(getattr(model, "num_reg_tokens", 0) or 0)
     has_dist = getattr(model, "dist_token", None) is not None
     pool = getattr(model, "global_pool", "token")
+    if not isinstance(pool, str):  # a pooling module (SelectAdaptivePool2d): its name
+        pool = str(getattr(pool, "pool_type", "token"))
     if getattr(model, "attn_pool", None) is not None:
-        pool = pool or "map"
-    return TokenLayout(num_prefix, grid, num_reg, has_dist, pool if isinstance(pool, str) else "token")
+        pool = "map"
+    if getattr(model, "blocks_token_only", None) is not None and pool == "token":
+        # CaiT: the class token is not in the self-attention blocks' sequence; it joins the
+        # patches in the class-attention blocks, whose output the head reads
+        pool = "class_attention"
+    return TokenLayout(num_prefix, grid, num_reg, has_dist, pool)
 
 
 def _hf_layout(model: nn.Module, hw) -> TokenLayout:
@@ -138,8 +193,39 @@ def _hf_layout(model: nn.Module, hw) -> TokenLayout:
         hw = _pair(vision.image_size)
     grid = (hw[0] // patch[0], hw[1] // patch[1])
     num_reg = int(getattr(vision, "num_register_tokens", 0) or 0)
-    has_dist = any(name.endswith("distillation_token") for name, _ in model.named_parameters())
-    return TokenLayout(1 + int(has_dist) + num_reg, grid, num_reg, has_dist)
+    names = [name for name, _ in model.named_parameters()]
+    has_dist = any(name.endswith("distillation_token") for name in names)
+    model_type = str(getattr(config, "model_type", ""))
+    # a CLS token: a learned cls_token parameter (ViT, DeiT, BEiT, Dinov2), or CLIP's class_embedding;
+    # SigLIP's sequence is the patches alone
+    has_cls = any(name.endswith(("cls_token", "class_embedding")) for name in names)
+    pool = "token" if has_cls else ""
+    if model_type.startswith("siglip"):
+        # SiglipForImageClassification averages every token (all patches); the vision model's
+        # pooler_output is its attention-pooling head (a probe attending to the tokens)
+        pool = "avg" if hasattr(model, "classifier") else ("map" if getattr(vision, "vision_use_head", True) else "")
+    elif model_type.startswith("beit") and getattr(vision, "use_mean_pooling", False):
+        pool = "avg"  # BeitPooler: the mean of the patch tokens (the CLS token left out)
+    return TokenLayout(int(has_cls) + int(has_dist) + num_reg, grid, num_reg, has_dist, pool)
+
+
+def hf_needs_interpolation(model: nn.Module, x) -> bool:
+    """Whether a Hugging Face ViT must be called with ``interpolate_pos_encoding=True`` for input
+    ``x``: its configured image size differs from ``x``'s and its forward takes that argument
+    (ViT, DeiT, BEiT, CLIP, SigLIP; Dinov2 always interpolates and takes none). False for timm."""
+    import inspect
+
+    config = getattr(model, "config", None)
+    if not (is_hf_model(model) and isinstance(x, torch.Tensor) and x.ndim == 4):
+        return False
+    vision = getattr(config, "vision_config", None) or config
+    size = getattr(vision, "image_size", None)
+    if size is None or _pair(size) == (int(x.shape[-2]), int(x.shape[-1])):
+        return False
+    try:
+        return "interpolate_pos_encoding" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def is_timm_vit(model: nn.Module) -> bool:
@@ -158,6 +244,9 @@ def token_layout(model: nn.Module, x=None) -> TokenLayout:
     model's configured image size is used.
     """
     hw = _input_hw(x)
+    refusal = windowed_refusal(model)
+    if refusal is not None:
+        raise TypeError(refusal)
     if is_timm_vit(model):
         return _timm_layout(model, hw)
     if is_hf_model(model) and hasattr(model.config, "patch_size") or hasattr(
@@ -166,8 +255,8 @@ def token_layout(model: nn.Module, x=None) -> TokenLayout:
         return _hf_layout(model, hw)
     raise TypeError(
         f"{type(model).__name__} is not a supported Vision Transformer: vitlab reads token layouts "
-        "from timm VisionTransformer models (ViT, DeiT, DeiT-distilled, DINOv2, with registers) and "
-        "Hugging Face ViT, DeiT and Dinov2 models"
+        "from timm ViTs (ViT, DeiT, DeiT-distilled, DINOv2 with and without registers, BEiT, EVA-02, CaiT) and "
+        "Hugging Face ViT, DeiT, BEiT, Dinov2, CLIP and SigLIP vision models"
     )
 
 

@@ -84,13 +84,19 @@ def _head_parts(model: nn.Module, layout: TokenLayout, method: str) -> tuple[lis
         )
     if not layout.has_class_token:
         raise ValueError(f"{method}: this model has no class token, so no token's projection is its output")
+    if layout.pool == "class_attention":
+        raise ValueError(
+            f"{method}: this model is CaiT: its class token joins the patch tokens only in the class-attention "
+            "blocks, so the states of the self-attention blocks have no class token to project"
+        )
+    if layout.pool != "token":
+        raise ValueError(
+            f"{method}: this model's head does not read the class token: it pools the patch tokens "
+            f"(pool {layout.pool!r}{': their mean' if layout.pool == 'avg' else ''}), "
+            "so projecting one token through norm + head would read features as classes the model never "
+            "scores that way; use a model whose head reads the class token (timm global_pool='token')"
+        )
     if is_timm_vit(model):
-        if layout.pool != "token":
-            raise ValueError(
-                f"{method}: this model's head does not read the class token: it pools the patch tokens "
-                f"(global_pool={layout.pool!r}), so projecting one token through norm + head would read "
-                "features as classes the model never scores that way; use a model with global_pool='token'"
-            )
         norms = [m for m in (getattr(model, "norm", None), getattr(model, "fc_norm", None))
                  if isinstance(m, nn.Module) and not isinstance(m, nn.Identity)]
         head = getattr(model, "head", None)

@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 
 from vitlab.attention import attention_gradients_for_blocks, recorded_attentions
-from vitlab.inputs import batches, checked_layout, in_chunks, require_cls
+from vitlab.inputs import batches, checked_layout, in_chunks, readout_weights
 from vitlab.layout import TokenLayout
 
 HEAD_FUSIONS = ("mean", "min", "max")
@@ -135,29 +135,62 @@ def rollout_matrix(layers: list[torch.Tensor]) -> torch.Tensor:
     return R
 
 
-def rollout_row(layers: list[torch.Tensor], index: int = 0) -> torch.Tensor:
-    """Row ``index`` of :func:`rollout_matrix`, as ``e_index @ a_L @ ... @ a_1``: ``B x N``."""
-    r = layers[-1][:, index, :]  # B x N
+def _start(like: torch.Tensor, index) -> torch.Tensor:
+    """``B x N`` start row: ``e_index`` for an int, else the given weights over the N tokens."""
+    B, N = like.shape[0], like.shape[-1]
+    if isinstance(index, int):
+        r = torch.zeros(B, N, dtype=like.dtype, device=like.device)
+        r[:, index] = 1
+        return r
+    w = torch.as_tensor(index, dtype=like.dtype, device=like.device)
+    if w.shape[-1] != N:
+        raise ValueError(f"the start weights have {w.shape[-1]} entries, the attention has {N} tokens")
+    return w.expand(B, N).clone()
+
+
+def rollout_row(layers: list[torch.Tensor], index=0) -> torch.Tensor:
+    """Row ``index`` of :func:`rollout_matrix`, as ``e_index @ a_L @ ... @ a_1``: ``B x N``.
+
+    ``index`` may also be weights ``w`` over the N tokens (``N`` or ``B x N``): the row
+    ``w @ R`` of the token ``sum_i w_i h_i`` (a mean-pooled output,
+    :func:`vitlab.attention.readout_weights`); the products are linear in the row."""
+    if isinstance(index, int):
+        r = layers[-1][:, index, :]  # B x N
+    else:
+        r = (_start(layers[-1], index).unsqueeze(1) @ layers[-1]).squeeze(1)  # B x N
     for a in reversed(layers[:-1]):
         r = (r.unsqueeze(1) @ a).squeeze(1)  # B x N
     return r
 
 
-def fused_rollout_row(fused: list[torch.Tensor], index: int = 0) -> torch.Tensor:
+def fused_rollout_row(fused: list[torch.Tensor], index=0) -> torch.Tensor:
     """:func:`rollout_row` straight from the fused matrices, never forming an ``a_l``: ``B x N``.
 
     ``fused[l]``: block l's head-fused (and discarded) ``B x N x N`` matrix A. With
     ``d = ((A + I) / 2).sum(-1)`` its row sums, a row vector r times
     ``a = diag(1/d) (A + I) / 2`` is ``((r / d) @ A + r / d) / 2``: one row-sum and one
-    vector-matrix product per block, from the last block down.
+    vector-matrix product per block, from the last block down. ``index``: a token, or
+    weights over the tokens (:func:`rollout_row`).
     """
-    B, N, _ = fused[0].shape
-    r = torch.zeros(B, N, dtype=fused[0].dtype, device=fused[0].device)
-    r[:, index] = 1
+    r = _start(fused[0], index)
     for A in reversed(fused):
         s = r / ((A.sum(dim=-1) + 1) / 2)  # B x N: r over the row sums of (A + I) / 2
         r = ((s.unsqueeze(1) @ A).squeeze(1) + s) / 2  # B x N
     return r
+
+
+def require_attention_flow(model, method: str) -> None:
+    """Raise ``ValueError`` when ``model``'s attention rows are not distributions over the tokens,
+    which rollout's flow (``(A + I) / 2``, each row a share of the token's input) needs: CaiT's
+    talking-heads attention mixes the heads after the softmax (``proj_w``), so the matrix it
+    multiplies with the values has rows of any sign and sum."""
+    if any(isinstance(getattr(m, "proj_w", None), torch.nn.Linear) and isinstance(getattr(m, "proj_l", None), torch.nn.Linear)
+           for m in model.modules()):
+        raise ValueError(
+            f"{method} follows attention as a flow (each row a distribution over the tokens), but this model's "
+            "talking-heads attention (CaiT) mixes the heads after the softmax, so its rows are not distributions; "
+            "use grad_rollout or chefer_relevance, which weigh each attention by its gradient"
+        )
 
 
 def max_normalize(maps: torch.Tensor) -> torch.Tensor:
@@ -166,9 +199,11 @@ def max_normalize(maps: torch.Tensor) -> torch.Tensor:
     return maps / m.view(-1, *([1] * (maps.ndim - 1)))
 
 
-def _cls_readout(fused: list[torch.Tensor], layout: TokenLayout) -> torch.Tensor:
-    """CLS row of the rollout, patch columns, on the grid, over its max: ``B x gh x gw``."""
-    row = fused_rollout_row(fused, index=0)  # B x N
+def _cls_readout(fused: list[torch.Tensor], layout: TokenLayout, method: str = "rollout") -> torch.Tensor:
+    """The row of the token the output reads (CLS, or the mean of the patch tokens) of the
+    rollout, patch columns, on the grid, over its max: ``B x gh x gw``."""
+    w = readout_weights(layout, method, fused[0].dtype, fused[0].device)
+    row = fused_rollout_row(fused, index=w)  # B x N
     return max_normalize(layout.patches_to_grid(row))
 
 
@@ -180,7 +215,11 @@ def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: fl
     block, ``A = fuse(heads)``; discard each sample's lowest ``discard_ratio`` of entries
     (never CLS->CLS); ``a = (A + I) / 2``, row-normalised; ``R = a_L @ ... @ a_1``; map =
     ``R[CLS, patches]`` on the grid, divided by its maximum. One forward, no gradients (one
-    per chunk of a batch over :data:`vitlab.inputs.MEMORY_BUDGET`).
+    per chunk of a batch over :data:`vitlab.inputs.MEMORY_BUDGET`). For a mean-pooled head
+    (timm ``global_pool="avg"``, BEiT, EVA-02) the row of the pooled token ``(1/P) sum_p h_p``:
+    ``(1/P) sum_p R[p, patches]``, the mean of the patch tokens' rows
+    (:func:`vitlab.inputs.readout_weights`); for an attention-pool head, its probe's row
+    (:func:`vitlab.attention.probe_sequence`).
 
     Args:
         model: a timm or Hugging Face ViT (run in eval mode, its mode put back).
@@ -190,12 +229,14 @@ def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: fl
             than one entry (:func:`discard_count`).
 
     Raises:
-        ValueError: bad arguments or input, or a model whose output does not read a CLS
-            token (:func:`vitlab.inputs.require_cls`).
+        ValueError: bad arguments or input, or a model whose output reads neither a CLS
+            token, nor the mean of the patch tokens, nor an attention probe
+            (:func:`vitlab.inputs.readout_weights`).
     """
     check_head_fusion(head_fusion)
     check_discard_ratio(discard_ratio)
-    layout = checked_layout(model, x, "rollout")
+    layout = checked_layout(model, x, "rollout", pooled=True)
+    require_attention_flow(model, "rollout")
     discard_count(layout.num_tokens, discard_ratio)
     chunked = in_chunks(rollout, model, x, layout, head_fusion=head_fusion, discard_ratio=discard_ratio)
     if chunked is not None:  # a batch larger than vitlab.inputs.MEMORY_BUDGET allows
@@ -225,10 +266,11 @@ def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0
 
     Raises:
         ValueError: bad arguments, input or target, a model without a class head, or one
-            whose head does not read a CLS token.
+            whose head reads neither a CLS token, nor the mean of the patch tokens, nor an
+            attention probe (a pooled head is explained through its row, as in :func:`rollout`).
     """
     check_discard_ratio(discard_ratio)
-    layout = checked_layout(model, x, "grad_rollout")
+    layout = checked_layout(model, x, "grad_rollout", pooled=True)
     discard_count(layout.num_tokens, discard_ratio)
     chunked = in_chunks(grad_rollout, model, x, layout, gradients=True, target=target,
                          discard_ratio=discard_ratio, score=score)
@@ -239,7 +281,7 @@ def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0
         discard_lowest(grad_fuse_heads(A, G), discard_ratio)  # B x N x N
         for A, G in zip(ag.attentions, ag.gradients)  # layer l with its own gradient
     ]
-    return _cls_readout(fused, ag.layout)
+    return _cls_readout(fused, ag.layout, "grad_rollout")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +300,8 @@ def rollout_from_attentions(attentions: Sequence[torch.Tensor], layout, head_fus
     check_head_fusion(head_fusion)
     check_discard_ratio(discard_ratio)
     layers = [residual_normalize(discard_lowest(fuse_heads(A, head_fusion), discard_ratio)) for A in attentions]
-    return max_normalize(layout.patches_to_grid(rollout_row(layers, index=0)))
+    w = readout_weights(layout, "rollout_from_attentions", layers[0].dtype, layers[0].device)
+    return max_normalize(layout.patches_to_grid(rollout_row(layers, index=w)))
 
 
 def rollout_settings_maps(model, x: torch.Tensor, settings: Sequence[tuple[str, float]],
@@ -274,9 +317,10 @@ def rollout_settings_maps(model, x: torch.Tensor, settings: Sequence[tuple[str, 
     if not settings:
         raise ValueError("settings must hold at least one (head_fusion, discard_ratio) pair")
     per_batch = []
+    require_attention_flow(model, "rollout_settings_maps")
     for s in batches(x.shape[0], batch_size):
         attentions, layout = recorded_attentions(model, x[s])
-        require_cls(layout, "rollout_settings_maps")
+        readout_weights(layout, "rollout_settings_maps")
         per_batch.append(torch.stack([rollout_from_attentions(attentions, layout, f, d) for f, d in settings]))
     return torch.cat(per_batch, dim=1)
 

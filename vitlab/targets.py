@@ -6,9 +6,32 @@ Every explanation method takes ``target`` in one of these forms:
 - an ``int`` -- the same class for every sample of the batch;
 - a sequence, NumPy array or 1-D integer tensor -- one class per sample (length = batch size).
 
+The gradient methods on ViTs (:func:`vitlab.attention.attention_gradients` and every method
+built on it: ``attention_gradcam``, ``grad_rollout``, ``chefer_relevance``,
+``last_block_relevance``; :func:`vitlab.gradients.input_x_gradient`,
+:func:`vitlab.gradients.integrated_gradients`) also take
+
+- a function of the model's output -- ``target(output)`` returns one score per sample, a
+  ``(B,)`` float tensor, which the method differentiates. This explains a model without a
+  class head (Hugging Face ``Dinov2Model``, ``CLIPVisionModel``, a timm model with
+  ``num_classes=0``) for any score you define on its output, e.g. how far each image's
+  embedding points along a direction::
+
+      direction = text_embedding / text_embedding.norm()         # D, a direction in embedding space
+      maps = vitlab.chefer_relevance(dinov2, x, target=lambda out: out.pooler_output @ direction)
+
+  The function must compute each sample's score from that sample's outputs only (rows of the
+  batch do not mix), and work for any batch size: a method may run the batch in chunks, and
+  Integrated Gradients runs it along its path. ``score=`` stays ``"logit"``: the function's
+  value is the score. The map still reads the row of the token the model's output reads
+  (:meth:`vitlab.layout.TokenLayout.readout`: the CLS token for these models), so the
+  function should read the pooled output (``pooler_output``, timm's ``forward_head``), the
+  token the map explains.
+
 :func:`check_target` validates the form before the model runs (so a batch/target length
 mismatch costs no forward pass); :func:`resolve_target` then fills in the predicted classes
 and checks the range against the model's number of classes, read from its logits.
+:func:`is_function_target` and :func:`function_scores` serve the function form.
 """
 from __future__ import annotations
 
@@ -30,8 +53,10 @@ def logits_of(output) -> torch.Tensor:
     logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
     if not isinstance(logits, torch.Tensor):
         raise ValueError(
-            f"the model returned {type(output).__name__}, which holds no logits: class-specific "
-            "methods need a classification model (one returning logits or an output with .logits)"
+            f"the model returned {type(output).__name__}, which holds no logits: a class target needs a "
+            "classification model (one returning logits or an output with .logits). To explain a model "
+            "without a head, pass target as a function of its output returning one score per sample, e.g. "
+            "target=lambda out: out.pooler_output @ direction (gradient methods accept it)"
         )
     if logits.ndim != 2:
         raise ValueError(f"expected logits of shape B x num_classes, got {tuple(logits.shape)}")
@@ -52,8 +77,48 @@ def require_class_head(model, method: str) -> None:
         raise ValueError(
             f"{method} explains a class score, but {type(model).__name__} has no class head "
             "(num_classes=0: its output is a feature vector, whose channels are not classes). "
-            "Use a classifier, or a class-agnostic method: rollout, raw_attention, cls_attention"
+            "Use a classifier, a class-agnostic method (rollout, raw_attention, cls_attention), or pass "
+            "target as a function of the output returning one score per sample, e.g. "
+            "target=lambda out: out @ direction (gradient methods accept it)"
         )
+
+
+def is_function_target(target) -> bool:
+    """Whether ``target`` is a function of the model's output (see the module docstring), not a
+    class index form."""
+    return callable(target) and not isinstance(target, (torch.Tensor, np.ndarray, type))
+
+
+def check_function_target(target, score: str, method: str) -> None:
+    """Checks for a function ``target`` before the forward: ``score`` must be ``"logit"`` (the
+    function's value is the score itself)."""
+    check_score(score)
+    if score != "logit":
+        raise ValueError(
+            f"{method}: score={score!r} reads a class's log-probability, but target is a function whose value "
+            "is the score itself; leave score='logit' (or return the log-probability from the function)"
+        )
+
+
+def function_scores(target, output, batch_size: int, method: str) -> torch.Tensor:
+    """``target(output)`` checked: a ``(batch_size,)`` floating-point tensor in the autograd graph."""
+    scores = target(output)
+    if not isinstance(scores, torch.Tensor):
+        raise ValueError(f"{method}: target(output) must return a tensor of one score per sample, "
+                         f"got {type(scores).__name__}")
+    if tuple(scores.shape) != (batch_size,) or not scores.is_floating_point():
+        raise ValueError(
+            f"{method}: target(output) must return one float score per sample, shape ({batch_size},), got "
+            f"shape {tuple(scores.shape)} of dtype {scores.dtype}; e.g. target=lambda out: out.pooler_output @ "
+            "direction for a direction of the embedding's size"
+        )
+    if not scores.requires_grad:
+        raise ValueError(
+            f"{method}: target(output) returned scores outside the autograd graph (detached, or computed "
+            "without the model's output), so they have no gradient to explain; compute them from the output "
+            "with differentiable operations"
+        )
+    return scores
 
 
 #: What a class-specific method differentiates: the target's logit (Chefer et al., the blog) or
@@ -156,6 +221,13 @@ def check_target(target, batch_size: int) -> torch.Tensor | None:
                 "pass one class per sample, a single int for all, or None for the predicted class"
             )
         return t.to(device="cpu", dtype=torch.long)
+    if is_function_target(target):
+        raise ValueError(
+            "target is a function, which this method does not take: it explains a class, so pass "
+            f"{_ALLOWED}. A function of the model's output is accepted by the gradient methods on ViTs "
+            "(attention_gradients, attention_gradcam, grad_rollout, chefer_relevance, last_block_relevance, "
+            "input_x_gradient, integrated_gradients)"
+        )
     raise ValueError(f"target must be {_ALLOWED}, got {type(target).__name__}")
 
 

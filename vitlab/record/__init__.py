@@ -61,7 +61,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from vitlab.layout import is_hf_model, is_timm_vit, token_layout
+from vitlab.layout import is_hf_model, is_timm_vit, token_layout, windowed_refusal
 from vitlab.record._session import (  # noqa: F401  (the public names, and the engine's for adapters)
     CAPTURE_FIELDS, SUPPORTED, AttentionCapture, NotRecordedError, Recording, _MULTI_FIELDS, _Session,
     check_capture,
@@ -86,6 +86,9 @@ def _adapter_for(model: nn.Module):
     ``(name, block, attention)`` list)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"vitlab.record expects a torch.nn.Module, got {type(model).__name__}")
+    refusal = windowed_refusal(model)
+    if refusal is not None:
+        raise TypeError(refusal)
     if is_timm_vit(model):
         found = _timm_attention_modules(model)
         if found:
@@ -125,8 +128,16 @@ def require_materialized(model: nn.Module, method: str) -> None:
 
 def _vit_only(model: nn.Module, what: str):
     attach, found = _adapter_for(model)
+    if _vision_tower_alone(attach, found):  # CLIP's vision tower alone: one stack of blocks over image tokens
+        return attach, found
     if attach in _MULTI:
-        raise TypeError(f"{what} is defined for ViTs (one stack of blocks), not for {type(model).__name__}")
+        family = _MULTI[attach][0]
+        raise TypeError(
+            f"{what} is defined for ViTs (one stack of blocks over one image's tokens), not for "
+            f"{type(model).__name__}, a {family} model with several attention streams; explain it with the "
+            f"{family} methods of vitlab.relevance (e.g. clip_relevance for CLIP's image-text score), or pass "
+            "its vision tower alone"
+        )
     return attach, found
 
 
@@ -144,16 +155,26 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
             m.training = mode
 
 
+def _vision_tower_alone(attach, found) -> bool:
+    """Whether a CLIP recording has the image tower alone (``CLIPVisionModel``): a ViT to the methods."""
+    return attach is _attach_clip and [stream for stream, _, _ in found] == ["image"]
+
+
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a supported ViT, in the order they run (one per recorded layer)."""
-    return [block for _, block, _ in _vit_only(model, "vitlab.record.blocks")[1]]
+    attach, found = _vit_only(model, "this method")
+    if _vision_tower_alone(attach, found):
+        return list(found[0][2].encoder.layers)
+    return [block for _, block, _ in found]
 
 
 def attention_size(model: nn.Module, num_tokens: int) -> int:
     """Entries of one sample's attention that a forward inside :func:`record` keeps: the sum
     over blocks of ``heads x N x N``, for ``N = num_tokens``. Methods size their chunks by it."""
-    attach, found = _vit_only(model, "vitlab.record.attention_size")
-    if attach is _attach_timm:
+    attach, found = _vit_only(model, "this method")
+    if _vision_tower_alone(attach, found):
+        heads = sum(_hf_heads(layer.self_attn) for layer in found[0][2].encoder.layers)
+    elif attach is _attach_timm:
         heads = sum(int(attn.num_heads) for _, _, attn in found)
     else:
         heads = sum(_hf_heads(attn) for _, _, attn in found)

@@ -13,8 +13,9 @@ from vitlab.layout import TokenLayout
 
 
 SUPPORTED = (
-    "timm VisionTransformer models (ViT, DeiT, DeiT-distilled, DINOv2, DINOv2 with registers, "
-    "and vitlab's embedded models), Hugging Face ViT, DeiT and Dinov2 models, and Hugging Face "
+    "timm VisionTransformer models (ViT, DeiT, DeiT-distilled, DINOv2, DINOv2 with registers, FlexiViT, "
+    "and vitlab's embedded models), timm BEiT, EVA-02 and CaiT, Hugging Face ViT, DeiT, BEiT, Dinov2, SigLIP and "
+    "CLIP vision models, and Hugging Face "
     "LXMERT (LxmertModel, LxmertForQuestionAnswering, ...), DETR (DetrModel, DetrForObjectDetection, ...) "
     "and CLIP (CLIPModel, CLIPVisionModel, CLIPTextModel, ...)"
 )
@@ -316,6 +317,8 @@ class _Session:
                 had_own, old, _ = entry
                 if had_own:
                     obj.__dict__[name] = old
+                elif name in obj.__dict__:  # set on the instance over a class attribute: remove it again
+                    del obj.__dict__[name]
                 else:
                     setattr(obj, name, old)
 

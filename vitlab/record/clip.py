@@ -10,7 +10,8 @@ recording therefore has two streams (:data:`CLIP_STREAMS`): ``"image"`` (query a
 ``image``) and ``"text"`` (``text``), one capture per layer of each, in ``rec.events`` in the
 order the model ran them (``CLIPModel.forward``: the image tower first). A tower alone
 (``CLIPVisionModel``, ``CLIPTextModel``, ``...WithProjection``) records its one stream, which is
-then the default (``rec.attentions`` etc. read it).
+then the default (``rec.attentions`` etc. read it); the vision tower alone is a ViT to vitlab's
+methods (one stack of blocks over the image's tokens, with its token layout).
 
 What each capture (:class:`ClipCapture`) holds, per ``capture`` field of :func:`vitlab.record`:
 

@@ -476,8 +476,52 @@ def _patch_embedding(model: nn.Module) -> nn.Module | None:
 BERT_LIKE = ("visual_bert", "lxmert")
 
 
+# Non-linear layers the rule sets have no rule for: their backward would stay the plain gradient,
+# so LRP through them would silently not be LRP. Refused by name (module class names, timm's and
+# Hugging Face's activation classes included).
+_UNRULED_ACTIVATIONS = {
+    "SiLU": "SiLU (x * sigmoid(x))", "SiLUActivation": "SiLU (x * sigmoid(x))", "Swish": "SiLU (x * sigmoid(x))",
+    "QuickGELUActivation": "QuickGELU (x * sigmoid(1.702 x))", "QuickGELU": "QuickGELU (x * sigmoid(1.702 x))",
+    "NewGELUActivation": "the tanh form of GELU written out elementwise",
+    "FastGELUActivation": "the tanh form of GELU written out elementwise",
+    "ReLU": "ReLU", "Sigmoid": "sigmoid", "Hardswish": "hard swish", "Mish": "Mish", "ELU": "ELU",
+    "LeakyReLU": "leaky ReLU", "Softplus": "softplus", "GELUTanh": None, "PytorchGELUTanh": None,
+}
+_GATED = ("SwiGLU", "SwiGLUPacked", "GluMlp", "GatedMlp")
+
+
+def unruled_layer(model: nn.Module) -> str | None:
+    """The first layer of ``model`` whose non-linearity the LRP rules do not cover, described, or
+    None. Gated MLPs (SwiGLU, ``act(x W_g) * (x W)``) multiply two activations elementwise, a
+    product AttnLRP splits by its uniform rule and the rules here do not; SiLU and the other
+    activations listed in ``_UNRULED_ACTIVATIONS`` have no rule here; EVA-02's attention output
+    gate (``sigmoid(x W) *``) likewise. The patch embedding is not looked into: LRP stops at its
+    output, the patch tokens (a hybrid ViT's ResNet stem with its ReLUs is fine)."""
+    embed = _patch_embedding(model)
+    skip = set() if embed is None else {id(m) for m in embed.modules()}
+    for name, m in model.named_modules():
+        if id(m) in skip:
+            continue
+        kind = type(m).__name__
+        if kind in _GATED:
+            return (f"layer {name} ({kind}) is a gated MLP (SwiGLU: act(x W_g) * (x W)), whose elementwise product "
+                    "of two activations and whose SiLU have no LRP rule here")
+        if _UNRULED_ACTIVATIONS.get(kind):
+            return f"layer {name} ({kind}) is a {_UNRULED_ACTIVATIONS[kind]} non-linearity with no LRP rule here"
+        if isinstance(getattr(m, "gate", None), nn.Module) and hasattr(m, "num_heads"):
+            return f"layer {name} ({kind}) gates its attention output with a sigmoid, which has no LRP rule here"
+    return None
+
+
 def _attach_vit_stream(model: nn.Module, session, state: LRPState, blocks) -> None:
     """ViT: the patch embedding's tokens kept, each block's input is the residual stream."""
+    unruled = unruled_layer(model)
+    if unruled is not None:
+        raise ValueError(
+            f"LRP on {type(model).__name__}: {unruled}, so its backward would be the plain gradient there, "
+            "not LRP. The rules cover Linear, GELU, LayerNorm, softmax and the attention products (ViT, DeiT, "
+            "DINOv2, BEiT, CLIP with GELU); use a model built from those"
+        )
     rec = session.rec
     embed = _patch_embedding(model)
     if embed is None:

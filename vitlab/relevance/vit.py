@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from vitlab.attention import attention_gradients, attention_gradients_for_blocks, gradcam_cls_row
-from vitlab.inputs import batches, checked_layout, in_chunks, require_cls
+from vitlab.inputs import batches, checked_layout, in_chunks, readout_weights, require_cls
 from vitlab.relevance.engine import head_averaged_relevance, propagate, self_attention_events
 from vitlab.rollout import (
     discard_lowest, grad_fuse_heads, max_normalize, residual_normalize, rollout_from_attentions, rollout_row,
@@ -26,16 +26,26 @@ def relevance_matrix(attentions: list[torch.Tensor], gradients: list[torch.Tenso
     return propagate(self_attention_events("tokens", attentions, gradients), {"tokens": N})["tokens", "tokens"]
 
 
-def relevance_row(attentions: list[torch.Tensor], gradients: list[torch.Tensor], index: int = 0) -> torch.Tensor:
+def relevance_row(attentions: list[torch.Tensor], gradients: list[torch.Tensor], index=0) -> torch.Tensor:
     """Row ``index`` of :func:`relevance_matrix`, without the N x N products: ``B x N``.
 
     After all blocks ``R = (I + Abar_L) ... (I + Abar_1)``, so its row i is
     ``e_i (I + Abar_L) ... (I + Abar_1)``: a row vector updated as ``r <- r + r · Abar``
     from the last block down -- the same numbers for N times less work.
+
+    ``index`` may also be weights ``w`` over the N tokens (``N`` or ``B x N``): the row
+    ``w R`` of the token ``sum_i w_i h_i``. A mean-pooled head reads
+    ``(1/P) sum_p h_p``; row p of R says how relevant each input token is to the output
+    token p, and the pooled token is made of the patch tokens in equal shares, so its row is
+    ``(1/P) sum_p R[p]`` (:func:`vitlab.attention.readout_weights`; the prefix rows get weight 0).
+    The update is linear in r, so ``w R`` is computed the same way.
     """
     B, _, N, _ = attentions[0].shape
     r = torch.zeros(B, N, dtype=attentions[0].dtype, device=attentions[0].device)
-    r[:, index] = 1
+    if isinstance(index, int):
+        r[:, index] = 1
+    else:
+        r = r + torch.as_tensor(index, dtype=r.dtype, device=r.device)
     for A, G in zip(reversed(attentions), reversed(gradients), strict=True):
         r = r + (r.unsqueeze(1) @ head_averaged_relevance(A, G)).squeeze(1)  # B x N
     return r
@@ -48,20 +58,25 @@ def chefer_relevance(model, x: torch.Tensor, target=None, score: str = "logit") 
     logit; the map is ``R[CLS, patches]`` on the patch grid, not rescaled (relevance
     units; the CLS->CLS entry is left out with the other prefix tokens). One forward and
     one backward for the whole batch (per chunk of a batch over
-    :data:`vitlab.inputs.MEMORY_BUDGET`).
+    :data:`vitlab.inputs.MEMORY_BUDGET`). For a mean-pooled head (timm ``global_pool="avg"``,
+    BEiT, EVA-02, SigLIP's classifier) the row of the pooled token ``(1/P) sum_p h_p``:
+    ``(1/P) sum_p R[p, patches]`` (:func:`relevance_row` with weights); for an attention-pool
+    head, its probe's row; for CaiT, its class token through the class-attention blocks.
 
     Args:
         model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
         x: ``B x 3 x H x W`` input batch.
-        target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
+        target: int, one class per sample (sequence / 1-D tensor), None (predicted), or a
+            function of the output returning one score per sample (:mod:`vitlab.targets`).
         score: differentiate the target's ``"logit"`` (the paper) or its ``"log_probability"``.
     """
-    layout = checked_layout(model, x, "chefer_relevance")
+    layout = checked_layout(model, x, "chefer_relevance", pooled=True)
     chunked = in_chunks(chefer_relevance, model, x, layout, gradients=True, target=target, score=score)
     if chunked is not None:  # a batch larger than vitlab.inputs.MEMORY_BUDGET allows
         return chunked
     ag = attention_gradients_for_blocks(model, x, target, layers=None, score=score, method="chefer_relevance")
-    row = relevance_row(ag.attentions, ag.gradients, index=0)  # R[CLS, :], B x N
+    w = readout_weights(ag.layout, "chefer_relevance", ag.attentions[0].dtype, ag.attentions[0].device)
+    row = relevance_row(ag.attentions, ag.gradients, index=w)  # R[CLS, :] (or the pooled row), B x N
     return ag.layout.patches_to_grid(row)  # B x gh x gw
 
 
@@ -90,13 +105,14 @@ def last_block_relevance(model, x: torch.Tensor, target=None, score: str = "logi
         ValueError: a bad input or target, a model without a class head, or one whose head
             does not read a CLS token -- all before the forward.
     """
-    layout = checked_layout(model, x, "last_block_relevance")
+    layout = checked_layout(model, x, "last_block_relevance", pooled=True)
     chunked = in_chunks(last_block_relevance, model, x, layout, gradients=True, target=target, score=score)
     if chunked is not None:  # a batch larger than vitlab.inputs.MEMORY_BUDGET allows
         return chunked
     ag = attention_gradients_for_blocks(model, x, target, layers=[-1], score=score, method="last_block_relevance")
     abar = head_averaged_relevance(ag.attentions[-1], ag.gradients[-1])  # B x N x N
-    return ag.layout.patches_to_grid(abar[:, 0, :])  # CLS row, patch columns: B x gh x gw
+    w = readout_weights(ag.layout, "last_block_relevance", abar.dtype, abar.device)
+    return ag.layout.patches_to_grid(w @ abar)  # CLS (or pooled) row, patch columns: B x gh x gw
 
 
 # ---------------------------------------------------------------------------------------------
