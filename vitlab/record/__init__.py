@@ -69,6 +69,7 @@ from vitlab.record._session import (  # noqa: F401  (the public names, and the e
 from vitlab.record.clip import CLIP_STREAMS, ClipCapture, _attach_clip, _clip_towers  # noqa: F401
 from vitlab.record.detr import DETR_STREAMS, _attach_detr, _detr_core
 from vitlab.record.lrp import BERT_LIKE, LRP_RULES, attach_lrp  # noqa: F401
+from vitlab.record.swin import SwinCapture, attach_swin, swin_blocks  # noqa: F401
 from vitlab.record.lxmert import LXMERT_STREAMS, _attach_lxmert, _lxmert_encoder
 from vitlab.record.visualbert import (
     VILT_STREAMS, VISUALBERT_STREAMS, _attach_vilt, _attach_visualbert, _vilt_encoder, _visualbert_encoder,
@@ -86,6 +87,9 @@ def _adapter_for(model: nn.Module):
     ``(name, block, attention)`` list)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"vitlab.record expects a torch.nn.Module, got {type(model).__name__}")
+    found = swin_blocks(model)  # timm and Hugging Face Swin (windowed attention, stages)
+    if found:
+        return attach_swin, found
     if is_timm_vit(model):
         found = _timm_attention_modules(model)
         if found:
@@ -147,9 +151,9 @@ def attention_size(model: nn.Module, num_tokens: int) -> int:
 
 _MULTI.update({_attach_lxmert: ("lxmert", LXMERT_STREAMS), _attach_detr: ("detr", DETR_STREAMS),
                _attach_visualbert: ("visual_bert", VISUALBERT_STREAMS), _attach_vilt: ("vilt", VILT_STREAMS),
-               _attach_clip: ("clip", CLIP_STREAMS)})
+               _attach_clip: ("clip", CLIP_STREAMS), attach_swin: ("swin", {"self": ("image", "image")})})
 # multi-stream families that record hidden states per capture (the others: from the model itself)
-_HIDDEN_FAMILIES = ("clip",)
+_HIDDEN_FAMILIES = ("clip", "swin")
 
 
 @contextlib.contextmanager
