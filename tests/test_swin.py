@@ -370,3 +370,10 @@ def test_not_a_swin_and_untiled_grid_refused():
     after = _state(m)
     for key in ("grad", "modes", "hooks", "fused"):
         assert before[key] == after[key], key
+
+
+def test_vit_methods_point_a_swin_to_vitlab_hierarchical():
+    from vitlab.rollout import rollout
+
+    with pytest.raises(TypeError, match="vitlab.hierarchical"):
+        rollout(_hf_swin(), _x(1))

@@ -114,6 +114,11 @@ def _adapter_for(model: nn.Module):
 
 def _vit_only(model: nn.Module, what: str):
     attach, found = _adapter_for(model)
+    if attach is attach_swin:
+        raise TypeError(
+            f"{type(model).__name__} is a Swin transformer (windowed attention in stages joined by patch merging, "
+            "a mean-pooled head): the ViT methods do not apply to it. Use vitlab.hierarchical: swin_relevance, "
+            "swin_rollout, swin_raw_attention, swin_gradcam")
     if attach in _MULTI:
         raise TypeError(f"{what} is defined for ViTs (one stack of blocks), not for {type(model).__name__}")
     return attach, found
