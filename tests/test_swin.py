@@ -377,3 +377,26 @@ def test_vit_methods_point_a_swin_to_vitlab_hierarchical():
 
     with pytest.raises(TypeError, match="vitlab.hierarchical"):
         rollout(_hf_swin(), _x(1))
+
+
+def test_queries_keys_values_in_unshifted_token_order(swin):
+    """rec.queries / keys / values: B x heads x N x d in the stage's row-major token order (the
+    window partition and the shift undone), against q, k, v computed from the block's normed input."""
+    x = _x(2)
+    inputs = []
+    hooks = [norm.register_forward_hook(lambda m, i, o: inputs.append(o)) for _, _, _, norm, _ in _blocks(swin)]
+    try:
+        with torch.no_grad(), record(swin, capture=("query", "key", "value")) as rec:
+            swin(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    for l, (stage, _, attn, _, _) in enumerate(_blocks(swin)):
+        h = inputs[l].reshape(2, -1, inputs[l].shape[-1])
+        if _is_hf(swin):
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        else:
+            q, k, v = attn.qkv(h).chunk(3, dim=-1)
+        for got, want in zip((rec.queries[l], rec.keys[l], rec.values[l]), (q, k, v)):
+            want = want.reshape(2, h.shape[1], HEADS[stage], -1).transpose(1, 2)
+            torch.testing.assert_close(got, want, **f64_tol(want, _depth(swin)))
