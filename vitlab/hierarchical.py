@@ -54,13 +54,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from vitlab.attention import check_images, check_input_dtype
+from vitlab.inputs import batches, check_images, check_input_dtype, require_gradients
 from vitlab.record import record
 from vitlab.record.swin import SwinCapture, swin_blocks
 from vitlab.rollout import check_head_fusion, fuse_heads, residual_normalize
 from vitlab.relevance.engine import head_averaged_relevance
 from vitlab.targets import (
-    _logits, check_score, check_target, is_multi_label, require_class_head, resolve_target, target_score,
+    check_score, check_target, is_multi_label, logits_of, require_class_head, resolve_target, target_score,
 )
 
 __all__ = [
@@ -161,10 +161,7 @@ def _forward(model, x, *, target=None, score="logit", gradients: bool, stage: in
         require_class_head(model, method)
         target = check_target(target, x.shape[0])
         check_score(score)
-        if torch.is_inference_mode_enabled():
-            raise RuntimeError(
-                f"{method} needs gradients, but it was called inside torch.inference_mode(), which cannot be "
-                "switched off from inside: call it outside inference_mode (inside torch.no_grad() is fine)")
+        require_gradients(method)
     n_stages = len({s for s, *_ in swin_blocks(model)})
     if not isinstance(stage, int) or isinstance(stage, bool) or not -n_stages <= stage < n_stages:
         raise ValueError(f"stage must be an int in {-n_stages} .. {n_stages - 1} ({n_stages} stages), got {stage!r}")
@@ -177,7 +174,7 @@ def _forward(model, x, *, target=None, score="logit", gradients: bool, stage: in
             caps = list(rec.stream("self"))
         if not gradients:
             return SwinGradients([c.attention for c in caps], [], caps, None, None, caps[-1].grid, None, None)
-        logits = _logits(out)
+        logits = logits_of(out)
         t = resolve_target(target, logits)
         total = target_score(logits, t, score, is_multi_label(model)).sum()
         feat_cap = [c for c in caps if c.stage == stage][-1]
@@ -280,12 +277,9 @@ def swin_asked_object_maps(model, x: torch.Tensor, labels, batch_size: int = 50,
     labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
     if labels.ndim != 2 or labels.shape[0] != x.shape[0]:
         raise ValueError(f"need labels B x K for B = {x.shape[0]} inputs; got labels {tuple(labels.shape)}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     B, K = labels.shape
     out: dict[str, list] = {m: [] for m in SWIN_METHODS}
-    for start in range(0, B, batch_size):
-        s = slice(start, min(start + batch_size, B))
+    for s in batches(B, batch_size):
         b = s.stop - s.start
         g = swin_attention_gradients(model, x[s].repeat(K, 1, 1, 1), labels[s].T.reshape(-1), score=score)
         for name, m in swin_maps_from_gradients(g, head_fusion).items():
