@@ -42,7 +42,8 @@ _EXPORTS = {
 }
 _SUBMODULES = {"plot", "images", "shapes", "imgfocus", "localization", "faithfulness", "actmax", "widgets",
                "projection", "evaluate", "gradients", "inputs", "stats", "footprints", "lrp", "targets",
-               "grad_eclip", "legrad", "clip_decomposition"}  # CLIP: Grad-ECLIP, LeGrad, the embedding's decomposition
+               "grad_eclip", "legrad", "clip_decomposition",  # CLIP: Grad-ECLIP, LeGrad, the embedding's decomposition
+               "hierarchical"}  # Swin: rollout, relevance, raw attention, GradCAM through windows and stages
 
 __all__ = [
     "__version__", "TokenLayout", "token_layout", "Recording", "record", "EMBEDDED_MODELS",

@@ -106,17 +106,17 @@ POOLS = ("token", "avg", "max", "avgmax", "prr", "map", "class_attention", "")
 
 def windowed_refusal(model: nn.Module) -> str | None:
     """Why ``model`` cannot be explained as a ViT, when it is a hierarchical ViT with windowed
-    attention (timm or Hugging Face Swin); None otherwise. The one place vitlab refuses Swin:
-    :func:`token_layout` and :func:`vitlab.record.record` raise ``TypeError`` with this text."""
+    attention (timm or Hugging Face Swin); None otherwise. :func:`token_layout` raises ``TypeError``
+    with this text: a Swin has no one token layout; :mod:`vitlab.hierarchical` explains it."""
     name = type(model).__name__
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if "swin" in str(model_type).lower() or name.lower().startswith("swin"):
         return (
             f"{name} is a hierarchical ViT with shifted-window attention (Swin): its attention is computed per "
             "window and its patch grid shrinks between stages (patch merging), and it has no class token. "
-            "vitlab's maps need one token sequence over one patch grid, and recording Swin's windows into "
-            "per-stage token matrices is not supported yet; use a plain ViT (timm ViT, DeiT, BEiT, EVA-02, "
-            "Hugging Face ViT, DeiT, BEiT, Dinov2, SigLIP)"
+            "so it has no one token layout and the ViT methods do not apply to it; explain it with "
+            "vitlab.hierarchical (swin_relevance, swin_rollout, swin_raw_attention, swin_gradcam), which "
+            "scatters the windows into each stage's token matrix and carries patch merging between stages"
         )
     return None
 

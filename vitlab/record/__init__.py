@@ -61,7 +61,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from vitlab.layout import is_hf_model, is_timm_vit, token_layout, windowed_refusal
+from vitlab.layout import is_hf_model, is_timm_vit, token_layout
 from vitlab.record._session import (  # noqa: F401  (the public names, and the engine's for adapters)
     CAPTURE_FIELDS, SUPPORTED, AttentionCapture, NotRecordedError, Recording, _MULTI_FIELDS, _Session,
     check_capture,
@@ -69,6 +69,7 @@ from vitlab.record._session import (  # noqa: F401  (the public names, and the e
 from vitlab.record.clip import CLIP_STREAMS, ClipCapture, _attach_clip, _clip_towers  # noqa: F401
 from vitlab.record.detr import DETR_STREAMS, _attach_detr, _detr_core
 from vitlab.record.lrp import BERT_LIKE, LRP_RULES, attach_lrp  # noqa: F401
+from vitlab.record.swin import SwinCapture, attach_swin, swin_blocks  # noqa: F401
 from vitlab.record.lxmert import LXMERT_STREAMS, _attach_lxmert, _lxmert_encoder
 from vitlab.record.visualbert import (
     VILT_STREAMS, VISUALBERT_STREAMS, _attach_vilt, _attach_visualbert, _vilt_encoder, _visualbert_encoder,
@@ -86,9 +87,9 @@ def _adapter_for(model: nn.Module):
     ``(name, block, attention)`` list)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"vitlab.record expects a torch.nn.Module, got {type(model).__name__}")
-    refusal = windowed_refusal(model)
-    if refusal is not None:
-        raise TypeError(refusal)
+    found = swin_blocks(model)  # timm and Hugging Face Swin (windowed attention, stages)
+    if found:
+        return attach_swin, found
     if is_timm_vit(model):
         found = _timm_attention_modules(model)
         if found:
@@ -128,6 +129,11 @@ def require_materialized(model: nn.Module, method: str) -> None:
 
 def _vit_only(model: nn.Module, what: str):
     attach, found = _adapter_for(model)
+    if attach is attach_swin:
+        raise TypeError(
+            f"{type(model).__name__} is a Swin transformer (windowed attention in stages joined by patch merging, "
+            "a mean-pooled head): the ViT methods do not apply to it. Use vitlab.hierarchical: swin_relevance, "
+            "swin_rollout, swin_raw_attention, swin_gradcam")
     if _vision_tower_alone(attach, found):  # CLIP's vision tower alone: one stack of blocks over image tokens
         return attach, found
     if attach in _MULTI:
@@ -183,9 +189,9 @@ def attention_size(model: nn.Module, num_tokens: int) -> int:
 
 _MULTI.update({_attach_lxmert: ("lxmert", LXMERT_STREAMS), _attach_detr: ("detr", DETR_STREAMS),
                _attach_visualbert: ("visual_bert", VISUALBERT_STREAMS), _attach_vilt: ("vilt", VILT_STREAMS),
-               _attach_clip: ("clip", CLIP_STREAMS)})
+               _attach_clip: ("clip", CLIP_STREAMS), attach_swin: ("swin", {"self": ("image", "image")})})
 # multi-stream families that record hidden states per capture (the others: from the model itself)
-_HIDDEN_FAMILIES = ("clip",)
+_HIDDEN_FAMILIES = ("clip", "swin")
 
 
 @contextlib.contextmanager
