@@ -61,3 +61,14 @@ def _dev_installed():
                     yield True
                 except metadata.PackageNotFoundError:
                     yield False
+
+
+def test_cpu_wheels_come_from_pytorchs_cpu_index(monkeypatch):
+    monkeypatch.delenv("VITLAB_TORCH", raising=False)
+    assert setup.torch_spec() == setup.TORCH_SPEC.split()
+    assert setup.torch_spec(cpu=True) == setup.TORCH_SPEC.split() + ["--index-url", setup.CPU_INDEX]
+    monkeypatch.setenv("VITLAB_TORCH", "torch==2.5.1 torchvision==0.20.1")
+    assert setup.torch_spec(cpu=True) == ["torch==2.5.1", "torchvision==0.20.1", "--index-url", setup.CPU_INDEX]
+    own = "torch==2.5.1 torchvision==0.20.1 --index-url https://example.org/simple"
+    monkeypatch.setenv("VITLAB_TORCH", own)
+    assert setup.torch_spec(cpu=True) == own.split()                  # an index of its own is kept
