@@ -10,6 +10,10 @@
   sections), between ``<!-- reading-load -->`` markers.
 - The solutions' stored run times (``scripts/stored_times.py``), between ``<!-- solution-times -->``
   markers.
+- The slots of the 3-hour plan: each chapter's reading on the room's path at 200 words a minute
+  must fit in half its slot's minutes (the other half is for running cells, looking and talking);
+  for the elective's slot, every elective. Between ``<!-- slot-load -->`` markers; a slot that does
+  not fit makes the script fail, naming it.
 """
 from __future__ import annotations
 
@@ -59,6 +63,66 @@ def sections(stem: str) -> tuple[dict, list]:
     return words, heads
 
 
+def section_of_cells(stem: str) -> list:
+    """For every cell of the chapter, the heading (levels 1-3) it sits under: a markdown cell's
+    own last heading, else the latest one above it (None before the first)."""
+    cells = json.loads((NB / f"{stem}.ipynb").read_text(encoding="utf-8"))["cells"]
+    cur, out = None, []
+    for cell in cells:
+        if cell["cell_type"] == "markdown":
+            for line in "".join(cell["source"]).splitlines():
+                m = re.match(r"^#{1,3} (.*)", line)
+                if m:
+                    cur = m.group(1).strip()
+        out.append(cur)
+    return out
+
+
+def run_live_cells(stem: str, kit: str | None = None) -> list[int]:
+    """Indices of the code cells a room executes: those in the title cells or in the kit's *run
+    live* sections of the chapter, in order (empty for a chapter the kit leaves for self-study)."""
+    run = plan(kit if kit is not None else KIT.read_text(encoding="utf-8"))[stem][0]
+    if not run:
+        return []
+    cells = json.loads((NB / f"{stem}.ipynb").read_text(encoding="utf-8"))["cells"]
+    heads = sections(stem)[1]
+    where = section_of_cells(stem)
+    return [i for i, (c, h) in enumerate(zip(cells, where))
+            if c["cell_type"] == "code" and (h is None or h == heads[0] or h in run)]
+
+
+def slots(kit: str) -> list[tuple[int, str]]:
+    """(minutes, what) of the 3-hour plan's rows."""
+    table = re.search(r"^\| minutes \| what \| how \|\n.*?\n\n", kit, re.S | re.M).group(0)
+    out = []
+    for line in filter(str.strip, table.splitlines()[2:]):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        out.append((int(cells[0]), cells[1]))
+    return out
+
+
+def slot_load(kit: str, counts: dict) -> tuple[str, list]:
+    """The slot table (words on the room's path against half of each chapter slot) and the slots
+    that do not fit."""
+    lines = ["| slot | minutes | chapter | words on the room's path | reading at 200 a minute | fits in half the slot |",
+             "|---|---:|---|---:|---:|---|"]
+    bad = []
+    for minutes, what in slots(kit):
+        stems = [what.strip("`")] if what.strip("`") in counts else ELECTIVES if "elective" in what else []
+        for stem in stems:
+            words = counts[stem][2] or 0
+            fits = words / WPM <= minutes / 2
+            lines.append(f"| {what} | {minutes} | `{stem}` | {words:,} | {words / WPM:.1f} min | "
+                         f"{'yes' if fits else '**no**'} |")
+            if not fits:
+                bad.append(f"{stem}: {words:,} words = {words / WPM:.1f} min of reading, more than half of its "
+                           f"{minutes}-minute slot")
+    total = sum(m for m, _ in slots(kit))
+    if total != 180:
+        bad.append(f"the 3-hour plan's slots add up to {total} minutes, not 180")
+    return "\n".join(lines), bad
+
+
 def plan(kit: str) -> dict:
     """{stem: (run, read, skip)} from the kit's "Chapter by chapter" table."""
     found = re.search(r"^\| chapter \| run live.*?\n\n", kit, re.S | re.M)
@@ -74,7 +138,7 @@ def plan(kit: str) -> dict:
     return rows
 
 
-def reading_load(kit: str) -> tuple[str, list]:
+def reading_load(kit: str) -> tuple[str, list, dict]:
     rows, missing, counts = plan(kit), [], {}
     for stem, (run, read, skip) in rows.items():
         words, heads = sections(stem)
@@ -102,7 +166,7 @@ def reading_load(kit: str) -> tuple[str, list]:
     lines.append("")
     lines.append(f"At {WPM} words a minute, the room's path alone is about {(core + min(el)) / WPM:.0f}-"
                  f"{(core + max(el)) / WPM:.0f} minutes of reading out of 180.")
-    return "\n".join(lines), missing
+    return "\n".join(lines), missing, counts
 
 
 def solution_times() -> str:
@@ -134,18 +198,23 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)                  # a misspelt option is refused, not ignored
     try:
         kit = KIT.read_text(encoding="utf-8")
-        load, missing = reading_load(kit)
+        load, missing, counts = reading_load(kit)
         if missing:
             print("headings named in the kit but not in the chapter:", *missing, sep="\n  ", file=sys.stderr)
             return 1
-        new = replace(replace(kit, "reading-load", load), "solution-times", solution_times())
+        fit, bad = slot_load(kit, counts)
+        new = replace(replace(replace(kit, "reading-load", load), "solution-times", solution_times()), "slot-load", fit)
     except (KitError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.write:
         KIT.write_text(new, encoding="utf-8")
     print(load)
+    print(fit)
     print("kit tables " + ("written" if args.write else "unchanged" if new == kit else "out of date (--write)"))
+    if bad:
+        print("slots whose reading does not fit in half their minutes:", *bad, sep="\n  ", file=sys.stderr)
+        return 1
     return 0
 
 

