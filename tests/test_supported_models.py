@@ -57,6 +57,7 @@ EXPECTED_LAYOUT = {
     "timm hybrid R+ViT": (1, "token"),
     "timm BEiT": (1, "avg"),
     "timm EVA-02": (1, "avg"),
+    "timm EVA-02, class-token head (global_pool='token')": (1, "token"),
     "timm CaiT": (1, "class_attention"),
     "timm Swin": "Swin",
     "HF ViT": (1, "token"),

@@ -22,7 +22,10 @@ Propagation for Transformers"; equation numbers as lxt's code names them):
 
 - linear layers (``F.linear``): the epsilon rule with epsilon -> 0, which in this form *is*
   the plain gradient (the bias keeps its share ``b ⊙ gbar``);
-- GELU: the identity rule (eq. 9), ``gbar_x = gbar_y ⊙ gelu(x) / x``;
+- GELU and SiLU: the identity rule (eq. 9), ``gbar_x = gbar_y ⊙ gelu(x) / x``;
+- the gate of a SwiGLU MLP (timm's ``SwiGLU`` / ``GluMlp``, EVA-02), ``act(x W_g) * (x W)``, a
+  product of two activations: the uniform rule, as the attention matmuls below (each operand
+  gets half the gradient; in the ``"chefer"`` set too);
 - LayerNorm: the identity rule on the division by the standard deviation, i.e. the
   standard deviation is held constant in the backward (the mean-centring is linear and
   keeps its gradient), ``gbar_x = (g' - mean(g')) / sigma`` with ``g' = w ⊙ gbar_y``;
@@ -377,7 +380,8 @@ class _LRPMode(TorchFunctionMode):
         if func in _TANHS and len(args) == 1 and not kwargs:  # a pooler's tanh: the identity rule
             return _Ruled.apply(st, torch.tanh, identity_rule, tanh_vjp, args[0])
         if func is F.linear and st.rules == "chefer":
-            x, weight = args[0], args[1]
+            x = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]  # EVA-02 / BEiT pass weight= by keyword
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             w, b = weight.detach(), None if bias is None else bias.detach()
             return _Ruled.apply(st, lambda t: F.linear(t, w, b), alpha1_beta0_rule(w, b), linear_vjp(w), x)
