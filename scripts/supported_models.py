@@ -44,7 +44,7 @@ LEGEND = {
     "probe head": "the method reads the class token's own attention; the head pools with an attention probe (timm global_pool='map', SigLIP's pooling head), whose row the row methods read instead",
     "class attn": "the method reads the class token in every block; CaiT's joins only in its class-attention blocks",
     "talking heads": "CaiT's talking-heads attention mixes heads after the softmax: its rows are not the distributions rollout needs",
-    "no LRP rule": "a non-linearity without an LRP rule (SiLU, SwiGLU's gated product)",
+    "no LRP rule": "a non-linearity without an LRP rule (QuickGELU, gMLP's gating, EVA's attention gate; SiLU and SwiGLU's gate have AttnLRP's rules)",
     "two heads": "the output averages the CLS and distillation heads",
     "CLS + mean head": "the classifier reads the CLS token next to the patch mean",
     "patch-mean head": "the method reads the CLS token's own attention; the head reads the patch mean",

@@ -72,6 +72,8 @@ FAMILIES = {
     "timm hybrid R+ViT": _timm("vit_tiny_r_s16_p8_224", img_size=64, embed_dim=32, depth=2, num_heads=2),
     "timm BEiT": _timm("beit_base_patch16_224", **_SMALL),
     "timm EVA-02": _timm("eva02_tiny_patch14_224", **_SMALL),
+    "timm EVA-02, class-token head (global_pool='token')": _timm("eva02_tiny_patch14_224", global_pool="token",
+                                                                  **_SMALL),
     "timm CaiT": _timm("cait_xxs24_224", depth_token_only=2, **_SMALL),
     "timm Swin": _timm("swin_tiny_patch4_window7_224", patch_size=4, window_size=4, embed_dim=16, depths=(1, 1),
                        num_heads=(1, 2)),

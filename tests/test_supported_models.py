@@ -57,6 +57,7 @@ EXPECTED_LAYOUT = {
     "timm hybrid R+ViT": (1, "token"),
     "timm BEiT": (1, "avg"),
     "timm EVA-02": (1, "avg"),
+    "timm EVA-02, class-token head (global_pool='token')": (1, "token"),
     "timm CaiT": (1, "class_attention"),
     "timm Swin": "Swin",
     "HF ViT": (1, "token"),
@@ -428,3 +429,40 @@ def test_an_attention_that_never_calls_sdpa_is_refused_not_silently_empty(models
         with vitlab.record(model, capture=("query", "key")):
             model.blocks[0].attn.fused_attn = False
             model(fam.images())
+
+
+# --- LRP through EVA-02's SiLU and SwiGLU gate (AttnLRP's identity and uniform rules) --------------
+def test_attn_lrp_conserves_relevance_through_swiglu(models):
+    """With every bias 0, AttnLRP's rules conserve relevance through an MLP: sum(in ⊙ gbar_in) =
+    sum(out ⊙ gbar_out) (linear layers: gradient x input; SiLU: the identity rule; the gate's product:
+    the uniform rule, half to each operand; LayerNorm: its std held). The plain gradient does not
+    (the product's gradient x input counts its relevance twice)."""
+    import copy
+
+    model = copy.deepcopy(model_of(models, "timm EVA-02"))
+    model.global_pool = "token"                             # a head reading the class token: LRP applies
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+    mlp = model.blocks[1].mlp
+    assert type(mlp).__name__ in ("SwiGLU", "GluMlp")
+    seen = {}
+    handle = mlp.register_forward_hook(lambda mod, i, o: seen.update(x=i[0], y=o))
+    try:
+        x = fam.images()
+        with torch.enable_grad(), vitlab.record(model, lrp="attnlrp", capture=(), detach=False) as rec:
+            score = model(x.requires_grad_(True))[:, 1].sum()
+            g_in, g_out = torch.autograd.grad(score, [seen["x"], seen["y"]], retain_graph=True)
+            with rec.plain_gradients():
+                p_in, p_out = torch.autograd.grad(score, [seen["x"], seen["y"]])
+    finally:
+        handle.remove()
+    r_in, r_out = (seen["x"] * g_in).sum(), (seen["y"] * g_out).sum()
+    assert torch.allclose(r_in, r_out, **tol(r_out))
+    plain_in, plain_out = (seen["x"] * p_in).sum(), (seen["y"] * p_out).sum()
+    assert not torch.allclose(plain_in, plain_out, rtol=1e-3)
+    import vitlab.lrp as lrp
+
+    maps = lrp.attn_lrp(model, x, 1)                        # the whole method runs, per sample
+    assert maps.shape == (2, 4, 4) and bool(torch.isfinite(maps).all())

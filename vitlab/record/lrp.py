@@ -22,7 +22,10 @@ Propagation for Transformers"; equation numbers as lxt's code names them):
 
 - linear layers (``F.linear``): the epsilon rule with epsilon -> 0, which in this form *is*
   the plain gradient (the bias keeps its share ``b ⊙ gbar``);
-- GELU: the identity rule (eq. 9), ``gbar_x = gbar_y ⊙ gelu(x) / x``;
+- GELU and SiLU: the identity rule (eq. 9), ``gbar_x = gbar_y ⊙ gelu(x) / x``;
+- the gate of a SwiGLU MLP (timm's ``SwiGLU`` / ``GluMlp``, EVA-02), ``act(x W_g) * (x W)``, a
+  product of two activations: the uniform rule, as the attention matmuls below (each operand
+  gets half the gradient; in the ``"chefer"`` set too);
 - LayerNorm: the identity rule on the division by the standard deviation, i.e. the
   standard deviation is held constant in the backward (the mean-centring is linear and
   keeps its gradient), ``gbar_x = (g' - mean(g')) / sigma`` with ``g' = w ⊙ gbar_y``;
@@ -110,6 +113,7 @@ class LRPState:
         self.depth = 0
         self.thread = threading.get_ident()
         self.stream: torch.Tensor | None = None  # the residual stream of the block being run ("chefer")
+        self.gated = 0  # > 0 inside a gated MLP (SwiGLU): its product of two activations takes the uniform rule
 
     @contextlib.contextmanager
     def plain_gradients(self):
@@ -278,6 +282,11 @@ def gelu_vjp(approximate: str = "none"):
     return lambda grad, out, x: (torch.ops.aten.gelu_backward(grad, x, approximate=approximate),)
 
 
+def silu_vjp(grad, out, x):
+    """The plain gradient of SiLU, from its input (no recomputation)."""
+    return (torch.ops.aten.silu_backward(grad, x),)
+
+
 def softmax_vjp(dim: int):
     """The plain gradient of a softmax, from its output: ``p ⊙ (gbar - sum(gbar ⊙ p))``."""
     return lambda grad, out, x: (torch._softmax_backward_data(grad, out, dim, x.dtype),)
@@ -311,6 +320,7 @@ _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bm
 _SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax}
 _ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
 _TANHS = {torch.tanh, torch.Tensor.tanh, F.tanh}
+_MULS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
 
 
 def _tensor(t) -> bool:
@@ -355,12 +365,23 @@ class _LRPMode(TorchFunctionMode):
             approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
             return _Ruled.apply(st, lambda t: F.gelu(t, *args[1:], **kwargs), identity_rule,
                                 gelu_vjp(approximate), x)
+        if func is F.silu:  # AttnLRP: SiLU, like GELU, takes the identity rule (eq. 9)
+            inplace = kwargs.get("inplace", args[1] if len(args) > 1 else False)
+            if inplace:
+                raise ValueError("LRP cannot put its rule on an in-place SiLU; build the model with inplace=False")
+            return _Ruled.apply(st, F.silu, identity_rule, silu_vjp, args[0])
+        if (func in _MULS and st.gated > 0 and len(args) == 2 and not kwargs and _tensor(args[0])
+                and _tensor(args[1]) and args[0].shape == args[1].shape):
+            # SwiGLU's gate act(x W_g) * (x W): a product of two activations, AttnLRP's uniform rule
+            # (eq. 7, as for the attention matmuls): each operand gets half the product's relevance
+            return func(_ScaleGrad.apply(st, args[0], 0.5), _ScaleGrad.apply(st, args[1], 0.5))
         if func is F.layer_norm:
             return self.layer_norm(*args, **kwargs)
         if func in _TANHS and len(args) == 1 and not kwargs:  # a pooler's tanh: the identity rule
             return _Ruled.apply(st, torch.tanh, identity_rule, tanh_vjp, args[0])
         if func is F.linear and st.rules == "chefer":
-            x, weight = args[0], args[1]
+            x = args[0] if args else kwargs["input"]
+            weight = args[1] if len(args) > 1 else kwargs["weight"]  # EVA-02 / BEiT pass weight= by keyword
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             w, b = weight.detach(), None if bias is None else bias.detach()
             return _Ruled.apply(st, lambda t: F.linear(t, w, b), alpha1_beta0_rule(w, b), linear_vjp(w), x)
@@ -480,22 +501,21 @@ BERT_LIKE = ("visual_bert", "lxmert")
 # so LRP through them would silently not be LRP. Refused by name (module class names, timm's and
 # Hugging Face's activation classes included).
 _UNRULED_ACTIVATIONS = {
-    "SiLU": "SiLU (x * sigmoid(x))", "SiLUActivation": "SiLU (x * sigmoid(x))", "Swish": "SiLU (x * sigmoid(x))",
     "QuickGELUActivation": "QuickGELU (x * sigmoid(1.702 x))", "QuickGELU": "QuickGELU (x * sigmoid(1.702 x))",
     "NewGELUActivation": "the tanh form of GELU written out elementwise",
     "FastGELUActivation": "the tanh form of GELU written out elementwise",
     "ReLU": "ReLU", "Sigmoid": "sigmoid", "Hardswish": "hard swish", "Mish": "Mish", "ELU": "ELU",
     "LeakyReLU": "leaky ReLU", "Softplus": "softplus", "GELUTanh": None, "PytorchGELUTanh": None,
 }
-_GATED = ("SwiGLU", "SwiGLUPacked", "GluMlp", "GatedMlp")
+_GATED = ("GatedMlp",)          # gMLP's spatial gating unit: no rule here
+_GLU = ("SwiGLU", "GluMlp")      # act(x W_g) * (x W): the product takes the uniform rule (_LRPMode)
 
 
 def unruled_layer(model: nn.Module) -> str | None:
     """The first layer of ``model`` whose non-linearity the LRP rules do not cover, described, or
-    None. Gated MLPs (SwiGLU, ``act(x W_g) * (x W)``) multiply two activations elementwise, a
-    product AttnLRP splits by its uniform rule and the rules here do not; SiLU and the other
-    activations listed in ``_UNRULED_ACTIVATIONS`` have no rule here; EVA-02's attention output
-    gate (``sigmoid(x W) *``) likewise. The patch embedding is not looked into: LRP stops at its
+    None. SiLU takes the identity rule and SwiGLU's product of two activations the uniform rule
+    (AttnLRP, Achtibat et al. 2024); the activations listed in ``_UNRULED_ACTIVATIONS`` have no
+    rule here, nor gMLP's gating or EVA-02's attention output gate (``sigmoid(x W) *``). The patch embedding is not looked into: LRP stops at its
     output, the patch tokens (a hybrid ViT's ResNet stem with its ReLUs is fine)."""
     embed = _patch_embedding(model)
     skip = set() if embed is None else {id(m) for m in embed.modules()}
@@ -504,8 +524,8 @@ def unruled_layer(model: nn.Module) -> str | None:
             continue
         kind = type(m).__name__
         if kind in _GATED:
-            return (f"layer {name} ({kind}) is a gated MLP (SwiGLU: act(x W_g) * (x W)), whose elementwise product "
-                    "of two activations and whose SiLU have no LRP rule here")
+            return (f"layer {name} ({kind}) is a gated MLP with a spatial gating unit (gMLP), whose gating has no "
+                    "LRP rule here")
         if _UNRULED_ACTIVATIONS.get(kind):
             return f"layer {name} ({kind}) is a {_UNRULED_ACTIVATIONS[kind]} non-linearity with no LRP rule here"
         if isinstance(getattr(m, "gate", None), nn.Module) and hasattr(m, "num_heads"):
@@ -519,8 +539,8 @@ def _attach_vit_stream(model: nn.Module, session, state: LRPState, blocks) -> No
     if unruled is not None:
         raise ValueError(
             f"LRP on {type(model).__name__}: {unruled}, so its backward would be the plain gradient there, "
-            "not LRP. The rules cover Linear, GELU, LayerNorm, softmax and the attention products (ViT, DeiT, "
-            "DINOv2, BEiT, CLIP with GELU); use a model built from those"
+            "not LRP. The rules cover Linear, GELU, SiLU, LayerNorm, softmax, the attention products and SwiGLU's "
+            "gate (ViT, DeiT, DINOv2, BEiT, EVA-02); use a model built from those"
         )
     rec = session.rec
     embed = _patch_embedding(model)
@@ -535,6 +555,15 @@ def _attach_vit_stream(model: nn.Module, session, state: LRPState, blocks) -> No
         rec.patch_tokens.append(tokens)
 
     session.hook(embed, keep_tokens)
+    for m in model.modules():
+        if type(m).__name__ in _GLU:
+            def enter_glu(mod, args, kwargs):
+                state.gated += 1
+
+            def leave_glu(mod, args, out):
+                state.gated -= 1
+            session.hook(m, enter_glu, pre=True, with_kwargs=True)
+            session.hook(m, leave_glu)
     for index, (_, block, _) in enumerate(blocks):
         def block_in(mod, args, kwargs, first=index == 0):
             x = args[0] if args else next(iter(kwargs.values()), None)
@@ -590,6 +619,8 @@ def attach_lrp(model: nn.Module, session, rules: str, found) -> LRPState:
         _attach_vit_stream(model, session, state, found)
 
     def enter(mod, args, kwargs):
+        if state.depth <= 0:
+            state.gated = 0  # a forward that raised inside a gated MLP left it raised
         state.depth += 1
 
     def leave(mod, args, out):
@@ -604,6 +635,7 @@ def attach_lrp(model: nn.Module, session, rules: str, found) -> LRPState:
 
     def close():
         state.depth = 0
+        state.gated = 0
         _remove_mode(mode)
         with _OPEN_LOCK:
             _OPEN_STATES.remove(state)
