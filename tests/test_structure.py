@@ -216,3 +216,20 @@ def test_the_checks_see_what_they_should():
     node = ast.parse("from ._session import _Session").body[0]
     assert _resolve("vitlab.record.vit", node) == "vitlab.record._session"
     assert _resolve("vitlab.record", node) == "vitlab.record._session"
+
+
+def test_every_record_adapter_module_is_declared_once_in_adapters():
+    """A family is one adapter module in vitlab/record/ and one entry of record.ADAPTERS: every
+    adapter module's attach function is listed, each attach function once per family."""
+    import sys
+
+    import vitlab  # noqa: F401  (vitlab.record the name is the function; the module is in sys.modules)
+
+    rec = sys.modules["vitlab.record"]
+    modules = {a.attach.__module__ for a in rec.ADAPTERS}
+    files = {f"vitlab.record.{p.stem}" for p in (VITLAB / "record").glob("*.py")
+             if p.stem not in ("__init__", "_session", "lrp")}
+    assert files == modules, (files - modules, modules - files)
+    pairs = [(a.family, a.attach) for a in rec.ADAPTERS]
+    assert len(pairs) == len(set(pairs))
+    assert all(a.models and a.models in rec.SUPPORTED for a in rec.ADAPTERS)

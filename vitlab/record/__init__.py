@@ -56,6 +56,7 @@ models have no ViT token layout: ``rec.layout`` is None.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -63,7 +64,7 @@ from torch import nn
 
 from vitlab.layout import is_hf_model, is_timm_vit, token_layout
 from vitlab.record._session import (  # noqa: F401  (the public names, and the engine's for adapters)
-    CAPTURE_FIELDS, SUPPORTED, AttentionCapture, NotRecordedError, Recording, _MULTI_FIELDS, _Session,
+    CAPTURE_FIELDS, AttentionCapture, NotRecordedError, Recording, _MULTI_FIELDS, _Session,
     check_capture,
 )
 from vitlab.record.clip import CLIP_STREAMS, ClipCapture, _attach_clip, _clip_towers  # noqa: F401
@@ -79,34 +80,84 @@ from vitlab.record.vit import (
 )
 
 
-_MULTI = {}  # filled below: attach function -> (family, streams)
+@dataclass(frozen=True)
+class Adapter:
+    """One family of models :func:`record` can hook, declared once in :data:`ADAPTERS`.
+
+    ``find(model)`` returns what ``attach`` hooks (a ViT's ``(name, block, attention)`` list, an
+    encoder, a pair of towers), or None / an empty list when ``model`` is not of this family;
+    ``attach(model, session, mlp, found)`` registers the hooks. ``streams`` (multi-stream families
+    only: stream -> (query modality, key modality)) makes the recording per stream;
+    ``records_hidden``: such a family records hidden states per capture (the others read them
+    from the model's own output); ``models``: the models it covers, for messages."""
+
+    family: str
+    find: Callable
+    attach: Callable
+    models: str
+    streams: dict | None = None
+    records_hidden: bool = False
+
+
+def _hf_type(model_types: tuple[str, ...], find: Callable) -> Callable:
+    """A finder that answers only for Hugging Face models whose ``config.model_type`` is in ``model_types``."""
+    def found(model: nn.Module):
+        if is_hf_model(model) and getattr(model.config, "model_type", None) in model_types:
+            return find(model)
+        return None
+    return found
+
+
+def _timm_vit_blocks(model: nn.Module):
+    return _timm_attention_modules(model) if is_timm_vit(model) else None
+
+
+def _hf_vit_blocks(model: nn.Module):
+    return _hf_attention_modules(model) if is_hf_model(model) else None
+
+
+#: Every family :func:`record` can hook, tried in this order (the first whose ``find`` answers
+#: wins). A new family is one adapter module in ``vitlab/record/`` and one line here.
+ADAPTERS = (
+    Adapter("swin", swin_blocks, attach_swin, "timm and Hugging Face Swin (windowed attention, stages)",
+            {"self": ("image", "image")}, records_hidden=True),
+    Adapter("vit", _timm_vit_blocks, _attach_timm,
+            "timm VisionTransformer models (ViT, DeiT, DeiT-distilled, DINOv2, DINOv2 with registers, FlexiViT, "
+            "and vitlab's embedded models), timm BEiT, EVA-02 and CaiT"),
+    Adapter("lxmert", _hf_type(("lxmert",), _lxmert_encoder), _attach_lxmert,
+            "Hugging Face LXMERT (LxmertModel, LxmertForQuestionAnswering, ...)", LXMERT_STREAMS),
+    Adapter("detr", _hf_type(("detr",), _detr_core), _attach_detr,
+            "Hugging Face DETR (DetrModel, DetrForObjectDetection, ...)", DETR_STREAMS),
+    Adapter("visual_bert", _hf_type(("visual_bert",), _visualbert_encoder), _attach_visualbert,
+            "Hugging Face VisualBERT", VISUALBERT_STREAMS),
+    Adapter("vilt", _hf_type(("vilt",), _vilt_encoder), _attach_vilt, "Hugging Face ViLT", VILT_STREAMS),
+    Adapter("clip", _hf_type(("clip", "clip_vision_model", "clip_text_model"), _clip_towers), _attach_clip,
+            "Hugging Face CLIP (CLIPModel, CLIPVisionModel, CLIPTextModel, ...)", CLIP_STREAMS, records_hidden=True),
+    Adapter("vit", _hf_vit_blocks, _attach_hf, "Hugging Face ViT, DeiT, BEiT, Dinov2 and SigLIP vision models"),
+)
+
+#: The models :func:`record` supports, in words (for messages).
+SUPPORTED = "; ".join(a.models for a in ADAPTERS)
+
+# multi-stream families: attach function -> (family, streams)
+_MULTI = {a.attach: (a.family, a.streams) for a in ADAPTERS if a.streams is not None}
+# multi-stream families that record hidden states per capture (the others: from the model itself)
+_HIDDEN_FAMILIES = tuple(a.family for a in ADAPTERS if a.records_hidden)
+
+
+def _found(found) -> bool:
+    return found is not None and not (isinstance(found, (list, tuple)) and len(found) == 0)
 
 
 def _adapter_for(model: nn.Module):
     """``(attach, found)``: the family's adapter and what it attaches to (for a ViT, its
-    ``(name, block, attention)`` list)."""
+    ``(name, block, attention)`` list): the first of :data:`ADAPTERS` whose ``find`` answers."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"vitlab.record expects a torch.nn.Module, got {type(model).__name__}")
-    found = swin_blocks(model)  # timm and Hugging Face Swin (windowed attention, stages)
-    if found:
-        return attach_swin, found
-    if is_timm_vit(model):
-        found = _timm_attention_modules(model)
-        if found:
-            return _attach_timm, found
-    if is_hf_model(model):
-        model_type = getattr(model.config, "model_type", None)
-        finders = {"lxmert": (_lxmert_encoder, _attach_lxmert), "detr": (_detr_core, _attach_detr),
-                   "visual_bert": (_visualbert_encoder, _attach_visualbert), "vilt": (_vilt_encoder, _attach_vilt),
-                   **{t: (_clip_towers, _attach_clip) for t in ("clip", "clip_vision_model", "clip_text_model")}}
-        if model_type in finders:
-            find, attach = finders[model_type]
-            found = find(model)
-            if found is not None:
-                return attach, found
-        found = _hf_attention_modules(model)
-        if found:
-            return _attach_hf, found
+    for adapter in ADAPTERS:
+        found = adapter.find(model)
+        if _found(found):
+            return adapter.attach, found
     raise TypeError(
         f"{type(model).__name__} has no attention blocks vitlab can record. Supported: {SUPPORTED}."
     )
@@ -187,11 +238,6 @@ def attention_size(model: nn.Module, num_tokens: int) -> int:
     return heads * int(num_tokens) ** 2
 
 
-_MULTI.update({_attach_lxmert: ("lxmert", LXMERT_STREAMS), _attach_detr: ("detr", DETR_STREAMS),
-               _attach_visualbert: ("visual_bert", VISUALBERT_STREAMS), _attach_vilt: ("vilt", VILT_STREAMS),
-               _attach_clip: ("clip", CLIP_STREAMS), attach_swin: ("swin", {"self": ("image", "image")})})
-# multi-stream families that record hidden states per capture (the others: from the model itself)
-_HIDDEN_FAMILIES = ("clip", "swin")
 
 
 @contextlib.contextmanager

@@ -12,13 +12,6 @@ from torch import nn
 from vitlab.layout import TokenLayout
 
 
-SUPPORTED = (
-    "timm VisionTransformer models (ViT, DeiT, DeiT-distilled, DINOv2, DINOv2 with registers, FlexiViT, "
-    "and vitlab's embedded models), timm BEiT, EVA-02 and CaiT, Hugging Face ViT, DeiT, BEiT, Dinov2, SigLIP and "
-    "CLIP vision models, and Hugging Face "
-    "LXMERT (LxmertModel, LxmertForQuestionAnswering, ...), DETR (DetrModel, DetrForObjectDetection, ...) "
-    "and CLIP (CLIPModel, CLIPVisionModel, CLIPTextModel, ...)"
-)
 
 
 #: What ``record(model, capture=...)`` can keep, per attention module / block.
