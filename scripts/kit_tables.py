@@ -104,15 +104,16 @@ def slots(kit: str) -> list[tuple[int, str]]:
 def slot_load(kit: str, counts: dict) -> tuple[str, list]:
     """The slot table (words on the room's path against half of each chapter slot) and the slots
     that do not fit."""
-    lines = ["| slot | minutes | chapter | words on the room's path | reading at 200 a minute | fits in half the slot |",
-             "|---|---:|---|---:|---:|---|"]
+    lines = ["| slot | minutes | words on the room's path | reading at 200 a minute | fits in half the slot |",
+             "|---|---:|---:|---:|---|"]
     bad = []
     for minutes, what in slots(kit):
         stems = [what.strip("`")] if what.strip("`") in counts else ELECTIVES if "elective" in what else []
         for stem in stems:
             words = counts[stem][2] or 0
             fits = words / WPM <= minutes / 2
-            lines.append(f"| {what} | {minutes} | `{stem}` | {words:,} | {words / WPM:.1f} min | "
+            name = f"`{stem}`" if len(stems) == 1 else f"{what}: `{stem}`"
+            lines.append(f"| {name} | {minutes} | {words:,} | {words / WPM:.1f} min | "
                          f"{'yes' if fits else '**no**'} |")
             if not fits:
                 bad.append(f"{stem}: {words:,} words = {words / WPM:.1f} min of reading, more than half of its "

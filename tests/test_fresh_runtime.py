@@ -108,8 +108,6 @@ def test_a_chapter_opened_on_its_own_installs_vitlab_and_runs(fresh, tmp_path):
            "install = next(c for c in nb.cells if c.cell_type == 'code')\n"
            "print(''.join(o.get('text', '') for o in install.outputs))\n"
            "print(''.join(o.get('text', '') for o in nb.cells[-1].outputs))\n")
-    home = tmp_path / "home"
-    home.mkdir()
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))   # the photo model's converted weights
     done = subprocess.run([str(python), "-c", run], cwd=content, capture_output=True, text=True,
                           env={**env, "XDG_CACHE_HOME": str(cache)}, timeout=1200)
