@@ -209,7 +209,11 @@ def download(folder: Path, dev: bool, cpu: bool = False) -> None:
             if (folder / p.name).exists():
                 kept += 1
                 continue
-            shutil.move(str(p), str(folder / p.name))
+            # copied under a name of its own, then renamed: a run killed mid-copy leaves no
+            # truncated wheel under the real name (the next run overwrites its partial copy)
+            partial = folder / f".{p.name}.vitlab-partial"
+            shutil.copyfile(p, partial)
+            os.replace(partial, folder / p.name)
             wrote += 1
     say(f"ok: {wrote} files written into {folder} ({kept} already there, left as they were); "
         f"on each machine: PIP_FIND_LINKS={folder} PIP_NO_INDEX=1 python scripts/setup.py")

@@ -93,8 +93,10 @@ def test_download_keeps_every_file_already_in_the_folder(tmp_path, monkeypatch, 
     assert all(str(folder) not in a[a.index("-d") + 1] for a in calls)   # pip never writes there itself
     assert "0 files written" in capsys.readouterr().out
     (folder / "torch-2.14.1-cp311-none-linux_x86_64.whl").unlink()
+    (folder / ".torch-2.14.1-cp311-none-linux_x86_64.whl.vitlab-partial").write_text("half a wheel")  # a killed copy
     setup.download(folder, dev=False)
     assert (folder / "torch-2.14.1-cp311-none-linux_x86_64.whl").read_text() == "new torch"
+    assert not any(p.name.endswith(".vitlab-partial") for p in folder.iterdir())
     assert not any(p.name.startswith("vitlab-0") for p in folder.iterdir())
 
 

@@ -98,8 +98,8 @@ def paired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int =
     tie on these scenes."""
     shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else np.shape(v) for v in (a, b)]
     if shapes[0] != shapes[1]:          # compared before flattening: a 2 x 3 and a 3 x 2 are not paired
-        raise ValueError(f"paired_difference needs the two grades of the same scenes in the same layout, got "
-                         f"shapes {shapes[0]} and {shapes[1]}")
+        raise ValueError(f"paired_difference needs one value per scene on both sides, in the same layout (the "
+                         f"same scenes in the same order), got shapes {shapes[0]} and {shapes[1]}")
     va, vb = _values(a, "paired_difference"), _values(b, "paired_difference")
     return mean_interval(va - vb, level, n_boot, seed)
 
