@@ -400,3 +400,15 @@ def test_queries_keys_values_in_unshifted_token_order(swin):
         for got, want in zip((rec.queries[l], rec.keys[l], rec.values[l]), (q, k, v)):
             want = want.reshape(2, h.shape[1], HEADS[stage], -1).transpose(1, 2)
             torch.testing.assert_close(got, want, **f64_tol(want, _depth(swin)))
+
+
+def test_shapes_swin_loads_offline_and_records():
+    import vitlab
+
+    model = vitlab.load_model("shapes-swin")
+    assert not model.training and model.pretrained_cfg["multi_label"]
+    scenes = vitlab.shapes.make_scenes(2, seed=3, n_objects=2)
+    x = vitlab.shapes.scenes_to_tensor(scenes.images, model.pretrained_cfg["input_size"],
+                                       model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
+    rel = swin_relevance(model, x, torch.as_tensor(scenes.labels[:, 0]))
+    assert rel.shape == (2, 14, 14) and torch.isfinite(rel).all()

@@ -56,7 +56,7 @@ from torch import nn
 
 from vitlab.inputs import batches, check_images, check_input_dtype, require_gradients
 from vitlab.record import record
-from vitlab.record.swin import SwinCapture, swin_blocks
+from vitlab.record.swin import SwinCapture, scatter_windows, swin_blocks
 from vitlab.rollout import check_head_fusion, fuse_heads, residual_normalize
 from vitlab.relevance.engine import head_averaged_relevance
 from vitlab.targets import (
@@ -180,13 +180,13 @@ def _forward(model, x, *, target=None, score="logit", gradients: bool, stage: in
         feat_cap = [c for c in caps if c.stage == stage][-1]
         grads = torch.autograd.grad(total, [c.window_attention for c in caps] + [feat_cap.hidden])
     B = x.shape[0]
-    from vitlab.record.swin import scatter_windows
-
     dense_grads = [scatter_windows(g, c.index, B, c.grid[0] * c.grid[1]) for g, c in zip(grads[:-1], caps)]
     C = feat_cap.hidden.shape[-1]
-    return SwinGradients([c.attention.detach() for c in caps], dense_grads, caps,
-                         feat_cap.hidden.detach().reshape(B, -1, C), grads[-1].detach().reshape(B, -1, C),
-                         feat_cap.grid, t, logits.detach())
+    features = feat_cap.hidden.detach().reshape(B, -1, C)
+    for c in caps:  # keep no autograd graph alive through the captures
+        c.attention, c.window_attention, c.hidden = c.attention.detach(), c.window_attention.detach(), None
+    return SwinGradients([c.attention for c in caps], dense_grads, caps, features,
+                         grads[-1].detach().reshape(B, -1, C), feat_cap.grid, t, logits.detach())
 
 
 def swin_attention_gradients(model, x: torch.Tensor, target=None, score: str = "logit",

@@ -25,7 +25,7 @@ from torch import nn
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 
 # name -> "module:function"; each loader is ``fn(pretrained=True, **kwargs) -> nn.Module`` in eval
-# mode: a timm VisionTransformer with ``pretrained_cfg`` set, or (shapes-lxmert, shapes-detr) a
+# mode: a timm VisionTransformer (shapes-swin: a timm SwinTransformer) with ``pretrained_cfg`` set, or (shapes-lxmert, shapes-detr) a
 # Hugging Face LXMERT / DETR on the frozen shapes-vit-tiny (vitlab.shapes.bimodal).
 EMBEDDED_MODELS: dict[str, str] = {
     "shapes-vit-tiny": "vitlab.shapes.model:load_shapes_vit",
@@ -34,6 +34,7 @@ EMBEDDED_MODELS: dict[str, str] = {
     "shapes-detr": "vitlab.shapes.bimodal:load_shapes_detr",
     "shapes-visualbert": "vitlab.shapes.visualbert:load_shapes_visualbert",
     "shapes-clip": "vitlab.shapes.clip_model:load_shapes_clip",
+    "shapes-swin": "vitlab.shapes.swin_model:load_shapes_swin",
 }
 
 # Configurations of common Hugging Face ViT-family checkpoints, so that ``pretrained=False``
