@@ -6,7 +6,6 @@ VisualBERT's grading against each question run alone and the pointing game writt
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers import LxmertConfig, LxmertForQuestionAnswering, VisualBertConfig, VisualBertForQuestionAnswering
@@ -24,7 +23,7 @@ from vitlab.shapes.model import MEAN, STD
 from vitlab.shapes.qa import make_questions
 
 from conftest import f64_tol, module_depth
-from test_bimodal_faithfulness import as64, loop_predictions
+from references import as64, loop_predictions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -297,6 +297,7 @@ def _no_network(*args, **kwargs):
     raise AssertionError("load_model(..., pretrained=False) tried to open a network connection")
 
 
+@pytest.mark.slow
 def test_openai_clip_architecture_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(socket, "create_connection", _no_network)
