@@ -108,6 +108,15 @@ def _adapter_for(model: nn.Module):
     )
 
 
+def model_family(model: nn.Module) -> str:
+    """The family of ``model`` as vitlab records it: ``"vit"`` (timm and Hugging Face ViTs),
+    ``"lxmert"``, ``"visualbert"``, ``"vilt"``, ``"detr"`` or ``"clip"`` (:func:`vitlab.explain`
+    dispatches on it). TypeError, naming what is supported, for a model vitlab cannot record."""
+    attach, _ = _adapter_for(model)
+    family = _MULTI.get(attach)
+    return "vit" if family is None else family[0].replace("_", "")
+
+
 def _vit_only(model: nn.Module, what: str):
     attach, found = _adapter_for(model)
     if attach in _MULTI:
