@@ -757,19 +757,23 @@ def test_removal_curve_is_token_removal_at_each_fraction(vit, x):
     assert_model_unchanged(vit, before)
 
 
-def test_bootstrap_interval():
-    v = torch.tensor([0.3] * 10)
-    assert P.bootstrap_interval(v) == pytest.approx((0.3, 0.3))
-    values = torch.rand(400, generator=torch.Generator().manual_seed(1))
-    low, high = P.bootstrap_interval(values, n_boot=4000, level=0.95, seed=2)
-    half = 1.96 * float(values.std()) / 400 ** 0.5  # the normal approximation of the same interval
-    assert low < float(values.mean()) < high
-    assert (high - low) / 2 == pytest.approx(half, rel=0.1)
-    assert P.bootstrap_interval(values, seed=5) == P.bootstrap_interval(values, seed=5)
-    with pytest.raises(ValueError, match="finite"):
-        P.bootstrap_interval(torch.tensor([1.0, float("nan")]))
-    with pytest.raises(ValueError, match="level"):
-        P.bootstrap_interval(values, level=95)
+def test_removal_table_intervals_are_the_stats_modules():
+    from vitlab.stats import mean_interval, paired_difference
+
+    correct = lambda rows: torch.tensor(rows, dtype=torch.bool)  # noqa: E731
+    f = torch.tensor([0.0, 0.5, 1.0])
+    curve = lambda rows: P.RemovalCurve(f, correct(rows), torch.zeros(len(rows), dtype=torch.long), "highest")  # noqa: E731
+    top = curve([[1, 0, 0]] * 5 + [[1, 1, 0]] * 3)
+    rand = [curve([[1, 1, 0]] * 4 + [[1, 1, 1]] * 4), curve([[1, 1, 1]] * 6 + [[1, 0, 0]] * 2)]
+    test = P.RemovalTest({"map": top}, {}, rand)
+    rows = test.table(n_boot=500, seed=3)
+    random_auc = test.random_sample_auc
+    assert rows[0]["AUC 95% interval"] == mean_interval(random_auc, 0.95, 500, 3)[1:3]
+    assert rows[1]["AUC 95% interval"] == mean_interval(top.sample_auc, 0.95, 500, 3)[1:3]
+    diff = paired_difference(top.sample_auc, random_auc, 0.95, 500, 3)
+    assert rows[1]["AUC - random"] == diff.value and rows[1]["difference 95% interval"] == (diff.low, diff.high)
+    with pytest.raises(AttributeError, match="bootstrap_interval was replaced by vitlab.stats.mean_interval"):
+        P.bootstrap_interval
 
 
 def test_removal_test_directions_and_paired_differences(vit, x):

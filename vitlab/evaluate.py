@@ -15,7 +15,7 @@ input x gradient); columns are measures (:func:`measure_names`):
 
 Every sample is explained for one class, the model's prediction on the clean input, and
 every measure is computed per sample; a cell is the mean over samples with a 95% interval
-(normal approximation, ``mean +- 1.96 sd / sqrt(n)``). A measure that is undefined for a
+(the percentile bootstrap of :func:`vitlab.stats.mean_interval`). A measure that is undefined for a
 sample (SaCo of a constant map, the mass of a map with no positive value) is left out of
 that cell, and the cell's ``n`` says how many samples it holds.
 
@@ -31,7 +31,6 @@ import argparse
 import csv
 import hashlib
 import json
-import math
 import numbers
 import os
 import sys
@@ -366,8 +365,12 @@ def score_chunk(model, batch: Batch, indices: Sequence[int], methods: Sequence[s
 # --------------------------------------------------------------------------------------
 
 def summarize(values: np.ndarray, methods: Sequence[str], measures: Sequence[str]) -> list[dict]:
-    """One row per (method, measure): ``mean``, 95% interval ``ci_low``/``ci_high`` (normal
-    approximation) and ``n`` (samples where the measure is defined)."""
+    """One row per (method, measure): ``mean``, the 95% interval ``ci_low``/``ci_high`` of the mean
+    over the samples (:func:`vitlab.stats.mean_interval`: the percentile bootstrap, 2000
+    resamples, seed 0) and ``n`` (samples where the measure is defined; the interval is NaN below
+    two)."""
+    from vitlab.stats import mean_interval
+
     rows = []
     for j, m in enumerate(methods):
         for q, name in enumerate(measures):
@@ -375,9 +378,8 @@ def summarize(values: np.ndarray, methods: Sequence[str], measures: Sequence[str
             v = v[~np.isnan(v)]
             n = int(v.size)
             mean = float(v.mean()) if n else float("nan")
-            half = 1.96 * float(v.std(ddof=1)) / math.sqrt(n) if n > 1 else float("nan")
-            rows.append({"method": m, "measure": name, "mean": mean, "ci_low": mean - half,
-                         "ci_high": mean + half, "n": n})
+            low, high = mean_interval(v)[1:3] if n > 1 else (float("nan"), float("nan"))
+            rows.append({"method": m, "measure": name, "mean": mean, "ci_low": low, "ci_high": high, "n": n})
     return rows
 
 
