@@ -200,3 +200,96 @@ def vit64(vit):
 def x64(x):
     """:func:`x` in float64."""
     return x.double()
+
+
+# --- "the model handed in is left exactly as it was" ----------------------------------------------
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
+                 "_global_forward_hooks_with_kwargs", "_global_module_registration_hooks",
+                 "_global_parameter_registration_hooks", "_global_buffer_registration_hooks")
+
+
+def _configs(model: torch.nn.Module) -> dict:
+    """Every Hugging Face config reachable from ``model``: each module's ``config`` and their
+    sub-configs (CLIP's text and vision configs), by id."""
+    found = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    todo = list(found.values())
+    while todo:
+        c = todo.pop()
+        for key in getattr(c, "sub_configs", None) or {}:
+            sub = getattr(c, key, None)
+            if sub is not None and id(sub) not in found:
+                found[id(sub)] = sub
+                todo.append(sub)
+    return found
+
+
+def _tensor_record(t: torch.Tensor | None):
+    if t is None:
+        return None
+    return (t.detach().clone(), t.dtype, t.device)
+
+
+def model_snapshot(model: torch.nn.Module) -> dict:
+    """Everything a method or a recording could leave changed on ``model``, for
+    :func:`assert_model_unchanged`:
+
+    - every parameter and buffer (the object itself, values, dtype, device), each parameter's
+      ``requires_grad`` and ``.grad``;
+    - every module's plain attributes (``training``, timm's ``fused_attn`` and any other flag an
+      attribute patch could flip: bools, numbers, strings, ``None``) and every hook dictionary
+      (forward, forward-pre, their ``with_kwargs`` / ``always_called`` records, backward,
+      backward-pre, state-dict and load-state-dict hooks), plus PyTorch's global module hooks;
+    - every Hugging Face config reachable from the model (sub-configs included): its attributes
+      as set (``_attn_implementation_internal`` present or not) and ``_attn_implementation``.
+    """
+    params = {n: (p, _tensor_record(p), p.requires_grad, _tensor_record(p.grad))
+              for n, p in model.named_parameters(remove_duplicate=False)}
+    buffers = {n: (b, _tensor_record(b)) for n, b in model.named_buffers(remove_duplicate=False)}
+    modules = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        flags = {k: v for k, v in vars(m).items() if isinstance(v, (bool, int, float, str, type(None)))}
+        hooks = {k: dict(v) for k, v in vars(m).items() if "hook" in k and isinstance(v, dict)}
+        modules[name] = (type(m), flags, hooks)
+    configs = {i: (dict(vars(c)), getattr(c, "_attn_implementation", None)) for i, c in _configs(model).items()}
+    import torch.nn.modules.module as module_globals
+
+    global_hooks = {k: dict(getattr(module_globals, k)) for k in _GLOBAL_HOOKS if hasattr(module_globals, k)}
+    return dict(params=params, buffers=buffers, modules=modules, configs=configs, global_hooks=global_hooks)
+
+
+def _same_tensor(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a[1:] == b[1:] and a[0].shape == b[0].shape and torch.equal(a[0], b[0])
+
+
+def assert_model_unchanged(model: torch.nn.Module, before: dict) -> None:
+    """``model`` is as :func:`model_snapshot` found it; the message names the first difference."""
+    now = model_snapshot(model)
+    assert now["params"].keys() == before["params"].keys(), "parameters added or removed"
+    for n, (p0, v0, rg0, g0) in before["params"].items():
+        p1, v1, rg1, g1 = now["params"][n]
+        assert p1 is p0, f"parameter {n} was replaced"
+        assert _same_tensor(v0, v1), f"parameter {n} changed (values, dtype or device)"
+        assert rg0 == rg1, f"{n}.requires_grad changed from {rg0} to {rg1}"
+        assert _same_tensor(g0, g1), f"{n}.grad changed" + (" (was None)" if g0 is None else "")
+    assert now["buffers"].keys() == before["buffers"].keys(), "buffers added or removed"
+    for n, (b0, v0) in before["buffers"].items():
+        b1, v1 = now["buffers"][n]
+        assert b1 is b0 and _same_tensor(v0, v1), f"buffer {n} changed"
+    assert now["modules"].keys() == before["modules"].keys(), "submodules added or removed"
+    for n, (t0, flags0, hooks0) in before["modules"].items():
+        t1, flags1, hooks1 = now["modules"][n]
+        where = n or type(model).__name__
+        assert t0 is t1, f"module {where} was replaced"
+        assert flags0 == flags1, f"attributes of {where} changed: {flags0} -> {flags1}"
+        assert hooks0 == hooks1, f"hooks of {where} changed: {hooks0} -> {hooks1}"
+    assert now["configs"].keys() == before["configs"].keys(), "configs added or removed"
+    for i, (attrs0, impl0) in before["configs"].items():
+        attrs1, impl1 = now["configs"][i]
+        assert impl0 == impl1, f"config._attn_implementation changed from {impl0!r} to {impl1!r}"
+        assert attrs0.keys() == attrs1.keys(), f"config attributes added or removed: {attrs0.keys() ^ attrs1.keys()}"
+        for k in attrs0:
+            assert attrs0[k] is attrs1[k] or attrs0[k] == attrs1[k], f"config.{k} changed"
+    assert now["global_hooks"] == before["global_hooks"], "global module hooks changed"

@@ -9,14 +9,16 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
 import vitlab
-from conftest import f32_tol, f64_tol, module_depth
+from conftest import assert_model_unchanged, f32_tol, f64_tol, model_snapshot, module_depth
 from vitlab import actmax
 from vitlab.actmax import transforms as T
+from tiny_models import tiny_vit  # conftest's TINY ViT (the tests moved from the issue-14 file)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_vit(num_classes=4, **kw):
+def actmax_vit(num_classes=4, **kw):
+    """A 2-block ViT with timm's default (PyTorch) init and the preprocessing actmax reads."""
     model = VisionTransformer(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3,
                               num_classes=num_classes, **kw).eval()
     model.pretrained_cfg = dict(input_size=(3, 32, 32), mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
@@ -27,11 +29,11 @@ def tiny_vit(num_classes=4, **kw):
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return tiny_vit()
+    return actmax_vit()
 
 
 # the tiny ViT's forward (16 patches + CLS): the float32 allowance for its outputs
-DEPTH = module_depth(tiny_vit(), tokens=17)
+DEPTH = module_depth(actmax_vit(), tokens=17)
 
 
 def normalise(model, x):
@@ -56,26 +58,6 @@ def manual_states(model, images):
         h = h + blk.ls2(blk.mlp(blk.norm2(h)))
         states.append(h)
     return states, mlps, attn0
-
-
-def model_state(model):
-    return (
-        {k: v.clone() for k, v in model.state_dict().items()},
-        [(n, p.requires_grad, p.grad) for n, p in model.named_parameters()],
-        [(n, m.training) for n, m in model.named_modules()],
-        [(n, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks)) for n, m in model.named_modules()],
-        [(n, m.fused_attn) for n, m in model.named_modules() if hasattr(m, "fused_attn")],
-    )
-
-
-def assert_unchanged(model, before):
-    after = model_state(model)
-    assert before[0].keys() == after[0].keys()
-    for k in before[0]:
-        assert torch.equal(before[0][k], after[0][k]), k
-    assert [(n, r) for n, r, _ in before[1]] == [(n, r) for n, r, _ in after[1]]
-    assert all(g is None for _, _, g in after[1]), "a model parameter got a .grad"
-    assert before[2:] == after[2:]
 
 
 # ----------------------------------------------------------------------------- seam measure
@@ -298,7 +280,7 @@ def test_objective_argument_errors(model):
         actmax.cls_attention(0, 0, patch=(4, 0))(ctx)
     with pytest.raises(ValueError, match="grid cell"):
         actmax.cls_attention(0, 0, patch=5)
-    headless = tiny_vit(num_classes=0)
+    headless = actmax_vit(num_classes=0)
     with pytest.raises(ValueError, match="no classifier head"):
         actmax.evaluate(headless, actmax.class_logit(0), images)
 
@@ -371,7 +353,7 @@ def test_geometric_and_colour_transforms():
 
 # ----------------------------------------------------------------------------- visualize
 def test_visualize_raises_the_objective_and_leaves_the_model_as_it_was(model):
-    before = model_state(model)
+    before = model_snapshot(model)
     obj = actmax.mlp_unit(1, [5, 11]) - 0.05 * actmax.total_variation()
     r = actmax.visualize(model, obj, steps=25, batch=2, copies=3, seed=1, progress=False)
     assert r.images.shape == (2, 3, 32, 32) and r.trace.shape == (25, 2)
@@ -380,7 +362,7 @@ def test_visualize_raises_the_objective_and_leaves_the_model_as_it_was(model):
     final = actmax.evaluate(model, actmax.mlp_unit(1, [5, 11]), r.images)
     start = actmax.evaluate(model, actmax.mlp_unit(1, [5, 11]), torch.full_like(r.images, 0.5))
     assert (final > start).all()
-    assert_unchanged(model, before)
+    assert_model_unchanged(model, before)
 
 
 def test_visualize_is_deterministic_per_seed(model):
@@ -393,13 +375,13 @@ def test_visualize_is_deterministic_per_seed(model):
 
 
 def test_visualize_keeps_train_mode_and_flags(model):
-    m = tiny_vit()
+    m = actmax_vit()
     m.train()
     m.blocks[0].attn.qkv.weight.requires_grad_(False)
-    before = model_state(m)
+    before = model_snapshot(m)
     actmax.visualize(m, -actmax.cls_attention(1, 0) + actmax.residual_channel(0, 2), steps=2, copies=1,
                      progress=False, transforms=T.compose([T.rotate(5), T.scale(0.9, 1.1)]))
-    assert_unchanged(m, before)
+    assert_model_unchanged(m, before)
     assert m.training and not m.blocks[0].attn.qkv.weight.requires_grad
 
 
@@ -421,7 +403,7 @@ def test_visualize_argument_errors(model):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_visualize_on_gpu_matches_cpu_start(model):
-    m = tiny_vit().cuda()
+    m = actmax_vit().cuda()
     r = actmax.visualize(m, actmax.mlp_unit(1, 3), steps=5, copies=2, progress=False)
     assert r.images.device.type == "cpu" and torch.isfinite(r.trace).all()
     assert (r.trace[-1] > r.trace[0]).all()
@@ -453,9 +435,59 @@ def test_hugging_face_vit_class_logit():
         logits = hf(pixel_values=(images - 0.5) / 0.5).logits
     assert torch.allclose(actmax.evaluate(hf, actmax.class_logit(3), images), logits[:, 3],
                           **f32_tol(logits, module_depth(hf, tokens=17)))
-    before = model_state(hf)[:3]
+    before = model_snapshot(hf)
     r = actmax.visualize(hf, actmax.class_logit(3), steps=8, copies=2, progress=False)
     assert r.trace[-1] > r.trace[0]
-    after = model_state(hf)[:3]
-    assert all(torch.equal(before[0][k], after[0][k]) for k in before[0]) and before[2] == after[2]
-    assert all(g is None for _, _, g in after[1])
+    assert_model_unchanged(hf, before)
+
+
+CFG = dict(input_size=(3, 32, 32), mean=(0.5,) * 3, std=(0.5,) * 3, interpolation="bilinear", crop_pct=1.0,
+           crop_mode="center")
+
+
+def test_actmax_cls_attention_refuses_a_model_without_class_token():
+    model = tiny_vit(class_token=False, reg_tokens=2, global_pool="avg")
+    model.pretrained_cfg = CFG
+    with pytest.raises(ValueError, match="no class token"):
+        actmax.evaluate(model, actmax.cls_attention(0, 0), torch.rand(1, 3, 32, 32))
+
+
+def test_actmax_visualize_under_no_grad_works_and_under_inference_mode_says_so():
+    model = tiny_vit()
+    model.pretrained_cfg = CFG
+    before = model_snapshot(model)
+    kw = dict(steps=2, copies=1, progress=False, seed=0)
+    free = actmax.visualize(model, actmax.class_logit(1), **kw)
+    with torch.no_grad():
+        under = actmax.visualize(model, actmax.class_logit(1), **kw)
+        assert not torch.is_grad_enabled()
+    assert torch.equal(free.images, under.images)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"actmax.visualize .* inside torch.inference_mode"):
+        actmax.visualize(model, actmax.class_logit(1), **kw)
+    assert_model_unchanged(model, before)
+
+
+# --- silent wrong 6: a model in train mode ------------------------------------------------------------
+class TokenBatchNorm(torch.nn.Module):
+    """BatchNorm over the channels of a B x N x C token sequence (a stem with running statistics)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(dim)
+
+    def forward(self, x):
+        return self.bn(x.transpose(1, 2)).transpose(1, 2)
+
+
+def test_actmax_visualize_does_not_update_batchnorm_statistics_in_train_mode():
+    model = tiny_vit()
+    model.norm_pre = TokenBatchNorm(48).eval()
+    model.pretrained_cfg = CFG
+    kw = dict(steps=3, copies=2, progress=False, seed=0)
+    expected = actmax.visualize(model, actmax.mlp_unit(0, 1), **kw)
+    model.train()
+    buffers = {k: v.clone() for k, v in model.state_dict().items()}
+    got = actmax.visualize(model, actmax.mlp_unit(0, 1), **kw)
+    assert all(torch.equal(buffers[k], v) for k, v in model.state_dict().items())  # running stats unchanged
+    assert model.training and model.norm_pre.bn.training
+    assert torch.equal(got.images, expected.images)

@@ -8,17 +8,14 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from conftest import TINY, TINY_DEPTH, f32_tol, f64_tol, randomize
+from conftest import TINY_DEPTH, f32_tol, f64_tol
 
 # a norm (over 48 channels) of the tiny ViT's residual stream
 NORM_DEPTH = TINY_DEPTH + 48
 from vitlab.attention import TokenNorms, exchange_score, token_norms
+from tiny_models import tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_vit(seed: int = 0, **kw) -> VisionTransformer:
-    return randomize(VisionTransformer(**{**TINY, **kw}), seed)
 
 
 def manual_hidden_states(model: VisionTransformer, x: torch.Tensor) -> list[torch.Tensor]:

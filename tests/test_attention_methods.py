@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from timm.models.deit import VisionTransformerDistilled
-from timm.models.vision_transformer import VisionTransformer
 
 from vitlab.attention import (
     QKChannel,
@@ -30,8 +29,10 @@ from vitlab.rollout import grad_rollout, rollout
 from vitlab.targets import check_target, class_probabilities, is_multi_label, logits_of, resolve_target, target_score
 
 from conftest import (
-    TINY, TINY_DEPTH, TINY_GRAD_DEPTH, decided_argmax, f32_tol, f64_tol, module_depth, randomize as _randomize,
+    TINY, TINY_DEPTH, TINY_GRAD_DEPTH, assert_model_unchanged, decided_argmax, f32_tol, f64_tol, model_snapshot, module_depth,
+    randomize as _randomize,
 )
+from tiny_models import tiny_vit
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # a map of the tiny ViT: forward and backward, then per block a head fusion over 3 and a product over 17
@@ -42,10 +43,6 @@ def depth(model, grad=False):
     """module_depth of a model on its own token count (prefix tokens and patches)."""
     tokens = model.patch_embed.num_patches + getattr(model, "num_prefix_tokens", 1)
     return module_depth(model, tokens=tokens, grad=grad)
-
-
-def tiny_vit(seed: int = 0, **kw) -> VisionTransformer:
-    return _randomize(VisionTransformer(**{**TINY, **kw}), seed)
 
 
 def tiny_distilled(seed: int = 1) -> VisionTransformerDistilled:
@@ -97,29 +94,6 @@ def reference_gradients(model, x, target):
         score = logits.gather(1, torch.as_tensor(target)[:, None]).sum()
         grads = torch.autograd.grad(score, attentions)
     return [a.detach() for a in attentions], [g.detach() for g in grads], logits.detach()
-
-
-def model_state(model):
-    return {
-        "training": [(n, m.training) for n, m in model.named_modules()],
-        "requires_grad": [(n, p.requires_grad) for n, p in model.named_parameters()],
-        "grad": [(n, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()],
-        "fused": [(n, m.fused_attn) for n, m in model.named_modules() if hasattr(m, "fused_attn")],
-        "hooks": sum(
-            len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-            + len(m._backward_pre_hooks) for m in model.modules()
-        ),
-        "params": [p.detach().clone() for p in model.parameters()],
-    }
-
-
-def assert_same_state(before, after):
-    for key in ("training", "requires_grad", "fused"):
-        assert before[key] == after[key], key
-    assert before["hooks"] == after["hooks"] == 0
-    for (n, g0), (_, g1) in zip(before["grad"], after["grad"]):
-        assert (g0 is None and g1 is None) or torch.equal(g0, g1), f"{n}.grad changed"
-    assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
 
 
 # --- the reference itself --------------------------------------------------------------
@@ -437,12 +411,12 @@ def test_methods_leave_the_model_unchanged_and_return_plain_tensors(name, x):
         p.requires_grad_(False)
     model.head.weight.grad = torch.full_like(model.head.weight, 0.5)  # a grad the user holds
     model.blocks[1].train()  # an odd mix of modes must survive too
-    before = model_state(model)
+    before = model_snapshot(model)
     with torch.no_grad():  # gradient methods must work under the caller's no_grad
         out = METHODS[name](model, x)
         assert not torch.is_grad_enabled()
     assert not out.requires_grad and out.grad_fn is None
-    assert_same_state(before, model_state(model))
+    assert_model_unchanged(model, before)
     assert torch.is_grad_enabled()
 
 

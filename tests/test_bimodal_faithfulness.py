@@ -9,7 +9,9 @@ from transformers import LxmertConfig, LxmertForQuestionAnswering, VisualBertCon
 
 from conftest import decided_argmax, f32_tol, module_depth
 from vitlab import bimodal_faithfulness as bf
+from vitlab.stats import mean_interval
 from vitlab.relevance import lxmert_raw_attention, lxmert_relevance
+from references import answer_logits, as64, loop_predictions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STEPS = bf.PERTURBATION_STEPS
@@ -54,50 +56,6 @@ def visualbert_inputs(B=6, T=7, N=10, seed=1):
     g = torch.Generator().manual_seed(seed + 1)
     return dict(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids),
                 visual_embeds=torch.randn(B, N, 12, generator=g))
-
-
-def as64(model, inputs):
-    """Model and inputs in float64. Answers (argmaxes) of a padded batch against a question-by-question
-    loop are an exact claim only where no two logits lie within rounding of each other; in float64
-    that is ~1e-12 of the logits instead of float32's ~1e-4."""
-    return model.double(), {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
-
-
-def logits(out):
-    return out.question_answering_score if hasattr(out, "question_answering_score") else out.logits
-
-
-def loop_predictions(model, inputs, maps, modality, positive, keep_end=1, steps=STEPS):
-    """Question by question, unpadded: delete the tokens (plain Python sort, ties to the earlier
-    token) and rerun the model; returns B x S predictions and kept counts."""
-    B = inputs["input_ids"].shape[0]
-    preds, kept = np.zeros((B, len(steps)), int), np.zeros((B, len(steps)), int)
-    for b in range(B):
-        n = int(inputs["attention_mask"][b].sum())
-        one = {k: v[b : b + 1, :n] if k in bf.TEXT_KEYS else v[b : b + 1] for k, v in inputs.items()}
-        for j, step in enumerate(steps):
-            if modality == "image":
-                cand = list(range(maps.shape[1]))
-            else:
-                cand = list(range(1, n - keep_end))
-            ranked = sorted(cand, key=lambda i: (-float(maps[b, i]), i))      # most relevant first
-            k = int((1 - step) * len(cand))
-            keep = sorted(ranked[len(ranked) - k:] if positive else ranked[:k])
-            x = dict(one)
-            if modality == "image":
-                for key in bf.IMAGE_KEYS:
-                    if key in x:
-                        x[key] = x[key][:, keep] if keep else torch.zeros_like(x[key][:, :1])
-                kept[b, j] = len(keep)
-            else:
-                keep = [0] + keep + list(range(n - keep_end, n))
-                for key in bf.TEXT_KEYS:
-                    if key in x:
-                        x[key] = x[key][:, keep]
-                kept[b, j] = len(keep)
-            with torch.no_grad():
-                preds[b, j] = int(logits(model(**x)).argmax(-1))
-    return preds, kept
 
 
 CASES = [(m, p) for m in ("image", "text") for p in (True, False)]
@@ -151,10 +109,10 @@ def test_auc_is_the_trapezoid_and_the_interval_brackets_the_mean():
     # question 2: 1 on [0, .25], falling to 0 over [.25, .5]: 0.25 + 0.125
     assert curve.question_auc.tolist() == pytest.approx([1.0, 0.375])
     assert curve.auc == pytest.approx(0.6875) and curve.accuracy.tolist()[2] == 0.5
-    lo, hi = bf.bootstrap_interval(curve.question_auc)
+    lo, hi = mean_interval(curve.question_auc)[1:3]  # the interval perturbation_rows prints
     assert lo <= curve.auc <= hi and 0.375 <= lo
-    with pytest.raises(ValueError, match="finite"):
-        bf.bootstrap_interval([1.0, float("nan")])
+    with pytest.raises(AttributeError, match="bootstrap_interval was replaced by vitlab.stats.mean_interval"):
+        bf.bootstrap_interval
 
 
 def test_kept_indices_follow_the_reference_counts_and_ties():
@@ -340,7 +298,7 @@ def test_hiding_effect_equals_deleting_the_tokens_by_hand():
         x = dict(input_ids=inputs["input_ids"][b : b + 1, :n], attention_mask=inputs["attention_mask"][b : b + 1, :n],
                  visual_feats=inputs["visual_feats"][b : b + 1, keep], visual_pos=inputs["visual_pos"][b : b + 1, keep])
         with torch.no_grad():
-            p = logits(model(**x)).softmax(-1)[0]
+            p = answer_logits(model(**x)).softmax(-1)[0]
         # the answer of another batching: the same on every CPU where no two answers tie within rounding
         assert int(decided_argmax(p, f32_tol(1.0, module_depth(model, tokens=17))["atol"])) == int(res["answer_after"][b])
         # a probability (at most 1) through the model's reductions (7 words + 10 regions)
@@ -349,3 +307,18 @@ def test_hiding_effect_equals_deleting_the_tokens_by_hand():
     assert torch.equal(res["changed"], res["answer"] != res["answer_after"])
     with pytest.raises(ValueError, match="keep at least one"):
         bf.hiding_effect(model, inputs, torch.ones(6, 10, dtype=torch.bool))
+
+
+def test_steps_that_are_not_numbers_are_named_as_given():
+    torch.manual_seed(0)
+    cfg = LxmertConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64, l_layers=1,
+                       r_layers=1, x_layers=1, visual_feat_dim=16, visual_pos_dim=4, num_qa_labels=7,
+                       num_object_labels=5, num_attr_labels=5)
+    model = LxmertForQuestionAnswering(cfg).eval()
+    ids = torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0]])
+    inputs = dict(input_ids=ids, attention_mask=(ids > 0).long(), visual_feats=torch.randn(2, 3, 16),
+                  visual_pos=torch.rand(2, 3, 4))
+    for bad, shown in ((None, "None"), ("01", "'01'"), ((0.0, "a"), r"\(0.0, 'a'\)")):
+        with pytest.raises(ValueError, match=r"steps must be increasing fractions in \[0, 1\] .*got " + shown + "$"):
+            bf.perturbation_curve(model, inputs, torch.rand(2, 3), "image", steps=bad)
+    assert bf.perturbation_curve(model, inputs, torch.rand(2, 3), "image", steps=np.array([0, 0.5])).steps == (0.0, 0.5)

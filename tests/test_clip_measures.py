@@ -20,8 +20,9 @@ import torch
 from vitlab import faithfulness as fa
 from vitlab import localization as loc
 
-from conftest import f64_tol
-from test_record_clip import DEPTH, assert_unchanged, model_state, pairs, tiny_clip
+from conftest import assert_model_unchanged, f64_tol, model_snapshot
+from tiny_models import pairs, tiny_clip
+from references import CLIP_DEPTH
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,7 +34,7 @@ def model():
 
 def close64(a, b) -> bool:
     a, b = torch.as_tensor(a).double(), torch.as_tensor(b).double()
-    return a.shape == b.shape and torch.allclose(a, b, **f64_tol([a, b], DEPTH))
+    return a.shape == b.shape and torch.allclose(a, b, **f64_tol([a, b], CLIP_DEPTH))
 
 
 def pair_score(model, image, ids, mask) -> float:
@@ -99,10 +100,10 @@ def test_deletion_curve_of_the_pair_score_equals_a_delete_and_rerun_loop(model, 
     inputs = pairs()
     sal = pixel_maps(3)
     fractions = (0.0, 0.1, 0.3, 0.5, 0.9)
-    before = model_state(model)
+    before = model_snapshot(model)
     curve = fa.perturbation_curve(model, inputs["pixel_values"], sal, positive=positive, fractions=fractions,
                                   batch_size=4, score=fa.image_text_score(model, inputs))
-    assert_unchanged(model, before)
+    assert_model_unchanged(model, before)
     expected = loop_curve(model, inputs, sal, fractions, positive)
     assert close64(curve.probability, torch.from_numpy(expected).float())  # stored as float32
     assert curve.correct is None and curve.auc_accuracy is None and (curve.target == -1).all()
@@ -143,9 +144,9 @@ def test_saco_of_the_pair_score_equals_a_replace_each_group_loop(model):
     x, ids, mask = inputs["pixel_values"], inputs["input_ids"], inputs["attention_mask"]
     sal = pixel_maps(3, seed=9)
     k = 5
-    before = model_state(model)
+    before = model_snapshot(model)
     res = fa.saco_details(model, x, sal, k=k, batch_size=7, score=fa.image_text_score(model, inputs))
-    assert_unchanged(model, before)
+    assert_model_unchanged(model, before)
     B, C, H, W = x.shape
     for b in range(B):
         s = sal[b].numpy().ravel()
@@ -160,7 +161,7 @@ def test_saco_of_the_pair_score_equals_a_replace_each_group_loop(model):
             sums.append(float(s[g].sum()))
         assert close64(res.drops[b], torch.tensor(drops).float())
         assert np.allclose(res.sums[b].numpy(), sums, rtol=1e-6)
-        assert abs(float(res.probability[b]) - clean) <= f64_tol([clean], DEPTH)["atol"] + 1e-6 * abs(clean)
+        assert abs(float(res.probability[b]) - clean) <= f64_tol([clean], CLIP_DEPTH)["atol"] + 1e-6 * abs(clean)
         assert abs(float(res.saco[b]) - saco_by_hand(drops, sums)) < 1e-6
     assert (res.target == -1).all()
     assert torch.equal(fa.saco(model, x, sal, k=k, score=fa.image_text_score(model, inputs)), res.saco)
@@ -170,9 +171,9 @@ def test_a_train_mode_model_comes_back_in_train_mode(model):
     inputs = pairs()
     model.train()
     try:
-        before = model_state(model)
+        before = model_snapshot(model)
         fa.saco(model, inputs["pixel_values"], pixel_maps(3), k=3, score=fa.image_text_score(model, inputs))
-        assert_unchanged(model, before)
+        assert_model_unchanged(model, before)
     finally:
         model.eval()
 

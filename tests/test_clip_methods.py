@@ -3,7 +3,7 @@
 Every method -- Chefer et al.'s relevance on both towers (every start block), raw attention,
 rollout, attention GradCAM, Grad-ECLIP, LeGrad and the decomposition of the image embedding with
 its per-head maps, mean-ablation and zero-shot segmentation -- is computed here again from the
-float64 reference forward of ``test_record_clip`` (its attentions, their exact gradients, its
+float64 clip_reference forward of ``test_record_clip`` (its attentions, their exact gradients, its
 values and residual stream), sample by sample, and compared. Also: a batch gives each pair's maps
 whatever the padding (a caption padded further has the same map), both of Hugging Face's pooling
 rules (legacy ``eos_token_id == 2`` and the first ``eos_token_id``), an SDPA model gives the eager
@@ -25,8 +25,9 @@ from vitlab.grad_eclip import grad_eclip
 from vitlab.legrad import legrad
 from vitlab.relevance import ClipMaps, clip_gradcam, clip_raw_attention, clip_relevance, clip_rollout
 
-from conftest import f64_tol
-from test_record_clip import DEPTH, EOS, assert_unchanged, captions, close, model_state, pairs, reference, tiny_clip
+from conftest import assert_model_unchanged, f64_tol, model_snapshot
+from tiny_models import EOS, captions, pairs, tiny_clip
+from references import CLIP_DEPTH, clip_close, clip_reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,7 +52,7 @@ def keep_row(row, eos):
 
 
 def expected(name, ref, b, grid=(4, 4)):
-    """Pair b's (image, text) maps, computed from the reference forward (its ``dA.grad`` /
+    """Pair b's (image, text) maps, computed from the clip_reference forward (its ``dA.grad`` /
     ``dctx.grad`` hold d(score)/d(attention) / d(context) after a backward of the right score)."""
     eos = int(ref.eos[b])
     I_, T_ = ref.image, ref.text
@@ -109,7 +110,7 @@ def expected(name, ref, b, grid=(4, 4)):
 def expected_legrad(model, inputs, start):
     """LeGrad from scratch: per block, the cosine of the mean token's embedding with the text, its
     gradient to that block's own attention, ReLU, mean over heads and rows, summed, min-maxed."""
-    ref = reference(model, **inputs)
+    ref = clip_reference(model, **inputs)
     sd = ref.sd
     t = torch.nn.functional.normalize(ref.text_embeds, dim=-1).detach()
     total = 0
@@ -125,50 +126,50 @@ def expected_legrad(model, inputs, start):
     return ((total - lo) / (hi - lo)).reshape(-1, 4, 4)
 
 
-# ----------------------------------------------------------------------------- equal to the reference
+# ----------------------------------------------------------------------------- equal to the clip_reference
 @pytest.mark.parametrize("name", ["relevance", "relevance_last", "raw", "rollout", "gradcam", "grad_eclip"])
 def test_each_method_equals_its_float64_reference_per_pair(model, name):
     inputs = pairs()
-    before = model_state(model)
+    before = model_snapshot(model)
     maps = METHODS[name](model, inputs)
-    assert_unchanged(model, before)
+    assert_model_unchanged(model, before)
     assert isinstance(maps, ClipMaps) and maps.image.shape == (3, 4, 4) and maps.text.shape == inputs["input_ids"].shape
-    ref = reference(model, **inputs)
+    ref = clip_reference(model, **inputs)
     (ref.cosine if name == "grad_eclip" else ref.score).sum().backward()
-    assert close(maps.score, ref.cosine if name == "grad_eclip" else ref.score)
+    assert clip_close(maps.score, ref.cosine if name == "grad_eclip" else ref.score)
     for b in range(3):
         image, text = expected(name, ref, b)
-        assert close(maps.image[b], image), (name, b)
-        assert close(maps.text[b], text), (name, b)
+        assert clip_close(maps.image[b], image), (name, b)
+        assert clip_close(maps.text[b], text), (name, b)
         assert bool((maps.text[b, 0] == 0) & (maps.text[b, int(ref.eos[b]):] == 0).all())
 
 
 @pytest.mark.parametrize("start", [0, -2])
 def test_legrad_equals_its_float64_reference(model, start):
     inputs = pairs()
-    before = model_state(model)
+    before = model_snapshot(model)
     maps = legrad(model, inputs, start_block=start)
-    assert_unchanged(model, before)
+    assert_model_unchanged(model, before)
     assert maps.text is None
-    assert close(maps.image, expected_legrad(model, inputs, start))
+    assert clip_close(maps.image, expected_legrad(model, inputs, start))
     assert torch.allclose(maps.image.flatten(1).amax(1), torch.ones(3, dtype=torch.float64))
 
 
 def test_start_block_per_tower_and_its_refusals(model):
     inputs = pairs()
     both = clip_relevance(model, inputs, start_block=(1, 2))
-    ref = reference(model, **inputs)
+    ref = clip_reference(model, **inputs)
     ref.score.sum().backward()
     N, T = ref.image[0].attention.shape[-1], ref.text[0].attention.shape[-1]
     for b in range(3):
         R = torch.eye(N, dtype=torch.float64)
         for L in ref.image[1:]:
             R = R + (L.dA.grad[b] * L.attention[b].detach()).clamp(min=0).mean(0) @ R
-        assert close(both.image[b].flatten(), R[0, 1:])
+        assert clip_close(both.image[b].flatten(), R[0, 1:])
         R = torch.eye(T, dtype=torch.float64)
         for L in ref.text[2:]:
             R = R + (L.dA.grad[b] * L.attention[b].detach()).clamp(min=0).mean(0) @ R
-        assert close(both.text[b], keep_row(R[int(ref.eos[b])], int(ref.eos[b])))
+        assert clip_close(both.text[b], keep_row(R[int(ref.eos[b])], int(ref.eos[b])))
     for bad, err in ((3, ValueError), (-4, ValueError), (True, TypeError), (1.0, TypeError), ((0, 1, 2), ValueError)):
         with pytest.raises(err, match="start_block"):
             clip_relevance(model, inputs, start_block=bad)
@@ -183,7 +184,7 @@ def test_grad_eclip_start_block_is_an_int_or_an_image_text_pair(model):
     for same in ((-1, 0), (-1, -3), (2, -8)):
         other = grad_eclip(model, inputs, start_block=same)
         assert torch.equal(other.image, default.image) and torch.equal(other.text, default.text), same
-    ref = reference(model, **inputs)
+    ref = clip_reference(model, **inputs)
     ref.cosine.sum().backward()
     last = grad_eclip(model, inputs, start_block=-1)  # one int: both towers from their last block
     for b in range(3):
@@ -197,8 +198,8 @@ def test_grad_eclip_start_block_is_an_int_or_an_image_text_pair(model):
         lam = torch.zeros(k.shape[0], dtype=cos.dtype)
         lam[:eos + 1] = (cos - cos.min()) / (cos.max() - cos.min())
         text = keep_row(((v @ w) * lam).clamp(min=0), eos)
-        assert close(last.text[b], text / text.sum() if text.sum() > 0 else text)
-        assert close(last.image[b], default.image[b])
+        assert clip_close(last.text[b], text / text.sum() if text.sum() > 0 else text)
+        assert clip_close(last.image[b], default.image[b])
     for bad, err in ((3, ValueError), ((0, 3), ValueError), ((0, 1, 2), ValueError), (True, TypeError),
                      ((-1, 1.0), TypeError)):
         with pytest.raises(err, match="start_block"):
@@ -243,10 +244,10 @@ def test_a_batch_over_the_memory_budget_runs_in_chunks_with_the_same_maps(model,
     finally:
         handle.remove()
     assert len(calls) == (2 if name in ("raw", "rollout") else 3)  # 5 pairs in chunks of 4 / of 2
-    assert close(chunked.image, whole.image) and close(chunked.score, whole.score)
+    assert clip_close(chunked.image, whole.image) and clip_close(chunked.score, whole.score)
     assert (chunked.text is None) == (whole.text is None)
     if whole.text is not None:
-        assert chunked.text.shape == whole.text.shape and close(chunked.text, whole.text)
+        assert chunked.text.shape == whole.text.shape and clip_close(chunked.text, whole.text)
 
 
 # ----------------------------------------------------------------------------- batch = items, padding
@@ -260,25 +261,25 @@ def test_batch_equals_items_whatever_the_padding(model, name):
             ids[0, :n + 2] = inputs["input_ids"][b, :n + 2]
             one = METHODS[name](model, dict(pixel_values=inputs["pixel_values"][b:b + 1], input_ids=ids,
                                             attention_mask=mask))
-            assert close(one.image[0], batch.image[b]), (name, b, pad_to)
+            assert clip_close(one.image[0], batch.image[b]), (name, b, pad_to)
             if batch.text is not None:
                 T = min(pad_to, batch.text.shape[1])
-                assert close(one.text[0, :T], batch.text[b, :T]), (name, b, pad_to)
+                assert clip_close(one.text[0, :T], batch.text[b, :T]), (name, b, pad_to)
                 assert bool((one.text[0, T:] == 0).all() and (batch.text[b, T:] == 0).all())
-            assert close(one.score, batch.score[b:b + 1])
+            assert clip_close(one.score, batch.score[b:b + 1])
 
 
 def test_sdpa_model_gives_the_eager_models_maps_and_keeps_sdpa():
     eager, sdpa = tiny_clip(attn="eager", dtype=torch.float32), tiny_clip(attn="sdpa", dtype=torch.float32)
     inputs = pairs(dtype=torch.float32)
-    before = model_state(sdpa)
+    before = model_snapshot(sdpa)
     for name, method in METHODS.items():
         a, b = method(eager, inputs), method(sdpa, inputs)
         # the same weights and the same eager arithmetic: equal up to float32 rounding
-        assert close(b.image, a.image), name
+        assert clip_close(b.image, a.image), name
         if a.text is not None:
-            assert close(b.text, a.text), name
-    assert_unchanged(sdpa, before)
+            assert clip_close(b.text, a.text), name
+    assert_model_unchanged(sdpa, before)
     assert sdpa.config._attn_implementation == "sdpa"
 
 
@@ -287,11 +288,11 @@ def test_frozen_float32_model_works_and_stays_frozen():
     model.requires_grad_(False)
     inputs = pairs(dtype=torch.float32)
     free = tiny_clip(dtype=torch.float32)
-    before = model_state(model)
+    before = model_snapshot(model)
     for name, method in METHODS.items():
         a, b = method(model, inputs), method(free, inputs)
-        assert close(a.image, b.image), name
-    assert_unchanged(model, before)
+        assert clip_close(a.image, b.image), name
+    assert_model_unchanged(model, before)
 
 
 def test_one_forward_and_at_most_one_backward_per_batch(model):
@@ -347,7 +348,7 @@ def test_bad_inputs_are_refused_before_the_forward(model):
         no_eos = ids.clone()
         no_eos[no_eos == EOS] = 5
         cases.append((dict(good, input_ids=no_eos), ValueError, "no end-of-text token"))
-    before = model_state(model)
+    before = model_snapshot(model)
     calls = [0]
     handle = model.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     try:
@@ -358,7 +359,7 @@ def test_bad_inputs_are_refused_before_the_forward(model):
     finally:
         handle.remove()
     assert calls[0] == 0
-    assert_unchanged(model, before)
+    assert_model_unchanged(model, before)
     with pytest.raises(TypeError, match="CLIPModel"):
         clip_relevance(model.vision_model, good)
 
@@ -366,14 +367,14 @@ def test_bad_inputs_are_refused_before_the_forward(model):
 # ----------------------------------------------------------------------------- the decomposition
 def test_the_decomposition_sums_to_the_embedding_and_each_term_is_the_references(model):
     x = pairs()["pixel_values"]
-    before = model_state(model)
+    before = model_snapshot(model)
     dec = decompose_image(model, x)
-    assert_unchanged(model, before)
-    ref = reference(model, x, torch.tensor([[38, 39]] * 3))
+    assert_model_unchanged(model, before)
+    ref = clip_reference(model, x, torch.tensor([[38, 39]] * 3))
     sd = ref.sd
-    assert close(dec.image_embeds, ref.image_embeds.detach())  # the model's float32 softmax: see close
+    assert clip_close(dec.image_embeds, ref.image_embeds.detach())  # the model's float32 softmax: see clip_close
     # exact, in float64: every term together is the embedding (the model's own numbers on both sides)
-    torch.testing.assert_close(dec.total(), dec.image_embeds, **f64_tol([dec.image_embeds], DEPTH))
+    torch.testing.assert_close(dec.total(), dec.image_embeds, **f64_tol([dec.image_embeds], CLIP_DEPTH))
     z = ref.image[-1].hidden[:, 0].detach()
     sigma = torch.sqrt(z.var(-1, unbiased=False) + 1e-5)
 
@@ -388,12 +389,12 @@ def test_the_decomposition_sums_to_the_embedding_and_each_term_is_the_references
             for i in (0, 5, 16):
                 v = L.v[:, h, i].detach()                                    # B x d
                 c = L.attention[:, h, 0, i].detach()[:, None] * (v @ Wo[:, h * 8:(h + 1) * 8].T)
-                assert close(dec.heads[:, l, h, i], through_norm(c)), (l, h, i)
+                assert clip_close(dec.heads[:, l, h, i], through_norm(c)), (l, h, i)
         # the layer's terms add up to what it added to the CLS token's stream
-        assert close(dec.attention_layers()[:, l], through_norm((L.mid - L.block_input)[:, 0].detach())), l
-        assert close(dec.mlps[:, l], through_norm((L.hidden - L.mid)[:, 0].detach())), l
-    assert close(dec.embedding, through_norm(ref.image[0].block_input[:, 0].detach()))
-    assert close(dec.norm_bias, sd["vision_model.post_layernorm.bias"] @ sd["visual_projection.weight"].T)
+        assert clip_close(dec.attention_layers()[:, l], through_norm((L.mid - L.block_input)[:, 0].detach())), l
+        assert clip_close(dec.mlps[:, l], through_norm((L.hidden - L.mid)[:, 0].detach())), l
+    assert clip_close(dec.embedding, through_norm(ref.image[0].block_input[:, 0].detach()))
+    assert clip_close(dec.norm_bias, sd["vision_model.post_layernorm.bias"] @ sd["visual_projection.weight"].T)
 
 
 def test_head_maps_are_shares_of_the_cosine(model):
@@ -403,10 +404,10 @@ def test_head_maps_are_shares_of_the_cosine(model):
     maps = head_maps(model, x, t)
     assert maps.shape == (3, 3, 4, 4, 4)
     dec = decompose_image(model, x)
-    ref = reference(model, **inputs)
+    ref = clip_reference(model, **inputs)
     rest = (dec.total() - dec.patch_heads().sum(dim=(1, 2, 3))) @ t.T  # every term but the patches' heads
     cos = maps.sum(dim=(1, 2, 3, 4)) + rest.diagonal() / dec.image_embeds.norm(dim=-1)
-    assert close(cos, ref.cosine.detach())
+    assert clip_close(cos, ref.cosine.detach())
     with pytest.raises(ValueError, match="one text per image"):
         head_maps(model, x, t[:2])
 
@@ -422,7 +423,7 @@ def test_layer_ablation_equals_a_direct_computation(model):
     labels[:3] = (labels[:3] + 1) % 3  # some wrong, so the baseline is not 1
     ab = layer_ablation(model, x, classes, labels)
     attn, mlps = dec.attention_layers(), dec.mlps
-    cosines = f64_tol(1.0, DEPTH)["atol"]  # float64 recomputations of cosines (|cos| <= 1)
+    cosines = f64_tol(1.0, CLIP_DEPTH)["atol"]  # float64 recomputations of cosines (|cos| <= 1)
 
     def acc_and_change(e2):
         cos = torch.nn.functional.normalize(e2, dim=-1) @ classes.T
@@ -455,7 +456,7 @@ def test_zero_shot_segmentation_and_class_masks(model):
         seg = zero_shot_segmentation(model, x, classes, start_block=start)
         patches = dec.patch_heads()[:, start % 3:].sum(dim=(1, 2))            # B x 16 x P
         scores = patches @ classes.T / dec.image_embeds.norm(dim=-1)[:, None, None]
-        torch.testing.assert_close(seg.scores, scores.transpose(1, 2).reshape(3, 4, 4, 4), **f64_tol([scores], DEPTH))
+        torch.testing.assert_close(seg.scores, scores.transpose(1, 2).reshape(3, 4, 4, 4), **f64_tol([scores], CLIP_DEPTH))
         assert torch.equal(seg.labels, seg.scores.argmax(1))
     # the paper's mask on a hand-built case: class 1 high on the left column, class 0 flat
     s = torch.zeros(1, 2, 2, 3, dtype=torch.float64)
@@ -474,9 +475,9 @@ def test_padding_with_the_end_of_text_id_gives_the_same_maps(model):
     padded = dict(inputs, input_ids=inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, EOS))
     for name, method in METHODS.items():
         a, b = method(model, inputs), method(model, padded)
-        assert close(b.image, a.image), name
+        assert clip_close(b.image, a.image), name
         if a.text is not None:
-            assert close(b.text, a.text), name
+            assert clip_close(b.text, a.text), name
 
 
 def test_the_decomposition_refuses_bad_inputs_and_leaves_the_model_as_it_was():
@@ -484,12 +485,12 @@ def test_the_decomposition_refuses_bad_inputs_and_leaves_the_model_as_it_was():
     model.train()
     inputs = pairs(dtype=torch.float32)
     x = inputs["pixel_values"]
-    before = model_state(model)
+    before = model_snapshot(model)
     t = text_embeddings(model, inputs["input_ids"], inputs["attention_mask"])
     head_maps(model, x, t)
     layer_ablation(model, x, t, torch.tensor([0, 1, 2]))
     zero_shot_segmentation(model, x, t)
-    assert_unchanged(model, before)
+    assert_model_unchanged(model, before)
     assert all(m.training for m in model.modules())
     nan = x.clone()
     nan[0, 0, 0, 0] = float("inf")

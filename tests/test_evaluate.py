@@ -2,6 +2,7 @@
 interval by hand, chunking and resuming give the same table, torchrun with 2 processes gives
 the table of 1 process, the model is left as it was."""
 import csv
+import json
 import math
 import os
 import shutil
@@ -13,7 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import TINY, TINY_GRAD_DEPTH, f32_tol, f64_tol, randomize  # noqa: F401
+import vitlab
+from conftest import TINY, TINY_GRAD_DEPTH, f32_tol, f64_tol, randomize  # noqa: F401
+from references import forwards_counted
+from tiny_models import tiny_detr, tiny_lxmert, tiny_vit
 from vitlab import evaluate as ev
 from vitlab import faithfulness as fa
 from vitlab import localization as lo
@@ -100,15 +104,17 @@ def test_cells_equal_each_measure_computed_on_its_own(vit64):
         np.testing.assert_allclose(board.values[:, j, 7], mass, **MEASURE_TOL)
 
 
-def test_summary_is_mean_and_normal_interval_over_defined_samples():
+def test_summary_is_mean_and_bootstrap_interval_over_defined_samples():
+    from vitlab.stats import mean_interval
+
     values = np.array([[[1.0, np.nan]], [[2.0, 5.0]], [[4.0, np.nan]], [[5.0, np.nan]]])  # 4 x 1 x 2
     rows = ev.summarize(values, ["m"], ["a", "b"])
     a, b = rows
     v = np.array([1.0, 2.0, 4.0, 5.0])
-    half = 1.96 * math.sqrt(((v - 3) ** 2).sum() / 3) / 2
-    assert a == {"method": "m", "measure": "a", "mean": 3.0, "ci_low": pytest.approx(3 - half),
-                 "ci_high": pytest.approx(3 + half), "n": 4}
-    assert b["n"] == 1 and b["mean"] == 5.0 and math.isnan(b["ci_low"])
+    est = mean_interval(v)  # the one bootstrap (seed 0), over the defined samples only
+    assert a == {"method": "m", "measure": "a", "mean": 3.0, "ci_low": est.low, "ci_high": est.high, "n": 4}
+    assert 1.0 <= est.low < 3.0 < est.high <= 5.0  # inside the range of the means of resamples
+    assert b["n"] == 1 and b["mean"] == 5.0 and math.isnan(b["ci_low"]) and math.isnan(b["ci_high"])
 
 
 def test_random_maps_depend_on_the_sample_only():
@@ -211,6 +217,7 @@ def outputs(run) -> str:
     return f"exit status {run.returncode}\n--- stdout ---\n{run.stdout}\n--- stderr ---\n{run.stderr}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None
                     and shutil.which("torchrun") is None, reason="torchrun not installed")
 def test_torchrun_two_processes_write_the_table_of_one(tmp_path):
@@ -332,3 +339,221 @@ def test_join_is_the_table_of_all_methods_run_together(vit64):
         ev.join(a, a)
     with pytest.raises(ValueError, match="at least one"):
         ev.join()
+
+
+class BareData:
+    """Inputs only: no describe(), no labels, no masks (the minimal data a leaderboard takes)."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def __len__(self):
+        return self.x.shape[0]
+
+    def batch(self, indices):
+        return ev.Batch(self.x[list(indices)], None, None)
+
+
+def _two_data_sets(vit, n=4):
+    """Two sets of n different images on which the model predicts the same classes."""
+    x = torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(11))
+    y = x + 1e-3 * torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        assert torch.equal(vit(x).argmax(-1), vit(y).argmax(-1))   # same length, same classes
+    assert not torch.equal(x, y)
+    return BareData(x), BareData(y)
+
+
+def test_join_refuses_boards_of_other_images_when_the_data_has_no_describe(vit):
+    a_data, b_data = _two_data_sets(vit)
+    kw = dict(ks=(3,), chunk=2, batch_size=16, progress=False)
+    a = ev.leaderboard(vit, a_data, ["random", "rollout"], **kw)
+    b = ev.leaderboard(vit, b_data, ["Chefer relevance"], **kw)
+    assert a.config == {**b.config, "methods": a.config["methods"]}        # nothing in the settings differs
+    np.testing.assert_array_equal(a.target, b.target)
+    with pytest.raises(ValueError, match=r"same samples, and 4 of 4 differ \(sample 0, 1, 2, 3: other inputs"):
+        ev.join(a, b)
+    # the same images in another chunking (and run on their own) join
+    same = ev.leaderboard(vit, a_data, ["Chefer relevance"], **dict(kw, chunk=3))
+    joint = ev.join(a, same)
+    assert joint.methods == ["random", "rollout", "Chefer relevance"]
+    np.testing.assert_array_equal(joint.fingerprints, a.fingerprints)
+    np.testing.assert_array_equal(same.fingerprints, a.fingerprints)
+
+
+def test_one_changed_image_is_named_and_a_board_without_fingerprints_is_refused(vit):
+    a_data, _ = _two_data_sets(vit)
+    changed = BareData(a_data.x.clone())
+    changed.x[2, 0, 5, 5] += 0.5                                          # one pixel of one image
+    kw = dict(ks=(3,), chunk=4, batch_size=16, progress=False)
+    a = ev.leaderboard(vit, a_data, ["random"], **kw)
+    b = ev.leaderboard(vit, changed, ["rollout"], **kw)
+    np.testing.assert_array_equal(a.target, b.target)
+    with pytest.raises(ValueError, match=r"1 of 4 differ \(sample 2:"):
+        ev.join(a, b)
+    bare = ev.Leaderboard(**{**a.__dict__, "fingerprints": None, "methods": ["x"]})
+    with pytest.raises(ValueError, match="board 2 does not"):
+        ev.join(a, bare)
+
+
+def test_fingerprints_are_per_sample_whatever_the_batch_and_survive_resuming(vit, tmp_path):
+    a_data, _ = _two_data_sets(vit, n=5)
+    whole = ev.sample_fingerprints(a_data.batch(range(5)))
+    parts = np.concatenate([ev.sample_fingerprints(a_data.batch([0, 1])),
+                            ev.sample_fingerprints(a_data.batch([2, 3, 4]))])
+    np.testing.assert_array_equal(whole, parts)
+    assert len(set(whole)) == 5
+    kw = dict(methods=["random"], ks=(3,), chunk=2, progress=False, out=tmp_path / "run")
+    first = ev.leaderboard(vit, a_data, **kw)
+    again = ev.leaderboard(vit, a_data, **kw)
+    assert again.chunks_loaded == 3 and again.chunks_computed == 0
+    np.testing.assert_array_equal(again.fingerprints, whole)
+    np.testing.assert_array_equal(first.fingerprints, whole)
+    paths = ev.write(again, tmp_path / "table")
+    with np.load(paths[2]) as f:
+        np.testing.assert_array_equal(f["fingerprints"], whole)
+
+
+@pytest.fixture(scope="module")
+def headless():
+    return tiny_vit(num_classes=0)
+
+
+# --- headless models are not graded as classifiers -------------------------------------------------
+def test_saco_curves_and_leaderboard_refuse_a_headless_model(headless):
+    x, maps = torch.randn(2, 3, 32, 32), torch.rand(2, 4, 4)
+    for call in (lambda: fa.saco(headless, x, maps, k=3), lambda: fa.perturbation_curve(headless, x, maps),
+                 lambda: ev.leaderboard(headless, ToyData(2), ["random"], ks=(3,), progress=False)):
+        with forwards_counted(headless) as calls, pytest.raises(ValueError, match="has no class head"):
+            call()
+        assert not calls
+
+
+@pytest.mark.parametrize("name, model, message", [
+    ("dinov2_small_imgfocus", "headless", "has no class head"),
+    ("shapes-lxmert", "lxmert", r"grades image classifiers .* LXMERT answers questions"),
+    ("shapes-detr", "detr", r"grades image classifiers .* DETR detects objects"),
+])
+def test_command_line_refuses_models_it_cannot_grade(name, model, message, monkeypatch, capsys, tmp_path, headless):
+    import vitlab.models
+
+    built = {"headless": lambda: headless, "lxmert": tiny_lxmert, "detr": tiny_detr}[model]()
+    monkeypatch.setattr(vitlab.models, "load_model", lambda n, *a, **k: built if n == name else None)
+    with forwards_counted(built) as calls:
+        code = ev.main(["--model", name, "--samples", "2", "--methods", "random", "--k", "3",
+                        "--out", str(tmp_path), "--no-progress", "--device", "cpu"])
+    assert code == 2 and not calls
+    assert __import__("re").search(message, capsys.readouterr().err)
+
+
+# --- the leaderboard's resume uses only chunks of exactly its run -----------------------------------
+class ToyData:
+    """n random 32 x 32 inputs (seeded by ``seed``) with one square object each; no describe()."""
+
+    def __init__(self, n=4, seed=3):
+        self.x = torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+        self.masks = np.zeros((n, 1, 32, 32), dtype=bool)
+        for i in range(n):
+            self.masks[i, 0, 4 * (i % 4):4 * (i % 4) + 12, 8:20] = True
+
+    def __len__(self):
+        return self.x.shape[0]
+
+    def batch(self, indices):
+        idx = list(indices)
+        return ev.Batch(self.x[idx], None, [(self.masks[i], np.array([i % 5])) for i in idx])
+
+
+KW = dict(methods=["random", "rollout"], ks=(3,), chunk=2, batch_size=16, progress=False)
+
+
+def test_resume_refuses_a_chunk_with_extra_rows(vit, tmp_path):
+    out = tmp_path / "run"
+    first = ev.leaderboard(vit, ToyData(4), out=out, **KW)
+    path = out / "chunks" / "0000000-0000002.npz"
+    with np.load(path) as f:
+        saved = dict(f)
+    saved["values"] = np.concatenate([saved["values"]] * 2)
+    saved["target"] = np.concatenate([saved["target"]] * 2)
+    np.savez(path, **saved)
+    with pytest.raises(ValueError, match=r"0000000-0000002\.npz.* holds values \(4, 2, 7\)"):
+        ev.leaderboard(vit, ToyData(4), out=out, **KW)
+    path.unlink()  # the remedy the message gives: the chunk is recomputed, the table is the same
+    again = ev.leaderboard(vit, ToyData(4), out=out, **KW)
+    assert again.chunks_loaded == 1 and again.chunks_computed == 1
+    np.testing.assert_array_equal(again.values, first.values)
+    assert all(row["n"] == 4 for row in again.table if row["measure"] != "mass on object")
+
+
+def test_resume_without_config_json_refuses_chunks_of_another_configuration(vit, tmp_path):
+    out = tmp_path / "run"
+    ev.leaderboard(vit, ToyData(4), out=out, **{**KW, "methods": ["rollout", "random"], "ks": (4,)})
+    (out / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"0000000-0000002\.npz.* another configuration .*differs in: ks, methods"):
+        ev.leaderboard(vit, ToyData(4), out=out, **KW)
+
+
+def test_resume_refuses_chunks_of_other_samples(vit, tmp_path):
+    out = tmp_path / "run"
+    ev.leaderboard(vit, ToyData(4, seed=3), out=out, **KW)  # data without describe(): only its length is known
+    with pytest.raises(ValueError, match=r"0000000-0000002\.npz.* computed on other samples"):
+        ev.leaderboard(vit, ToyData(4, seed=4), out=out, **KW)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "pickled", "old format"])
+def test_resume_names_a_damaged_chunk_file(vit, tmp_path, damage):
+    out = tmp_path / "run"
+    ev.leaderboard(vit, ToyData(4), out=out, **KW)
+    path = out / "chunks" / "0000002-0000004.npz"
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:200])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "pickled":
+        with np.load(path) as f:
+            saved = dict(f)
+        np.savez(path, **{**saved, "values": np.array([{"a": 1}], dtype=object)})
+    else:
+        with np.load(path) as f:
+            np.savez(path, values=f["values"], target=f["target"])
+    with pytest.raises(ValueError, match=r"the chunk file .*0000002-0000004\.npz.*(damaged|lacks).*delete it") as e:
+        ev.leaderboard(vit, ToyData(4), out=out, **KW)
+    assert "allow_pickle" not in str(e.value)  # numpy's advice to unpickle is not passed on
+
+
+def test_resume_names_files_that_are_no_chunk_of_the_run(vit, tmp_path):
+    out = tmp_path / "run"
+    ev.leaderboard(vit, ToyData(4), out=out, **KW)
+    (out / "chunks" / "0000000-0000003.npz").write_bytes(b"from another chunking")
+    (out / "chunks" / "0000002-0000004.tmp.npz").write_bytes(b"an interrupted write")  # overwritten, not counted
+    with pytest.raises(ValueError, match=r"no chunk of this run .*: 0000000-0000003\.npz; remove them"):
+        ev.leaderboard(vit, ToyData(4), out=out, **KW)
+
+
+def test_resume_refuses_a_damaged_config_json(vit, tmp_path):
+    out = tmp_path / "run"
+    ev.leaderboard(vit, ToyData(4), out=out, **KW)
+    (out / "config.json").write_text('{"data": ')
+    with pytest.raises(ValueError, match=r"config\.json' is damaged"):
+        ev.leaderboard(vit, ToyData(4), out=out, **KW)
+
+
+def test_saco_group_counts_must_be_ints(vit, capsys, tmp_path):
+    for ks in ((3.7,), (3, 2.0), (True,), "5"):
+        with pytest.raises(ValueError, match="ks must be"):
+            ev.leaderboard(vit, ToyData(2), ["random"], ks=ks, progress=False)
+    assert ev.main(["--samples", "2", "--methods", "random", "--k", "3.7", "--out", str(tmp_path),
+                    "--no-progress"]) == 2
+    assert "--k takes comma-separated ints" in capsys.readouterr().err
+
+
+def test_chunk_files_record_their_configuration(vit, tmp_path):
+    """What a resumed run checks is in every chunk file (and nothing needs pickles)."""
+    out = tmp_path / "run"
+    board = ev.leaderboard(vit, ToyData(4), out=out, **KW)
+    with np.load(out / "chunks" / "0000002-0000004.npz", allow_pickle=False) as f:
+        assert set(f.files) == set(ev.CHUNK_KEYS)
+        assert json.loads(str(f["config"])) == json.loads(json.dumps(board.config))
+        assert (int(f["start"]), int(f["stop"])) == (2, 4) and list(f["measures"]) == board.measures
+        assert str(f["data"]) == ev.batch_fingerprint(ToyData(4).batch([2, 3]))
+        np.testing.assert_array_equal(f["values"], board.values[2:])

@@ -3,7 +3,7 @@ patch means, completeness, batch = items, model unchanged, bad input refused."""
 import pytest
 import torch
 
-from tests.conftest import TINY, TINY_GRAD_DEPTH, f32_tol, randomize  # noqa: F401
+from conftest import TINY, TINY_GRAD_DEPTH, f32_tol, randomize  # noqa: F401
 from vitlab.gradients import input_x_gradient
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -206,3 +206,19 @@ def test_non_image_file_is_a_clear_error(tmp_path):
         images.load_image(path)
     with pytest.raises(ValueError, match="not a file"):
         images.load_image(tmp_path)
+
+
+# --- silent wrong 8: a 32-bit integer PIL image holding 8-bit values -------------------------------
+def test_mode_i_image_with_8_bit_values_equals_the_int32_array():
+    values = np.array([[0, 17, 128], [200, 254, 255]], dtype=np.int32)
+    pil = Image.fromarray(values)
+    assert pil.mode == "I"
+    expected = np.asarray(images.load_image(values))
+    assert expected[..., 0].tolist() == values.tolist()
+    np.testing.assert_array_equal(np.asarray(images.load_image(pil)), expected)
+    gray = Image.fromarray(values.astype(np.uint8)).convert("I")  # an 8-bit image in 32-bit mode
+    np.testing.assert_array_equal(np.asarray(images.load_image(gray)), expected)
+    sixteen = Image.fromarray(np.array([[0, 257, 65535]], dtype=np.int32))  # beyond 255: 16-bit data
+    assert np.asarray(images.load_image(sixteen))[0, :, 1].tolist() == [0, 1, 255]
+    with pytest.raises(ValueError, match=r"values in \[-1, 3\]: cannot tell its bit depth"):
+        images.load_image(Image.fromarray(np.array([[-1, 3]], dtype=np.int32)))

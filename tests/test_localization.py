@@ -367,3 +367,22 @@ def test_segmentation_ap_hand_made_cases():
     assert r["ap"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="no true objects"):
         loc.segmentation_ap([det([0.9], [0], [obj])], [{"labels": np.zeros(0, int), "masks": np.zeros((0, 8, 8), bool)}])
+
+
+def test_top_token_is_gives_false_for_a_row_where_nothing_counts():
+    from vitlab.localization import top_token_is
+
+    nan = float("nan")
+    s = torch.tensor([[nan, nan, nan], [nan, 1.0, 3.0], [2.0, 1.0, 0.0], [2.0, 1.0, 0.0]])
+    valid = torch.tensor([[True] * 3, [True] * 3, [False, False, False], [True] * 3])
+    # row 0: all NaN, row 2: nothing valid -> no top token, whatever the position asked
+    assert top_token_is(s, [0, 2, 0, 0], valid).tolist() == [False, True, False, True]
+    assert top_token_is(s, [0, 2, 0, -1]).tolist() == [False, True, True, False]
+    # the answer of a row does not depend on the other rows
+    for r in range(4):
+        assert top_token_is(s[r:r + 1], [0], valid[r:r + 1]).tolist() == \
+            [top_token_is(s, [0, 0, 0, 0], valid).tolist()[r]]
+    with pytest.raises(ValueError, match="scores hold inf"):
+        top_token_is(torch.tensor([[float("inf"), 0.0]]), [0])
+    with pytest.raises(ValueError, match="one position per row"):
+        top_token_is(s, [0, 1])

@@ -1,6 +1,22 @@
 """The LRP family: every rule on a hand-worked case, conservation, each method against a from-scratch
 float64 relevance propagation (explicit contributions, no gradients), batch = items, fused = eager,
-Hugging Face models, the model left as it was, bad input refused."""
+Hugging Face models, the model left as it was, bad input refused.
+
+The numerics of issue 29, each case fixed at its cause (each test failed on the code before the fix):
+Chefer's rules (full LRP, partial LRP, Transformer attribution) have poles where a sum is small
+against its terms, which a float32 forward cannot resolve: on held-out shapes scenes a float32
+model's maps are the float64 rule's to float32 rounding (they run a float64 copy); the alpha-beta
+rule hands no relevance to inputs that did not contribute to a unit, whatever the rounding of the
+unit's denominator. A target logit of exactly 0: Transformer attribution refuses it (relevance 1 on
+it is no gradient), the other LRP maps are 0 (nothing to distribute); never NaN. Two LRP recordings
+of one model closed in either order: the one still open keeps its rules. A float64 batch for a
+float32 model: the LRP methods with Chefer's rules run it (float64 is their precision); the others
+refuse with the remedy, before any forward.
+
+Tolerances of those cases: a map computed in float64 and returned in float32 carries the float32
+rounding of each value, ``2^-24`` relative (6e-8): 1e-6 of the map's max leaves a factor 16 for the
+float64 part and the comparison's own rounding. The target on held-out scenes (2% of the map's max)
+is the issue's; the maps meet it with five orders of magnitude to spare."""
 import copy
 import math
 
@@ -8,15 +24,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import (  # noqa: F401
-    LRP_AMPLIFICATION, TINY, TINY_DEPTH, f32_tol, f64_tol, module_depth, randomize,
-)
-from tests.test_record import model_state
+from conftest import (
+    assert_model_unchanged, f32_tol, f64_tol, LRP_AMPLIFICATION, model_snapshot, module_depth, randomize, TINY, TINY_DEPTH,
+)  # noqa: F401
 from vitlab import lrp as L
 from vitlab.record import record
 from vitlab.record.lrp import (
     alpha1_beta0_rule, identity_rule, layer_norm_rule, residual_add_rule, safe_divide,
 )
+from vitlab.gradients import input_x_gradient, integrated_gradients
+
+from references import relative_error
+from tiny_models import tiny_detr
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -302,10 +321,10 @@ METHODS = [L.lrp, L.attn_lrp, L.partial_lrp, L.transformer_attribution]
 @pytest.mark.parametrize("method", METHODS, ids=lambda f: f.__name__)
 def test_batch_equals_items_fused_equals_eager_model_unchanged(vit, x, method):
     vit.train()
-    before = model_state(vit)
+    before = model_snapshot(vit)
     try:
         whole = method(vit, x, target=[1, 0, 4])
-        assert model_state(vit) == before
+        assert_model_unchanged(vit, before)
         assert all(p.grad is None for p in vit.parameters())
         fused = [b.attn.fused_attn for b in vit.blocks]
         for b in vit.blocks:
@@ -329,12 +348,12 @@ def test_batch_equals_items_fused_equals_eager_model_unchanged(vit, x, method):
 
 
 def test_record_restores_on_exception(vit, x):
-    before = model_state(vit)
+    before = model_snapshot(vit)
     with pytest.raises(ZeroDivisionError):
         with record(vit, lrp="chefer"):
             vit(x)
             1 / 0
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
     xi = x.clone().requires_grad_(True)
     (g,) = torch.autograd.grad(vit(xi)[:, 0].sum(), xi)
     with torch.no_grad():
@@ -345,7 +364,7 @@ def test_record_restores_on_exception(vit, x):
     with pytest.raises(ValueError, match="lrp must be one of"):
         with record(vit, lrp="zplus"):
             pass
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
 
 
 def test_hf_models():
@@ -388,6 +407,200 @@ def test_bad_input_refused(vit, x):
         L.transformer_attribution(vit, x, start_block=3)
     with pytest.raises(RuntimeError, match="inference_mode"), torch.inference_mode():
         L.lrp(vit, x)
-    from tests.test_record_multimodal import tiny_detr
     with pytest.raises(ValueError, match="defined for ViTs"), record(tiny_detr(), lrp="chefer"):
         pass
+
+
+HELD_OUT_SEED = 29_017  # two-object scenes drawn nowhere else in vitlab
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    from vitlab.shapes import load_shapes_vit, make_scenes, scenes_to_tensor
+
+    model = load_shapes_vit()
+    cfg = model.pretrained_cfg
+    scenes = make_scenes(30, HELD_OUT_SEED, 2)
+    x = scenes_to_tensor(scenes.images, cfg["input_size"], cfg["mean"], cfg["std"])
+    return model, copy.deepcopy(model).double(), x
+
+
+# ----------------------------------------------------------------------------- 1. float32 = float64
+@pytest.mark.parametrize("method", [L.lrp, L.transformer_attribution, L.partial_lrp], ids=lambda f: f.__name__)
+def test_float32_model_gives_the_float64_maps_on_held_out_scenes(shapes, method):
+    """Before: full LRP up to 64.6% of the map's max off on these 30 scenes (4 over 2%),
+    Transformer attribution 11.9%."""
+    model, model64, x = shapes
+    before = model_snapshot(model)
+    got = method(model, x)
+    assert got.dtype == torch.float32
+    assert_model_unchanged(model, before)
+    assert all(p.grad is None and p.dtype == torch.float32 for p in model.parameters())
+    want = method(model64, x.double())
+    err = relative_error(got, want)
+    assert err.max() < 0.02  # the issue's target
+    assert err.max() < 1e-6  # float32 rounding of the float64 maps
+    # precision="model" is the float32 pass itself: float32 out, and not the float64 maps' rounding
+    assert method(model, x[:2], precision="model").dtype == torch.float32
+
+
+def test_attn_lrp_runs_at_the_model_precision_and_float32_is_close(shapes):
+    """AttnLRP's rules divide by no sum: its float32 maps are within 1e-3 of the map's max of the
+    float64 ones (measured: 2e-6) without a float64 copy."""
+    model, model64, x = shapes
+    assert relative_error(L.attn_lrp(model, x), L.attn_lrp(model64, x.double())).max() < 1e-3
+
+
+def test_precision_is_checked(vit, x):
+    with pytest.raises(ValueError, match="precision must be one of"):
+        L.lrp(vit, x, precision="float32")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        L.lrp_pass(vit, x, precision="half")
+
+
+def test_alpha1_beta0_gives_nothing_to_inputs_without_a_positive_contribution():
+    """A unit whose positive contributions are below float32's resolution of its denominator gets
+    a denominator of rounding noise, and a huge ``S``; inputs with no positive contribution to it
+    must still get only their shares of the other units. Before, ``gbar = S W + sign(x) S |W|``
+    cancelled two huge sums there: 57 of these 200 draws gave such an input an error over 1e-3
+    (up to 0.2) of a relevance of 1."""
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for _ in range(200):
+        x = torch.randn(1, 16, generator=g)
+        W = torch.randn(2, 16, generator=g)
+        W[1] = -W[1].abs() * x[0].sign()  # unit 1: every contribution negative ...
+        W[1, 0] = -W[1, 0] * 10 ** float(-3 - 5 * torch.rand(1, generator=g))  # ... but input 0's, tiny
+        b = torch.zeros(2)
+        b[1] = float(torch.randn(1, generator=g)) * 10 ** float(3 * torch.rand(1, generator=g))
+        y = F.linear(x, W, b)
+        (gbar,) = alpha1_beta0_rule(W, b)(1 / y, y, x)  # relevance 1 on both units
+        c = (x[0] * W[0]).double().clamp(min=0)
+        want = c / c.sum()  # unit 0's shares: all that inputs 1..15 may get
+        worst = max(worst, float(((x * gbar)[0, 1:].double() - want[1:]).abs().max()))
+    assert worst < 1e-5  # float32 shares of unit 0 (its sum of 16 terms rounded: ~1e-7)
+
+
+# ----------------------------------------------------------------------------- 3. a zero logit
+def test_zero_logit_refused_by_transformer_attribution_and_zero_maps_elsewhere(vit, x):
+    """Before: Transformer attribution gave an all-NaN map, silently."""
+    zero = copy.deepcopy(vit)
+    with torch.no_grad():
+        zero.head.weight[0] = 0
+        zero.head.bias[0] = 0
+    with pytest.raises(ValueError, match="logit is exactly 0 for sample 0"):
+        L.transformer_attribution(zero, x, target=0)
+    with pytest.raises(ValueError, match="logit is exactly 0"):
+        L.transformer_attribution(zero, x, target=0, precision="model")
+    for method in (L.lrp, L.partial_lrp, L.attn_lrp):
+        m = method(zero, x, target=0)
+        assert torch.isfinite(m).all() and (m == 0).all(), method.__name__
+    assert torch.isfinite(L.transformer_attribution(zero, x, target=1)).all()
+
+
+# ----------------------------------------------------------------------------- 4. recordings out of order
+def _input_relevance(model, x):
+    with torch.enable_grad():
+        xi = x.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(model(xi)[:, 0].sum(), xi)
+    return xi.detach() * g
+
+
+@pytest.mark.parametrize("first_closed", ["older", "newer"])
+@pytest.mark.parametrize("rules", [("chefer", "chefer"), ("attnlrp", "chefer"), ("chefer", "attnlrp")])
+def test_lrp_recordings_closed_in_any_order_keep_their_rules(vit, x, first_closed, rules):
+    """Before: closing the older recording first popped the newer one's rules off the torch
+    function mode stack; the newer one then gave plain gradient x input."""
+    want = {}
+    for r in set(rules):
+        with record(vit, lrp=r, capture=()):
+            want[r] = _input_relevance(vit, x)
+    plain = _input_relevance(vit, x)
+    depth = torch._C._len_torch_function_stack()
+    older = record(vit, lrp=rules[0], capture=())
+    older.__enter__()
+    newer = record(vit, lrp=rules[1], capture=())
+    newer.__enter__()
+    torch.testing.assert_close(_input_relevance(vit, x), want[rules[1]])  # both open: the newer's rules
+    closing, open_one, open_rules = (older, newer, rules[1]) if first_closed == "older" else (newer, older, rules[0])
+    closing.__exit__(None, None, None)
+    try:
+        got = _input_relevance(vit, x)
+        torch.testing.assert_close(got, want[open_rules])
+        assert not torch.allclose(got, plain)
+    finally:
+        open_one.__exit__(None, None, None)
+    assert torch._C._len_torch_function_stack() == depth
+    torch.testing.assert_close(_input_relevance(vit, x), plain)
+
+
+def test_closing_a_recording_leaves_other_modes_in_place(vit, x):
+    """A torch function mode entered after the recording (a user's) stays, in its place."""
+    from torch.overrides import TorchFunctionMode
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with record(vit, lrp="chefer", capture=()):
+        want = _input_relevance(vit, x)
+    rec = record(vit, lrp="chefer", capture=())
+    rec.__enter__()
+    with Counting() as mode:
+        rec.__exit__(None, None, None)  # closed while the user's mode is above it
+        assert torch.overrides._get_current_function_mode_stack()[-1] is mode
+        Counting.calls = 0
+        _input_relevance(vit, x)
+        assert Counting.calls > 0
+    assert not torch.allclose(_input_relevance(vit, x), want)  # the rules left with the recording
+
+
+# ----------------------------------------------------------------------------- 6. a float64 batch
+def test_float64_batch_for_a_float32_model(vit, x):
+    """Before: every method failed inside the model with "Input type (double) and bias type
+    (float) should be the same"."""
+    vit64 = copy.deepcopy(vit).double()
+    x64 = x.double()
+    for method in (L.lrp, L.partial_lrp, L.transformer_attribution):
+        got = method(vit, x64)  # float64 is their precision: a float64 copy runs it
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, method(vit64, x64), atol=1e-12, rtol=1e-10)
+    assert L.lrp_conservation(vit, x64)["logit"].dtype == torch.float64
+    from vitlab.attention import attention_gradcam, attention_gradients, cls_attention, raw_attention
+    from vitlab.relevance import chefer_relevance
+    from vitlab.rollout import grad_rollout, rollout
+
+    refusing = [L.attn_lrp, input_x_gradient, integrated_gradients, chefer_relevance, rollout, grad_rollout,
+                cls_attention, raw_attention, attention_gradcam, attention_gradients,
+                lambda m, xx: L.lrp(m, xx, precision="model")]
+    for method in refusing:
+        with pytest.raises(ValueError, match=r"x is torch\.float64 but the model's parameters are torch\.float32; "
+                                             r"pass x\.to\(torch\.float32\)"):
+            method(vit, x64)
+    with pytest.raises(ValueError, match=r"model\.double\(\)"):
+        input_x_gradient(vit, x64)
+
+
+def test_float64_copy_chunks_and_leaves_open_recordings_alone(vit, x, monkeypatch):
+    """The float64 pass runs on a copy: a recording open on the model does not see its forward
+    (its hooks stay behind), a user's own hook comes along; chunked batches give the same maps."""
+    import vitlab.inputs
+
+    whole = L.transformer_attribution(vit, x)
+    calls = []
+    handle = vit.blocks[0].register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with record(vit, capture=("attention",)) as rec:
+            vit(x)
+            L.lrp(vit, x)
+            assert len(rec.attentions) == len(vit.blocks)  # only the recording's own forward
+    finally:
+        handle.remove()
+    assert len(calls) == 2  # the model's forward and the copy's
+    monkeypatch.setattr(vitlab.inputs, "MEMORY_BUDGET", 1)  # one sample per forward
+    chunked = L.transformer_attribution(vit, x)
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, whole, atol=1e-6 * float(whole.abs().max()), rtol=0)

@@ -39,6 +39,7 @@ def test_missing_weights_fail_fast_with_instructions(monkeypatch, name, offline)
         assert embedded in msg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,cls,prefix,grid", [
     ("deit_tiny_patch16_224", "VisionTransformer", 1, (14, 14)),
     ("deit_tiny_distilled_patch16_224", "VisionTransformerDistilled", 2, (14, 14)),
@@ -55,6 +56,7 @@ def test_random_weights_same_architecture_in_eval_mode(name, cls, prefix, grid):
     assert layout.num_tokens == prefix + grid[0] * grid[1]
 
 
+@pytest.mark.slow
 def test_layout_follows_the_input_for_resizable_models():
     model = vitlab.load_model("facebook/dinov2-small", pretrained=False)
     assert vitlab.token_layout(model, torch.zeros(1, 3, 224, 224)).grid == (16, 16)
@@ -129,6 +131,7 @@ def test_fallback_only_on_unavailable_weights(monkeypatch, capsys):
         models.load_model_or_fallback("deit_tinny", "shapes-vit-tiny")
 
 
+@pytest.mark.slow
 def test_chapter_model_is_the_stored_one_unless_the_blog_model_is_asked_for(monkeypatch, capsys):
     calls = []
 

@@ -2,7 +2,6 @@
 unc-nlp/lxmert-vqa-uncased -- offline: pretrained=False builds their architectures (task heads,
 layer counts, queries, labels) with no network access at all, the relevance methods run on
 them end to end, pretrained=True fails fast, and the same routing works for any cached repo."""
-import socket
 
 import numpy as np
 import pytest
@@ -10,50 +9,25 @@ import torch
 from PIL import Image
 
 import vitlab
-from conftest import assert_near_top, f32_tol_deep, module_depth
+from conftest import assert_model_unchanged, assert_near_top, f32_tol_deep, model_snapshot, module_depth
 from vitlab import models
 from vitlab.relevance import detr_relevance, lxmert_relevance
+from tiny_models import offline_build
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # real-size checkpoints' architectures
 
 DETR = "facebook/detr-resnet-50"
 LXMERT = "unc-nlp/lxmert-vqa-uncased"
 
 
-def _no_network(*args, **kwargs):
-    raise AssertionError("load_model(..., pretrained=False) tried to open a network connection")
-
-
-def _offline_build(name):
-    """load_model(name, pretrained=False) with every socket connection failing the test."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(socket, "create_connection", _no_network)
-        mp.setattr(socket.socket, "connect", _no_network)
-        return vitlab.load_model(name, pretrained=False)
-
-
 @pytest.fixture(scope="module")
 def detr():
-    return _offline_build(DETR)
+    return offline_build(DETR)
 
 
 @pytest.fixture(scope="module")
 def lxmert():
-    return _offline_build(LXMERT)
-
-
-def _state(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, \
-        {k: p.requires_grad for k, p in model.named_parameters()}, model.training
-
-
-def _same_state(model, before):
-    params, flags, training = before
-    now = model.state_dict()
-    assert model.training == training
-    assert {k: p.requires_grad for k, p in model.named_parameters()} == flags
-    assert all(torch.equal(now[k], v) for k, v in params.items())
+    return offline_build(LXMERT)
 
 
 # ----------------------------------------------------------------------------------------- DETR
@@ -83,9 +57,9 @@ def test_detr_labels_are_cocos_91_category_ids(detr):
 
 def test_detr_relevance_runs_end_to_end(detr):
     x = torch.randn(2, 3, 96, 64, generator=torch.Generator().manual_seed(0))
-    before = _state(detr)
+    before = model_snapshot(detr)
     out = detr_relevance(detr, x, target=[0, 1])
-    _same_state(detr, before)
+    assert_model_unchanged(detr, before)
     assert len(out) == 2
     for maps in out:
         assert maps.queries.tolist() == [0, 1]
@@ -155,9 +129,9 @@ def test_lxmert_is_the_checkpoints_architecture(lxmert):
 
 def test_lxmert_relevance_runs_end_to_end(lxmert):
     inputs = _lxmert_inputs(batch=2)
-    before = _state(lxmert)
+    before = model_snapshot(lxmert)
     maps = lxmert_relevance(lxmert, inputs)
-    _same_state(lxmert, before)
+    assert_model_unchanged(lxmert, before)
     assert maps.image.shape == (2, 4) and maps.text.shape == (2, 7)
     for m in (maps.image, maps.text):
         assert torch.isfinite(m).all() and (m >= 0).all()

@@ -12,10 +12,10 @@ import vitlab
 from vitlab import models
 from vitlab.relevance import vilt_relevance, visualbert_relevance
 
-from conftest import f32_tol_deep, module_depth
-from test_models_bimodal_real import _offline_build, _same_state, _state
+from conftest import assert_model_unchanged, f32_tol_deep, model_snapshot, module_depth
+from tiny_models import offline_build
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # real-size checkpoints' architectures
 
 VISUALBERT = "uclanlp/visualbert-vqa"
 VILT = "dandelin/vilt-b32-finetuned-vqa"
@@ -23,12 +23,12 @@ VILT = "dandelin/vilt-b32-finetuned-vqa"
 
 @pytest.fixture(scope="module")
 def visualbert():
-    return _offline_build(VISUALBERT)
+    return offline_build(VISUALBERT)
 
 
 @pytest.fixture(scope="module")
 def vilt():
-    return _offline_build(VILT)
+    return offline_build(VILT)
 
 
 def test_visualbert_is_the_checkpoints_architecture(visualbert):
@@ -53,9 +53,9 @@ def _visualbert_inputs(batch=2, regions=3):
 
 def test_visualbert_relevance_runs_end_to_end(visualbert):
     inputs = _visualbert_inputs()
-    before = _state(visualbert)
+    before = model_snapshot(visualbert)
     maps = visualbert_relevance(visualbert, inputs)
-    _same_state(visualbert, before)
+    assert_model_unchanged(visualbert, before)
     assert maps.image.shape == (2, 3) and maps.text.shape == (2, 8) and maps.logits.shape == (2, 3129)
     assert torch.isfinite(maps.image).all() and (maps.image >= 0).all() and (maps.image.sum(-1) > 0).all()
     assert maps.text[0, 6] == 0 and maps.text[1, 3] == 0  # the answer token's own entry (mask.sum - 2)
@@ -90,9 +90,9 @@ def test_vilt_reads_a_photo_and_relevance_runs_on_it(vilt):
     x = vitlab.preprocess(photo, vilt)
     assert x.shape == (1, 3, 384, 576)  # the aspect ratio kept: 90 * 384 / 60
     ids = torch.tensor([[101, 2054, 3609, 2003, 1996, 4937, 1029, 102]])
-    before = _state(vilt)
+    before = model_snapshot(vilt)
     maps = vilt_relevance(vilt, dict(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=x))
-    _same_state(vilt, before)
+    assert_model_unchanged(vilt, before)
     assert maps.image.shape == (1, 12, 18) and maps.text.shape == (1, 8)  # 384 / 32 x 576 / 32 patches
     assert torch.isfinite(maps.image).all() and (maps.image >= 0).all() and maps.image.sum() > 0
     assert maps.text[0, 0] == 0  # [CLS], the row explained

@@ -10,6 +10,7 @@ from vitlab import notebooks as runner
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 
 
+@pytest.mark.slow
 def test_runner_executes_and_writes_figures(tmp_path, monkeypatch):
     monkeypatch.delenv("VITLAB_QUICK", raising=False)  # a full run: its times are recorded as "full"
     nb = nbformat.v4.new_notebook()
@@ -45,6 +46,7 @@ def test_run_times_table():
     assert not runner.write_run_times_table(Path("/nonexistent/README.md"), {})
 
 
+@pytest.mark.slow
 def test_runner_names_the_failing_cell_and_refuses_an_empty_selection(tmp_path, capfd):
     src = tmp_path / "nb"
     src.mkdir()
@@ -206,6 +208,7 @@ def test_printed_times_read_back_as_themselves(tmp_path):
     assert runner.read_run_times_table(tmp_path / "missing.md") == {"full": {}, "quick": {}}
 
 
+@pytest.mark.slow
 def test_store_writes_outputs_and_widget_state_without_progress_bars(tmp_path, monkeypatch, capfd):
     monkeypatch.delenv("VITLAB_QUICK", raising=False)
     src, figs = tmp_path / "nb", tmp_path / "figs"
@@ -239,3 +242,24 @@ def test_store_writes_outputs_and_widget_state_without_progress_bars(tmp_path, m
     assert "after the bar" in "".join(texts) and "kept line" in "".join(texts)
     assert not any("widget-view" in t for t in texts)
     assert "| `01_store` |" in (src / "README.md").read_text()                # one run: outputs and table
+
+
+@pytest.mark.slow
+def test_a_cell_past_the_timeout_fails_clearly_without_a_kernel_traceback(tmp_path, capfd):
+    from vitlab import notebooks as runner
+
+    slow = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# slow"),
+                                           nbformat.v4.new_code_cell("x = 1"),
+                                           nbformat.v4.new_code_cell("import time\ntime.sleep(60)")])
+    # ignores the interrupt, and its errors are allowed: the timeout must still end it
+    stubborn = nbformat.v4.new_code_cell("import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
+                                         "    time.sleep(60)")
+    stubborn.metadata["tags"] = ["raises-exception"]
+    after = nbformat.v4.new_code_cell("print('never')")
+    nbformat.write(slow, tmp_path / "01_slow.ipynb")
+    nbformat.write(nbformat.v4.new_notebook(cells=[stubborn, after]), tmp_path / "02_stubborn.ipynb")
+    for name, cell in (("01_slow", r"code cell 2 \('import time'\)"), ("02_stubborn", r"code cell 1 \('import time'\)")):
+        with pytest.raises(runner.NotebookFailed, match=cell + r": ran past --timeout 2 s"):
+            runner.run_notebook(tmp_path / f"{name}.ipynb", tmp_path / "figs", timeout=2)
+        out = capfd.readouterr()
+        assert "Traceback" not in out.out + out.err and "ZMQError" not in out.out + out.err, out.err

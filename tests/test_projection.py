@@ -8,9 +8,11 @@ import torch.nn.functional as F
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 
-from conftest import TINY, TINY_DEPTH, TINY_GRAD_DEPTH, f32_tol, f64_tol, module_depth, randomize
-from test_record import model_state
+from conftest import (
+    assert_model_unchanged, f32_tol, f64_tol, model_snapshot, module_depth, randomize, TINY, TINY_DEPTH, TINY_GRAD_DEPTH,
+)
 from vitlab import projection as P
+from references import hand_states
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,35 +50,13 @@ def tiny_hf(seed: int = 2):
     return randomize(ViTForImageClassification(cfg), seed)
 
 
-def hand_states(model, x, allowed=None):
-    """timm ViT written out block by block: (h_0, [(input, mid, output)] per block), the
-    attention optionally restricted to ``allowed[l]`` (N x N bool, or None) with a hand-written
-    softmax over the allowed keys."""
-    h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
-    h0, states = h, []
-    for l, b in enumerate(model.blocks):
-        a_in = b.norm1(h)
-        attn = b.attn
-        B, N, D = a_in.shape
-        q, k, v = attn.qkv(a_in).reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
-        logits = (q * attn.scale) @ k.transpose(-2, -1)
-        if allowed is not None and allowed[l] is not None:
-            logits = logits.masked_fill(~allowed[l], float("-inf"))
-        a = attn.proj((logits.softmax(-1) @ v).transpose(1, 2).reshape(B, N, D))
-        mid = h + b.ls1(a)
-        out = mid + b.ls2(b.mlp(b.norm2(mid)))
-        states.append((h, mid, out))
-        h = out
-    return h0, states
-
-
 def hand_head(model, h):
     return model.head(model.fc_norm(model.norm(h)))
 
 
 # ------------------------------------------------------------------------ step 1: project
 def test_project_matches_hand_forward(vit, x):
-    before = model_state(vit)
+    before = model_snapshot(vit)
     with torch.no_grad():
         h0, states = hand_states(vit, x)
         logits = vit(x)
@@ -93,7 +73,7 @@ def test_project_matches_hand_forward(vit, x):
     close(proj.embedding, hand_head(vit, h0))
     # the sanity check of the paper: the last CLS state projects to the logits
     close(proj.residual[:, -1, 0], logits)
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
 
 
 def test_project_in_float32_is_float64_to_rounding(vit, x):
@@ -109,9 +89,9 @@ def test_project_in_float32_is_float64_to_rounding(vit, x):
 def test_project_hf_last_cls_is_logits(x):
     model, x = tiny_hf(), x.float()
     model.train()  # project runs in eval mode and puts the mode back
-    before = model_state(model)
+    before = model_snapshot(model)
     proj = P.project(model, x)
-    assert model_state(model) == before  # (HF keeps hooks of its own after output_hidden_states)
+    assert_model_unchanged(model, before)  # (HF keeps hooks of its own after output_hidden_states)
     model.eval()
     with torch.no_grad():
         out = model(x, output_hidden_states=True)
@@ -231,7 +211,7 @@ def test_value_projection_by_hand(vit):
 
 
 def test_memory_agreement_by_hand(vit, x):
-    before = model_state(vit)
+    before = model_snapshot(vit)
     res = P.memory_agreement(vit, x, block=2, target=[0, 1, 4], k=4)
     assert res.agreement.shape == (3, 17) and res.units.shape == (3, 17, 4)
     with torch.no_grad():
@@ -243,7 +223,7 @@ def test_memory_agreement_by_hand(vit, x):
     top = P.value_projection(vit, 2).argmax(-1)
     ref = (top[units] == torch.tensor([0, 1, 4])[:, None, None]).to(res.agreement.dtype).mean(-1)
     torch.testing.assert_close(res.agreement, ref)  # shares of 4 units: exact
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
 
 
 # ------------------------------------------------------------------ step 5: projection map
@@ -278,7 +258,7 @@ def test_projection_map_by_hand(vit, x):
 @pytest.mark.parametrize("mode", ["self_only", "no_cls"])
 @pytest.mark.parametrize("start_block", [0, 1])
 def test_context_intervention_matches_masked_copy(vit, x, mode, start_block):
-    before = model_state(vit)
+    before = model_snapshot(vit)
     params = [p.detach().clone() for p in vit.parameters()]
     proj = P.context_intervention(vit, x, mode, start_block=start_block)
     N = 17
@@ -294,7 +274,7 @@ def test_context_intervention_matches_masked_copy(vit, x, mode, start_block):
             close(proj.residual[:, l], hand_head(masked, out))
             close(proj.mid[:, l], hand_head(masked, mid))
     torch.testing.assert_close(proj.logits, proj.residual[:, -1, 0])  # the same numbers
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
     assert all(torch.equal(p, q) for p, q in zip(vit.parameters(), params))
     # the unedited model still gives its own logits
     with torch.no_grad():
@@ -303,9 +283,9 @@ def test_context_intervention_matches_masked_copy(vit, x, mode, start_block):
 
 def test_context_intervention_hf_matches_model_mask(x):
     model, x = tiny_hf(), x.float()
-    before = model_state(model)
+    before = model_snapshot(model)
     proj = P.context_intervention(model, x, "self_only")
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
     mask = P.intervention_mask("self_only", proj.layout)
     bias = torch.zeros(1, 1, 17, 17).masked_fill(~mask, float("-inf"))
     eager = copy.deepcopy(model)
@@ -319,7 +299,7 @@ def test_context_intervention_hf_matches_model_mask(x):
 def test_attention_edit_model_unchanged_when_forward_raises(vit, x):
     import vitlab
 
-    before = model_state(vit)
+    before = model_snapshot(vit)
     expected = vit(x)
 
     def broken(layer, n):
@@ -330,7 +310,7 @@ def test_attention_edit_model_unchanged_when_forward_raises(vit, x):
     with pytest.raises(ZeroDivisionError):
         with vitlab.record(vit, attention_edit=broken, residual=True):
             vit(x)
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
     torch.testing.assert_close(vit(x), expected)
     # a mask that allows everything changes nothing; a query with no key is refused
     with torch.no_grad(), vitlab.record(vit, attention_edit=lambda l, n: torch.ones(n, n, dtype=torch.bool)):
@@ -338,7 +318,7 @@ def test_attention_edit_model_unchanged_when_forward_raises(vit, x):
     with pytest.raises(ValueError, match="no key"):
         with vitlab.record(vit, attention_edit=lambda l, n: torch.zeros(n, n, dtype=torch.bool)):
             vit(x)
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
     with pytest.raises(ValueError, match="mode"):
         P.context_intervention(vit, x, "nothing")
 
@@ -399,14 +379,14 @@ def test_train_probe_separable_reaches_full_accuracy():
 
 
 def test_linear_probes_on_vit(vit, x):
-    before = model_state(vit)
+    before = model_snapshot(vit)
     params = [p.detach().clone() for p in vit.parameters()]
     target = [1, 4, 1]
     probes = P.linear_probes(vit, x, target, epochs=50)
     L, C, D = TINY["depth"], TINY["num_classes"], TINY["embed_dim"]
     assert probes.weight.shape == (L, C, D) and probes.bias.shape == (L, C)
     assert probes.train_accuracy.shape == probes.train_loss.shape == (L,)
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
     assert all(torch.equal(p, q) for p, q in zip(vit.parameters(), params))
     # train accuracy recomputed from the probes on the image tokens' states, by hand
     states = P.project(vit, x).block_outputs  # B x L x N x D
@@ -438,7 +418,7 @@ def test_linear_probes_on_vit(vit, x):
         P.linear_probes(vit, x, 1, lr=0)
     with pytest.raises(ValueError, match="seed"):
         P.linear_probes(vit, x, 1, seed=1.5)
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
 
 
 def test_linear_probes_deterministic_per_seed(vit, x):
@@ -455,7 +435,7 @@ def test_linear_probes_deterministic_per_seed(vit, x):
 
 # ------------------------------------------------------------ step 8: token removal (RQ4)
 def test_token_removal_matches_masked_copy(vit, x):
-    before = model_state(vit)
+    before = model_snapshot(vit)
     params = [p.detach().clone() for p in vit.parameters()]
     ranking = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
     target = torch.tensor([0, 3, 1])
@@ -483,7 +463,7 @@ def test_token_removal_matches_masked_copy(vit, x):
     with torch.no_grad():
         plain = vit(x)
     assert not torch.allclose(res.logits, plain, **f64_tol(plain, TINY_DEPTH))  # it did remove something
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
     assert all(torch.equal(p, q) for p, q in zip(vit.parameters(), params))
     close(P.project(vit, x).logits, plain)
 
@@ -520,7 +500,7 @@ FIELDS = ("residual", "mid", "attention", "mlp", "entering")
 
 
 def test_project_blocks_tokens_are_slices_of_the_full_projection(vit, x):
-    before = model_state(vit)
+    before = model_snapshot(vit)
     full = P.project(vit, x)
     assert full.blocks == (0, 1, 2) and full.tokens == tuple(range(17)) and full.num_blocks == 3
     # entering: the embedding, then the residual stream of the block before
@@ -553,11 +533,11 @@ def test_project_blocks_tokens_are_slices_of_the_full_projection(vit, x):
         # the last block's CLS state alone still reproduces the logits
         last = P.project(vit, x, blocks=-1, tokens=0)
         close(last.residual[:, 0, 0], vit(x))
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
 
 
 def test_project_blocks_tokens_refused(vit, x):
-    before = model_state(vit)
+    before = model_snapshot(vit)
     bad = [(dict(blocks=3), "block 3 does not exist; this model has 3 blocks"),
            (dict(blocks=[0, -4]), "block -4 does not exist"),
            (dict(blocks=[]), "blocks is empty"),
@@ -588,7 +568,7 @@ def test_project_blocks_tokens_refused(vit, x):
     for fn in (P.project, P.class_identifiability, P.sublayer_contributions):
         with pytest.raises(ValueError, match="NaN"):
             fn(vit, nan, blocks=-1)
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
 
 
 def test_project_blocks_batch_is_items(vit, x):
@@ -602,10 +582,10 @@ def test_project_blocks_batch_is_items(vit, x):
 def test_project_blocks_hf(x):
     model, x = tiny_hf(), x.float()
     model.train()
-    before = model_state(model)
+    before = model_snapshot(model)
     full = P.project(model, x)
     sub = P.project(model, x, blocks=[-1, 0], tokens=0)
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
     close32(sub.residual[:, 0, 0], full.logits, model)
     for name in FIELDS:
         close32(getattr(sub, name), getattr(full, name)[:, [2, 0]][:, :, [0]], model)
@@ -691,7 +671,7 @@ def test_identifiability_refuses_a_target_of_the_wrong_shape():
 
 # ------------------------------------------------ attention as key-value memories (Fig. 1b)
 def test_attention_coefficients_rebuild_the_attention_sublayer(vit, x):
-    before = model_state(vit)
+    before = model_snapshot(vit)
     coeff = P.attention_coefficients(vit, x, block=1)
     assert coeff.shape == (3, 17, TINY["embed_dim"])
     with torch.no_grad():
@@ -708,7 +688,7 @@ def test_attention_coefficients_rebuild_the_attention_sublayer(vit, x):
     close(coeff @ b.attn.proj.weight.T + b.attn.proj.bias, added, depth=TINY_DEPTH + 48)
     for i in range(3):  # batch = items
         close(P.attention_coefficients(vit, x[i:i + 1], 1)[0], coeff[i])
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
 
 
 def test_attention_value_projection_by_hand(vit):
@@ -728,7 +708,7 @@ def test_attention_value_projection_by_hand(vit):
 
 
 def test_attention_memory_agreement_by_hand(vit, x):
-    before = model_state(vit)
+    before = model_snapshot(vit)
     res = P.memory_agreement(vit, x, block=1, target=[0, 1, 4], k=5, sublayer="attention")
     assert res.agreement.shape == (3, 17) and res.units.shape == (3, 17, 5)
     coeff = P.attention_coefficients(vit, x, 1)
@@ -748,12 +728,12 @@ def test_attention_memory_agreement_by_hand(vit, x):
         for b in range(TINY["depth"]):
             one = P.memory_agreement(vit, x, b, target=2, k=3, sublayer=sub)
             assert torch.equal(every.units[:, b], one.units) and torch.equal(every.agreement[:, b], one.agreement)
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
 
 
 # ------------------------------------------------- the token-removal test against random removal
 def test_removal_curve_is_token_removal_at_each_fraction(vit, x):
-    before = model_state(vit)
+    before = model_snapshot(vit)
     ranking = torch.randn(3, 16, generator=torch.Generator().manual_seed(3))
     target = torch.tensor([0, 3, 1])
     fractions = (0.0, 0.25, 0.5, 1.0)
@@ -774,22 +754,26 @@ def test_removal_curve_is_token_removal_at_each_fraction(vit, x):
     for bad in ((0.5,), (0.0, float("nan")), (0.5, 0.2), (0.0, 1.5)):
         with pytest.raises(ValueError, match="fractions"):
             P.removal_curve(vit, x, ranking, target, fractions=bad)
-    assert model_state(vit) == before
+    assert_model_unchanged(vit, before)
 
 
-def test_bootstrap_interval():
-    v = torch.tensor([0.3] * 10)
-    assert P.bootstrap_interval(v) == pytest.approx((0.3, 0.3))
-    values = torch.rand(400, generator=torch.Generator().manual_seed(1))
-    low, high = P.bootstrap_interval(values, n_boot=4000, level=0.95, seed=2)
-    half = 1.96 * float(values.std()) / 400 ** 0.5  # the normal approximation of the same interval
-    assert low < float(values.mean()) < high
-    assert (high - low) / 2 == pytest.approx(half, rel=0.1)
-    assert P.bootstrap_interval(values, seed=5) == P.bootstrap_interval(values, seed=5)
-    with pytest.raises(ValueError, match="finite"):
-        P.bootstrap_interval(torch.tensor([1.0, float("nan")]))
-    with pytest.raises(ValueError, match="level"):
-        P.bootstrap_interval(values, level=95)
+def test_removal_table_intervals_are_the_stats_modules():
+    from vitlab.stats import mean_interval, paired_difference
+
+    correct = lambda rows: torch.tensor(rows, dtype=torch.bool)  # noqa: E731
+    f = torch.tensor([0.0, 0.5, 1.0])
+    curve = lambda rows: P.RemovalCurve(f, correct(rows), torch.zeros(len(rows), dtype=torch.long), "highest")  # noqa: E731
+    top = curve([[1, 0, 0]] * 5 + [[1, 1, 0]] * 3)
+    rand = [curve([[1, 1, 0]] * 4 + [[1, 1, 1]] * 4), curve([[1, 1, 1]] * 6 + [[1, 0, 0]] * 2)]
+    test = P.RemovalTest({"map": top}, {}, rand)
+    rows = test.table(n_boot=500, seed=3)
+    random_auc = test.random_sample_auc
+    assert rows[0]["AUC 95% interval"] == mean_interval(random_auc, 0.95, 500, 3)[1:3]
+    assert rows[1]["AUC 95% interval"] == mean_interval(top.sample_auc, 0.95, 500, 3)[1:3]
+    diff = paired_difference(top.sample_auc, random_auc, 0.95, 500, 3)
+    assert rows[1]["AUC - random"] == diff.value and rows[1]["difference 95% interval"] == (diff.low, diff.high)
+    with pytest.raises(AttributeError, match="bootstrap_interval was replaced by vitlab.stats.mean_interval"):
+        P.bootstrap_interval
 
 
 def test_removal_test_directions_and_paired_differences(vit, x):

@@ -8,11 +8,10 @@ import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 
-from conftest import TINY, TINY_DEPTH, f32_tol, f64_tol, randomize
-from test_projection import hand_states
-from test_record import model_state
+from conftest import assert_model_unchanged, f32_tol, f64_tol, model_snapshot, randomize, TINY, TINY_DEPTH
 from vitlab import projection as P
 from vitlab.localization import grow_masks
+from references import hand_states
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,9 +99,10 @@ def test_remove_tokens_refusals(vit, x):
 
 def test_remove_tokens_leaves_the_model_as_it_was(x):
     vit = randomize(VisionTransformer(**TINY), 0).train()
-    before = model_state(vit)
+    before = model_snapshot(vit)
     P.remove_tokens(vit, x, torch.ones(x.shape[0], 16, dtype=torch.bool))
-    assert model_state(vit) == before and vit.training
+    assert_model_unchanged(vit, before)
+    assert vit.training
 
 
 # ------------------------------------------------------------------ output_similarity
@@ -140,10 +140,11 @@ def test_output_similarity_refusals_and_model_unchanged(x):
     with pytest.raises(ValueError, match="pools the patch tokens"):
         P.output_similarity(pooled, x)
     vit = randomize(VisionTransformer(**TINY), 0).train()
-    before = model_state(vit)
+    before = model_snapshot(vit)
     bad = x.clone()
     bad[1, 2, 3, 4] = float("inf")
     with pytest.raises(ValueError):
         P.output_similarity(vit, bad)
     P.output_similarity(vit, x)
-    assert model_state(vit) == before and vit.training
+    assert_model_unchanged(vit, before)
+    assert vit.training

@@ -2,6 +2,7 @@
 architectures (timm with fused attention on, DeiT-distilled, DINOv2 with registers, and
 Hugging Face ViT / Dinov2 under SDPA)."""
 import copy
+import threading
 import types
 
 import pytest
@@ -10,23 +11,13 @@ import torch
 import torch.nn.functional as F
 
 import vitlab
-from conftest import f32_tol, f32_tol_deep, module_depth
+from conftest import assert_model_unchanged, f32_tol, f32_tol_deep, model_snapshot, module_depth
+from tiny_models import dropout_vit, tiny_vit
+from vitlab.inputs import MEMORY_BUDGET
 from vitlab.models import load_model
-from vitlab.record import CAPTURE_FIELDS, NotRecordedError
-
-
-def model_state(model):
-    """Everything record() must leave untouched."""
-    hooks = []
-    for name, m in model.named_modules():
-        hooks.append((name, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
-                      len(getattr(m, "_forward_hooks_with_kwargs", {}))))
-    flags = [(n, m.fused_attn) for n, m in model.named_modules() if hasattr(m, "fused_attn")]
-    configs = sorted({(id(m.config), m.config._attn_implementation) for m in model.modules()
-                      if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")})
-    grads = [(n, p.requires_grad) for n, p in model.named_parameters()]
-    modes = [(n, m.training) for n, m in model.named_modules()]
-    return hooks, flags, configs, grads, modes
+from vitlab.record import CAPTURE_FIELDS, NotRecordedError, attention_size
+from vitlab.relevance import chefer_relevance
+from vitlab.rollout import grad_rollout, rollout
 
 
 # ----------------------------------------------------------------------------- timm
@@ -60,11 +51,12 @@ TIMM_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kwargs,prefix,grid", TIMM_CASES)
 def test_timm_attention_and_gradients_equal_eager(name, kwargs, prefix, grid):
     model = timm.create_model(name, pretrained=False, **kwargs).eval()
     assert all(blk.attn.fused_attn for blk in model.blocks)  # the hard case: fused on
-    before = model_state(model)
+    before = model_snapshot(model)
     x = torch.randn(2, 3, *model.patch_embed.img_size)
     with torch.no_grad():
         plain = model(x)
@@ -100,9 +92,10 @@ def test_timm_attention_and_gradients_equal_eager(name, kwargs, prefix, grid):
                                **f32_tol(1.0, 2 * n))
     # the residual stream after the last block is what the final norm sees
     close(model.norm(rec.hidden_states[-1]).detach(), model.forward_features(x).detach())
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
 
 
+@pytest.mark.slow
 def test_batch_equals_items_one_by_one():
     model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
     x = torch.randn(3, 3, 224, 224)
@@ -116,6 +109,7 @@ def test_batch_equals_items_one_by_one():
                                        **f32_tol_deep(1.0, module_depth(model, tokens=197)))
 
 
+@pytest.mark.slow
 def test_mlp_activations_are_gelu_of_fc1():
     model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
     x = torch.randn(1, 3, 224, 224)
@@ -130,25 +124,26 @@ def test_mlp_activations_are_gelu_of_fc1():
     torch.testing.assert_close(rec.mlp_activations[3], expect, **f32_tol(expect, module_depth(blk, tokens=197)))
 
 
+@pytest.mark.slow
 def test_state_restored_after_exception_in_forward_and_in_block():
     model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
     for p in model.blocks[0].parameters():
         p.requires_grad_(False)
-    before = model_state(model)
+    before = model_snapshot(model)
     with pytest.raises(Exception):
         with vitlab.record(model, gradients=True):
             model(torch.randn(1, 3, 100, 100))  # wrong size: timm raises inside the forward
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
     with pytest.raises(KeyError):
         with vitlab.record(model):
             model(torch.randn(1, 3, 224, 224))
             raise KeyError("user code failed")
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
     model.train()
-    before = model_state(model)
+    before = model_snapshot(model)
     with vitlab.record(model):
         model(torch.randn(1, 3, 224, 224))
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
 
 
 def test_non_vit_model_gets_type_error():
@@ -170,13 +165,14 @@ def test_missing_gradients_are_explained():
 
 
 # ----------------------------------------------------------------------------- Hugging Face
+@pytest.mark.slow
 @pytest.mark.parametrize("repo", ["google/vit-base-patch16-224", "facebook/dinov2-small"])
 def test_hf_sdpa_attention_and_gradients_equal_eager(repo):
     model = load_model(repo, pretrained=False)
     if repo.startswith("google"):  # a smaller copy of the same architecture keeps the test fast
         model = type(model)(model.config.__class__(**{**model.config.to_dict(), "num_hidden_layers": 4})).eval()
     assert model.config._attn_implementation == "sdpa"
-    before = model_state(model)
+    before = model_snapshot(model)
     x = torch.randn(2, 3, 224, 224)
 
     def out_of(o):
@@ -188,7 +184,7 @@ def test_hf_sdpa_attention_and_gradients_equal_eager(repo):
         y = out_of(model(x))
         y[:, 0].sum().backward()
     model.zero_grad(set_to_none=True)
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
     depth = module_depth(model, tokens=(224 // model.config.patch_size) ** 2 + 1)  # real-size: random-walk bound
     torch.testing.assert_close(y.detach(), plain, **f32_tol_deep(plain, depth))
 
@@ -231,6 +227,7 @@ def test_qk_norm_models_record_normalised_queries_and_keys():
         torch.testing.assert_close(rec.attentions[l], a, **f32_tol(a, depth))
 
 
+@pytest.mark.slow
 def test_clear_keeps_hooks_and_starts_fresh_lists():
     model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
     x = torch.randn(1, 3, 224, 224)
@@ -279,7 +276,7 @@ CAPTURES = [("attention",), ("query", "key"), ("value",), ("hidden",), ("query",
 def test_capture_keeps_the_asked_fields_equal_to_the_full_recording_and_refuses_the_others(kind):
     model = tiny_models()[kind]
     x = torch.randn(2, 3, 32, 32)
-    before = model_state(model)
+    before = model_snapshot(model)
     with torch.no_grad(), vitlab.record(model) as full:
         model(x)
     assert full.captured == set(CAPTURE_FIELDS)
@@ -287,7 +284,7 @@ def test_capture_keeps_the_asked_fields_equal_to_the_full_recording_and_refuses_
     for capture in CAPTURES:
         with torch.no_grad(), vitlab.record(model, capture=capture) as rec:
             model(x)
-        assert model_state(model) == before
+        assert_model_unchanged(model, before)
         assert rec.captured == set(capture)
         assert rec.layout == full.layout
         for name, prop in FIELDS.items():
@@ -348,7 +345,7 @@ def test_capture_without_attention_keeps_the_fused_path_and_hooks_less(kind):
 
 def test_capture_names_are_checked():
     model = tiny_models()["timm"]
-    before = model_state(model)
+    before = model_snapshot(model)
     with pytest.raises(ValueError, match=r"capture: unknown field name 'queries'; choose from \('attention', "
                                          r"'query', 'key', 'value', 'hidden'\)"):
         with vitlab.record(model, capture=("attention", "queries")):
@@ -363,14 +360,14 @@ def test_capture_names_are_checked():
                                          r"capture=\('key', 'query'\) leaves the attention out"):
         with vitlab.record(model, gradients=True, capture=("query", "key")):
             pass
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
     with torch.no_grad(), vitlab.record(model, capture="attention") as rec:  # one name as a string
         model(torch.randn(1, 3, 32, 32))
     assert rec.captured == {"attention"} and len(rec.attentions) == 3
     with torch.no_grad(), vitlab.record(model, capture=(), residual=True) as rec:  # residual brings hidden
         model(torch.randn(1, 3, 32, 32))
     assert rec.captured == {"hidden"} and len(rec.mlp_outputs) == 3
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
 
 
 @pytest.mark.parametrize("kind", ["timm", "hf"])
@@ -422,3 +419,171 @@ def test_methods_give_the_maps_of_the_full_recording(kind):
     from vitlab.attention import same_region_score
     torch.testing.assert_close(qk_channel_scores(model, x, "same_region")[0], same_region_score(q, k).mean(0),
                                **f32_tol(1.0, depth + 2 * 16))  # a correlation (|.| <= 1) over 16 patches
+
+
+def test_record_takes_an_empty_batch_like_the_model():
+    model = tiny_vit()
+    with torch.no_grad(), vitlab.record(model) as rec:
+        out = model(torch.zeros(0, 3, 32, 32))
+    assert out.shape == (0, 5)
+    assert [tuple(a.shape) for a in rec.attentions] == [(0, 3, 17, 17)] * 3
+
+
+# --- cryptic 1: gradients under no_grad / inference_mode --------------------------------------------
+def test_record_with_gradients_under_no_grad_says_so():
+    model = tiny_vit()
+    before = model_snapshot(model)
+    with pytest.raises(RuntimeError, match=r"gradients=True\): the forward ran with gradients disabled \(inside "
+                                           r"torch.no_grad\(\) or torch.inference_mode\(\)\)"):
+        with torch.no_grad(), vitlab.record(model, gradients=True):
+            model(torch.zeros(1, 3, 32, 32))
+    assert_model_unchanged(model, before)
+    with torch.no_grad(), vitlab.record(model, gradients=True) as rec:  # enable_grad inside: fine
+        with torch.enable_grad():
+            model(torch.zeros(1, 3, 32, 32))[:, 0].sum().backward()
+    assert len(rec.attention_grads) == 3
+    for p in model.parameters():
+        p.grad = None
+
+
+def test_missing_gradients_of_a_frozen_model_name_the_cause():
+    model = tiny_vit().requires_grad_(False)
+    with vitlab.record(model, gradients=True) as rec:
+        model(torch.zeros(1, 3, 32, 32))
+    with pytest.raises(RuntimeError, match=r"nothing in the forward required a gradient .*x.requires_grad_\(True\)"):
+        rec.attention_grads
+
+
+# --- silent wrong 5: overlapping recordings closed out of order -------------------------------------
+def test_overlapping_recordings_closed_out_of_order_keep_recording_and_restore_the_flags():
+    model = tiny_vit()
+    fused = [b.attn.fused_attn for b in model.blocks]
+    before = model_snapshot(model)
+    first, second = vitlab.record(model), vitlab.record(model)
+    rec1 = first.__enter__()
+    rec2 = second.__enter__()
+    first.__exit__(None, None, None)  # closed before the second
+    with torch.no_grad():
+        model(torch.zeros(1, 3, 32, 32))
+    assert len(rec2.attentions) == 3 and rec1.attentions == []
+    assert [b.attn.fused_attn for b in model.blocks] == [False] * 3  # still recording
+    second.__exit__(None, None, None)
+    assert [b.attn.fused_attn for b in model.blocks] == fused
+    assert_model_unchanged(model, before)
+
+
+def test_timm_and_hugging_face_record_the_attention_after_dropout_in_train_mode():
+    from transformers import ViTConfig, ViTModel
+
+    timm_model = dropout_vit().train()
+    cfg = ViTConfig(image_size=32, patch_size=8, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
+                    intermediate_size=96, attention_probs_dropout_prob=0.5)
+    hf_model = ViTModel(cfg, add_pooling_layer=False).train()
+    for model in (timm_model, hf_model):
+        with torch.no_grad(), vitlab.record(model) as rec:
+            model(torch.randn(2, 3, 32, 32))
+        A = rec.attentions[0]  # post-dropout: a share of entries zeroed, the rest scaled by 1 / (1 - p)
+        assert 0.3 < float((A == 0).float().mean()) < 0.7
+        assert not torch.allclose(A.sum(-1), torch.ones_like(A.sum(-1)))
+        assert model.training
+
+
+# --- silent wrong 4: two threads on one model ----------------------------------------------------------
+def test_a_recording_captures_only_the_forwards_of_its_own_thread():
+    model = tiny_vit()
+    xa, xb = torch.randn(1, 3, 32, 32), torch.randn(2, 3, 32, 32)
+    with torch.no_grad(), vitlab.record(model) as alone:
+        model(xa)
+    before = model_snapshot(model)
+    seen = {}
+
+    def other_thread():  # a plain forward and a method of its own, while the main thread records
+        with torch.no_grad():
+            model(xb)
+        seen["rollout"] = rollout(model, xb)
+
+    with torch.no_grad(), vitlab.record(model) as rec:
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        model(xa)
+    assert [tuple(A.shape) for A in rec.attentions] == [(1, 3, 17, 17)] * 3
+    assert all(torch.equal(a, b) for a, b in zip(rec.attentions, alone.attentions))
+    assert torch.equal(seen["rollout"], rollout(model, xb))
+    assert_model_unchanged(model, before)
+
+
+def test_a_method_of_another_thread_midway_through_a_forward_gets_its_own_map():
+    """Thread a pauses inside its forward (in block 1) until thread b has run two methods on the
+    same model: neither recording may take in the other's forward, and the flags come back."""
+    model = tiny_vit()
+    xa, xb = torch.randn(2, 3, 32, 32), torch.randn(3, 3, 32, 32)
+    expected = {"a": chefer_relevance(model, xa, target=[1, 2]), "b": rollout(model, xb),
+                "b_grad": grad_rollout(model, xb, target=0)}
+    before = model_snapshot(model)
+    got = {}
+
+    def run_b():
+        got["b"] = rollout(model, xb)
+        got["b_grad"] = grad_rollout(model, xb, target=0)
+
+    def pause_a(mod, args):
+        if threading.current_thread().name == "a" and "b" not in got:
+            b = threading.Thread(target=run_b, name="b")
+            b.start()
+            b.join()
+
+    def run_a():
+        got["a"] = chefer_relevance(model, xa, target=[1, 2])
+
+    handle = model.blocks[1].register_forward_pre_hook(pause_a)
+    try:
+        a = threading.Thread(target=run_a, name="a")
+        a.start()
+        a.join()
+    finally:
+        handle.remove()
+    assert sorted(got) == ["a", "b", "b_grad"]
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    assert_model_unchanged(model, before)
+
+
+def test_two_threads_running_methods_on_one_model_each_get_their_single_threaded_maps():
+    model = tiny_vit()
+    inputs = {"rollout": torch.randn(2, 3, 32, 32), "chefer": torch.randn(3, 3, 32, 32)}
+    methods = {"rollout": lambda x: rollout(model, x, "max", 0.3), "chefer": lambda x: chefer_relevance(model, x)}
+    expected = {k: methods[k](inputs[k]) for k in methods}
+    before = model_snapshot(model)
+    start, results, errors = threading.Barrier(2), {k: [] for k in methods}, []
+
+    def loop(key):
+        try:
+            start.wait()
+            for _ in range(15):
+                results[key].append(methods[key](inputs[key]))
+        except Exception as e:  # noqa: BLE001 -- reported below, with the thread's name
+            errors.append((key, e))
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in methods]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for key in methods:
+        assert len(results[key]) == 15
+        assert all(torch.equal(r, expected[key]) for r in results[key]), key
+    assert_model_unchanged(model, before)
+
+
+def test_attention_size_is_what_a_recording_keeps_per_sample():
+    from transformers import ViTConfig, ViTModel
+
+    hf = ViTModel(ViTConfig(image_size=32, patch_size=8, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
+                            intermediate_size=96), add_pooling_layer=False).eval()
+    for model in (tiny_vit(), tiny_vit(reg_tokens=2, num_heads=4, embed_dim=64), hf):
+        with torch.no_grad(), vitlab.record(model) as rec:
+            model(torch.randn(1, 3, 32, 32))
+        assert attention_size(model, rec.layout.num_tokens) == sum(A.numel() for A in rec.attentions)
+    assert MEMORY_BUDGET == 1 << 30

@@ -10,14 +10,14 @@ import pytest
 import torch
 from transformers import (
     DetrConfig, DetrForObjectDetection, DetrModel, LxmertConfig, LxmertForQuestionAnswering, LxmertModel,
-    ResNetConfig,
 )
 from transformers.models.lxmert.modeling_lxmert import LxmertAttention
 
 import vitlab
 from vitlab.record import DETR_STREAMS, LXMERT_STREAMS, NotRecordedError, attention_size, blocks
 
-from conftest import f32_tol, f32_tol_deep, module_depth
+from conftest import assert_model_unchanged, f32_tol, f32_tol_deep, model_snapshot, module_depth
+from tiny_models import ViTLxmert, lxmert_inputs, randomize_biases, tiny_detr, tiny_lxmert, vit_detr
 
 
 def close(got, want, model, grad=False, tokens=64, deep=False):
@@ -28,54 +28,7 @@ def close(got, want, model, grad=False, tokens=64, deep=False):
     torch.testing.assert_close(got, want, **(f32_tol_deep(want, depth) if deep else f32_tol(want, depth)))
 
 
-def model_state(model):
-    """Everything record() must leave untouched: hooks, attention implementation (the raw
-    attribute of every config, present or not), requires_grad, modes."""
-    hooks = [(n, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
-              len(m._forward_hooks_with_kwargs), len(m._forward_pre_hooks_with_kwargs))
-             for n, m in model.named_modules()]
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
-    for c in list(configs.values()):
-        for key in getattr(c, "sub_configs", {}) or {}:
-            sub = getattr(c, key, None)
-            if sub is not None:
-                configs[id(sub)] = sub
-    impl = sorted((i, "_attn_implementation_internal" in c.__dict__, str(c.__dict__.get("_attn_implementation_internal")),
-                   str(c._attn_implementation)) for i, c in configs.items())
-    grads = [(n, p.requires_grad) for n, p in model.named_parameters()]
-    modes = [(n, m.training) for n, m in model.named_modules()]
-    return hooks, impl, grads, modes
-
-
-def randomize_biases(model, seed=0):
-    """Hugging Face initialises biases to zero; random ones make every attention matter
-    (with zero value biases, DETR's first decoder self-attention would get a zero gradient)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear) and m.bias is not None:
-                m.bias.copy_(torch.rand(m.bias.shape, generator=g) * 0.2 - 0.1)
-    return model
-
-
 # ----------------------------------------------------------------------------- LXMERT
-def tiny_lxmert(cls=LxmertForQuestionAnswering, l_layers=2, x_layers=2, r_layers=1, **kw):
-    torch.manual_seed(0)
-    cfg = LxmertConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                       l_layers=l_layers, x_layers=x_layers, r_layers=r_layers, visual_feat_dim=16,
-                       visual_pos_dim=4, num_qa_labels=7, num_object_labels=5, num_attr_labels=5, **kw)
-    return randomize_biases(cls(cfg).eval())
-
-
-def lxmert_inputs(batch=2, words=6, regions=9, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 50, (batch, words), generator=g)
-    mask = torch.ones(batch, words, dtype=torch.long)
-    mask[-1, -2:] = 0  # padding in the last sample
-    return dict(input_ids=ids, attention_mask=mask, visual_feats=torch.randn(batch, regions, 16, generator=g),
-                visual_pos=torch.rand(batch, regions, 4, generator=g))
-
-
 def lxmert_order(l_layers, x_layers, r_layers):
     """The streams in the order LXMERT computes them."""
     cross = ["lang->vision", "vision->lang", "cross.lang", "cross.vision"]
@@ -114,14 +67,14 @@ def lxmert_reference(model):
 def test_lxmert_every_attention_in_order_with_autograd_gradients():
     model = tiny_lxmert()
     inputs = lxmert_inputs()
-    before = model_state(model)
+    before = model_snapshot(model)
     with torch.no_grad():
         plain = model(**inputs).question_answering_score
     with vitlab.record(model, gradients=True) as rec:
         score = model(**inputs).question_answering_score
         score[:, 3].sum().backward()
     model.zero_grad(set_to_none=True)
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
     close(score.detach(), plain, model)
     assert rec.layout is None and rec.family == "lxmert" and rec.modalities == ("lang", "vision")
     assert [e.stream for e in rec.events] == lxmert_order(2, 2, 1)
@@ -224,6 +177,7 @@ def test_lxmert_batch_equals_items_and_base_model_records():
             close(e.attention[i:i + 1], a.attention, model)
 
 
+@pytest.mark.slow
 def test_lxmert_structurally_identical_to_the_real_config():
     """Same layer counts, heads and input sizes as LxmertConfig() (9 language, 5 relational,
     5 cross-modality layers, 12 heads, 2048-d region features), smaller widths: the real one
@@ -236,7 +190,7 @@ def test_lxmert_structurally_identical_to_the_real_config():
                                     real.visual_feat_dim, real.visual_pos_dim) == (9, 5, 5, 12, 2048, 4)
     model = LxmertForQuestionAnswering(cfg).train()  # train mode: record(eval_mode=True) puts it back
     model.lxmert.embeddings.requires_grad_(False)
-    before = model_state(model)
+    before = model_snapshot(model)
     g = torch.Generator().manual_seed(0)
     inputs = dict(input_ids=torch.randint(0, 100, (1, 12), generator=g),
                   visual_feats=torch.randn(1, 36, 2048, generator=g), visual_pos=torch.rand(1, 36, 4, generator=g))
@@ -244,7 +198,7 @@ def test_lxmert_structurally_identical_to_the_real_config():
         out = model(**inputs, output_attentions=True)
         out.question_answering_score[:, 2].sum().backward()
     model.zero_grad(set_to_none=True)
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
     assert [e.stream for e in rec.events] == lxmert_order(9, 5, 5)
     assert {k: len(v) for k, v in rec.streams.items()} == {
         "lang": 9, "vision": 5, "lang->vision": 5, "vision->lang": 5, "cross.lang": 5, "cross.vision": 5}
@@ -255,17 +209,6 @@ def test_lxmert_structurally_identical_to_the_real_config():
 
 
 # ----------------------------------------------------------------------------- DETR
-def tiny_detr(cls=DetrForObjectDetection, **kw):
-    torch.manual_seed(0)
-    cfg = DetrConfig(use_timm_backbone=False, use_pretrained_backbone=False,
-                     backbone_config=ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16],
-                                                  depths=[1, 1], out_features=["stage2"]),
-                     d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-                     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=5,
-                     num_labels=3, **kw)
-    return randomize_biases(cls(cfg).eval())
-
-
 def detr_order(encoder_layers, decoder_layers):
     return ["encoder"] * encoder_layers + ["decoder", "cross"] * decoder_layers
 
@@ -279,7 +222,7 @@ def test_detr_every_attention_in_eager_mode_with_autograd_gradients_and_sdpa_bac
     model = tiny_detr()
     assert model.config._attn_implementation == "sdpa"
     x = torch.randn(2, 3, 64, 48)
-    before = model_state(model)
+    before = model_snapshot(model)
     with torch.no_grad():
         plain = model(pixel_values=x)
     seen = {}
@@ -289,7 +232,8 @@ def test_detr_every_attention_in_eager_mode_with_autograd_gradients_and_sdpa_bac
         detr_score(out).backward()
     model.zero_grad(set_to_none=True)
     assert seen["impl"] == "eager"
-    assert model_state(model) == before and model.config._attn_implementation == "sdpa"
+    assert_model_unchanged(model, before)
+    assert model.config._attn_implementation == "sdpa"
     close(out.logits.detach(), plain.logits, model)
     assert rec.layout is None and rec.family == "detr" and rec.modalities == ("image", "queries")
     assert [e.stream for e in rec.events] == detr_order(2, 2)
@@ -366,6 +310,7 @@ def test_detr_batch_equals_items():
             close(e.attention[i:i + 1], a.attention, model)
 
 
+@pytest.mark.slow
 def test_detr_real_configuration():
     """DetrConfig() as facebook/detr-resnet-50 is built (timm ResNet-50 backbone, 6 + 6
     layers, 8 heads, 100 queries), random weights, a small image; train mode and a frozen
@@ -373,13 +318,14 @@ def test_detr_real_configuration():
     torch.manual_seed(0)
     model = DetrForObjectDetection(DetrConfig(use_pretrained_backbone=False))
     model.model.backbone.requires_grad_(False)
-    before = model_state(model)
+    before = model_snapshot(model)
     x = torch.randn(1, 3, 96, 128)
     with vitlab.record(model, gradients=True, eval_mode=True) as rec:
         out = model(pixel_values=x)
         out.logits[0, :, 1].sum().backward()
     model.zero_grad(set_to_none=True)
-    assert model_state(model) == before and model.training
+    assert_model_unchanged(model, before)
+    assert model.training
     assert [e.stream for e in rec.events] == detr_order(6, 6)
     assert rec.feature_grid == (3, 4)  # ResNet-50: stride 32
     assert rec.stream("cross")[0].attention.shape == (1, 8, 100, 12)
@@ -394,12 +340,12 @@ def test_state_restored_after_an_exception_and_vit_only_options_refused(kind):
     model = tiny_lxmert() if kind == "lxmert" else tiny_detr()
     inputs = lxmert_inputs() if kind == "lxmert" else dict(pixel_values=torch.randn(1, 3, 64, 48))
     model.train()
-    before = model_state(model)
+    before = model_snapshot(model)
     with pytest.raises(KeyError):
         with vitlab.record(model, gradients=True, eval_mode=True):
             model(**inputs)
             raise KeyError("user code failed")
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
     name = type(model).__name__
     for kwargs in (dict(mlp=True), dict(residual=True), dict(attention_edit=lambda l, n: None)):
         with pytest.raises(ValueError, match=rf"is defined for ViTs, not for {name}"):
@@ -414,7 +360,7 @@ def test_state_restored_after_an_exception_and_vit_only_options_refused(kind):
         attention_size(model, 10)
     with pytest.raises(TypeError, match="not a supported Vision Transformer"):
         vitlab.token_layout(model)  # no layout, but the recording works
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
     model.eval()
     with torch.no_grad(), vitlab.record(model) as rec:
         model(**inputs)
@@ -446,42 +392,16 @@ def test_missing_gradients_are_explained_per_stream():
     assert all(g is e.grad for g, e in zip(rec.grads("decoder"), rec.stream("decoder")))
 
 
-class ViTBackbone(torch.nn.Module):
-    """A DETR backbone made of a timm ViT: its patch tokens, on the patch grid, are the feature
-    map (as for a DETR trained on a ViT's tokens)."""
-
-    def __init__(self, vit):
-        super().__init__()
-        self.vit = vit
-
-    def forward(self, pixel_values, pixel_mask):
-        layout = vitlab.token_layout(self.vit, pixel_values)
-        tokens = self.vit.forward_features(pixel_values)[:, layout.num_prefix:]  # B x P x D
-        fmap = tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], *layout.grid)
-        mask = torch.nn.functional.interpolate(pixel_mask[None].float(), size=layout.grid).bool()[0]
-        return [(fmap, mask)]
-
-
-def vit_detr():
-    from timm.models.vision_transformer import VisionTransformer
-
-    model = tiny_detr()
-    torch.manual_seed(1)
-    vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=24, depth=2, num_heads=3, num_classes=0).eval()
-    model.model.backbone = ViTBackbone(vit)
-    model.model.input_projection = torch.nn.Conv2d(24, 32, kernel_size=1)
-    return model, vit
-
-
 def test_detr_with_a_vit_backbone_records_the_backbone_stream_first():
     model, vit = vit_detr()
     assert vit.blocks[0].attn.fused_attn
-    before = model_state(model)
+    before = model_snapshot(model)
     x = torch.randn(2, 3, 32, 32)
     with vitlab.record(model, gradients=True) as rec:
         detr_score(model(pixel_values=x)).backward()
     model.zero_grad(set_to_none=True)
-    assert model_state(model) == before and vit.blocks[0].attn.fused_attn
+    assert_model_unchanged(model, before)
+    assert vit.blocks[0].attn.fused_attn
     assert [e.stream for e in rec.events] == ["backbone"] * 2 + detr_order(2, 2)
     assert list(rec.streams) == ["backbone", "encoder", "decoder", "cross"]
     assert rec.modalities == ("image", "queries", "backbone")
@@ -522,20 +442,6 @@ def hand_written_vit_attention(vit):
     return kept
 
 
-class ViTLxmert(LxmertForQuestionAnswering):
-    """LXMERT whose regions are a timm ViT's patch tokens (as vitlab's shapes-lxmert)."""
-
-    def __init__(self, config, vit):
-        super().__init__(config)
-        self.backbone = vit
-        self.register_buffer("boxes", torch.rand(16, 4, generator=torch.Generator().manual_seed(3)))
-
-    def forward(self, input_ids, pixel_values, **kwargs):
-        feats = self.backbone.forward_features(pixel_values)[:, 1:]
-        return super().forward(input_ids=input_ids, visual_feats=feats,
-                               visual_pos=self.boxes.expand(feats.shape[0], -1, -1), **kwargs)
-
-
 def test_lxmert_with_a_vit_backbone_records_it_first_and_explains_frozen_gradients():
     from timm.models.vision_transformer import VisionTransformer
 
@@ -545,11 +451,11 @@ def test_lxmert_with_a_vit_backbone_records_it_first_and_explains_frozen_gradien
                        x_layers=1, r_layers=1, visual_feat_dim=16, visual_pos_dim=4, num_qa_labels=7)
     model = randomize_biases(ViTLxmert(cfg, vit).eval())
     ids, x = torch.randint(0, 50, (2, 5)), torch.randn(2, 3, 32, 32)
-    before = model_state(model)
+    before = model_snapshot(model)
     with vitlab.record(model, gradients=True) as rec:
         model(ids, x.requires_grad_(True)).question_answering_score[:, 1].sum().backward()
     model.zero_grad(set_to_none=True)
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
     assert [e.stream for e in rec.events] == ["backbone"] * 2 + lxmert_order(1, 1, 1)
     assert rec.layout == vitlab.token_layout(vit) and rec.modalities == ("lang", "vision", "backbone")
     ref = copy.deepcopy(model)

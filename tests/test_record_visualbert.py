@@ -4,26 +4,15 @@ model itself returns with ``output_attentions=True``, its gradient equal to auto
 other route, Q / K / V equal to the layer's projections of its input, and the model left as it was."""
 import pytest
 import torch
-from transformers import (
-    ViltConfig, ViltForQuestionAnswering, ViltModel, VisualBertConfig, VisualBertForQuestionAnswering,
-    VisualBertModel,
-)
+from transformers import ViltModel, VisualBertModel
 
 import vitlab
 from vitlab.record import VILT_STREAMS, VISUALBERT_STREAMS
 
-from conftest import f32_tol, module_depth
-from test_record_multimodal import model_state, randomize_biases
+from conftest import assert_model_unchanged, f32_tol, model_snapshot, module_depth
+from tiny_models import tiny_vilt, tiny_visualbert
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_visualbert(cls=VisualBertForQuestionAnswering, **kw):
-    torch.manual_seed(0)
-    cfg = VisualBertConfig(vocab_size=40, hidden_size=24, num_hidden_layers=3, num_attention_heads=3,
-                           intermediate_size=48, visual_embedding_dim=10, num_labels=6, max_position_embeddings=16,
-                           initializer_range=0.3, **kw)
-    return randomize_biases(cls(cfg).eval())
 
 
 def visualbert_inputs(batch=2, words=6, regions=5, seed=1):
@@ -34,13 +23,6 @@ def visualbert_inputs(batch=2, words=6, regions=5, seed=1):
     vmask[0, -1] = 0   # a padded region in the first
     return dict(input_ids=torch.randint(1, 40, (batch, words), generator=g), attention_mask=mask,
                 visual_embeds=torch.randn(batch, regions, 10, generator=g), visual_attention_mask=vmask)
-
-
-def tiny_vilt(cls=ViltForQuestionAnswering):
-    torch.manual_seed(0)
-    cfg = ViltConfig(vocab_size=40, hidden_size=24, num_hidden_layers=3, num_attention_heads=3, intermediate_size=48,
-                     image_size=64, patch_size=16, num_labels=6, max_position_embeddings=16, initializer_range=0.3)
-    return randomize_biases(cls(cfg).eval())
 
 
 def vilt_inputs(batch=2, words=6, seed=1):
@@ -65,13 +47,14 @@ def score(out):
 def test_joint_stream_matches_the_models_own_attentions_and_autograd(case):
     build, make_inputs, streams, family, module = CASES[case]
     model, inputs = build(), make_inputs()
-    before = model_state(model)
+    before = model_snapshot(model)
     with vitlab.record(model, gradients=True) as rec:
         out = model(**inputs, output_attentions=True, output_hidden_states=True)
         s = score(out)[:, 1].sum()
         expected_grads = torch.autograd.grad(s, out.attentions, retain_graph=True)
         s.backward()
-    assert model_state(model) == before
+    model.zero_grad(set_to_none=True)  # the test's own backward
+    assert_model_unchanged(model, before)
     assert rec.family == family and rec.modalities == ("text+image",) and streams == {"joint": ("text+image",) * 2}
     caps = rec.stream("joint")
     assert len(caps) == len(rec.events) == model.config.num_hidden_layers
@@ -109,11 +92,12 @@ def test_base_models_record_too(cls):
 
 def test_train_mode_records_the_dropped_out_matrix_and_stays_in_train_mode():
     model = tiny_visualbert(attention_probs_dropout_prob=0.5).train()
-    before = model_state(model)
+    before = model_snapshot(model)
     torch.manual_seed(3)
     with vitlab.record(model) as rec:
         out = model(**visualbert_inputs(), output_attentions=True)
-    assert model_state(model) == before and model.training
+    assert_model_unchanged(model, before)
+    assert model.training
     A = rec.stream("joint")[0].attention
     torch.testing.assert_close(A, out.attentions[0], rtol=0, atol=0)
     assert (A == 0).float().mean() > 0.3  # dropout zeroed entries: the matrix multiplied with V
@@ -132,23 +116,23 @@ def test_refusals():
         with vitlab.record(model, capture=("hidden",)):
             pass
     bypass = tiny_visualbert(bypass_transformer=True)
-    before = model_state(bypass)
+    before = model_snapshot(bypass)
     with pytest.raises(TypeError, match="bypass_transformer"):
         with vitlab.record(bypass):
             pass
-    assert model_state(bypass) == before
+    assert_model_unchanged(bypass, before)
 
 
 def test_shapes_visualbert_records_its_backbone_first():
     from vitlab.shapes.visualbert import build_shapes_visualbert
 
     model = build_shapes_visualbert(dict(num_hidden_layers=2)).eval()
-    before = model_state(model)
+    before = model_snapshot(model)
     ids, mask = model.encode(["where is the star ?", "is there a ring ?"])
     x = torch.randn(2, 3, 112, 112)
     with vitlab.record(model) as rec:
         model(pixel_values=x, input_ids=ids, attention_mask=mask)
-    assert model_state(model) == before
+    assert_model_unchanged(model, before)
     streams = [c.stream for c in rec.events]
     depth = len(model.backbone.blocks)
     assert streams == ["backbone"] * depth + ["joint"] * 2

@@ -32,6 +32,7 @@ from conftest import (
     EPS64, TINY, TINY_DEPTH, TINY_GRAD_DEPTH, decided_argmax, f32_rel, f32_tol, f32_tol_deep, f64_tol, module_depth,
     randomize as _randomize,
 )
+from references import loop_propagate
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Chefer relevance of the tiny ViT: its forward and backward, then per block a mean over 3 heads
@@ -175,59 +176,6 @@ def event(query, key, abar, heads=1):
     G = -torch.ones_like(A)
     G[:, 0] = 1
     return AttentionEvent(query, key, A, G)
-
-
-def loop_propagate(steps, sizes, normalize=True):
-    """Eq. 1-11 for one sample (index 0 of every batch dimension), with explicit loops over
-    tokens and heads in float64 numpy: an independent dense implementation. ``steps``: lists
-    of events whose additions are computed from the state before the step."""
-    names = list(sizes)
-    R = {(s, q): (np.eye(sizes[s]) if s == q else np.zeros((sizes[s], sizes[q]))) for s in names for q in names}
-
-    def abar_of(e):
-        A = e.attention.double().numpy().reshape(-1, *e.attention.shape[-3:])[0]
-        G = e.grad.double().numpy().reshape(-1, *e.grad.shape[-3:])[0]
-        H, n, m = A.shape
-        out = np.zeros((n, m))
-        for i in range(n):
-            for j in range(m):
-                out[i, j] = sum(max(A[h, i, j] * G[h, i, j], 0.0) for h in range(H)) / H
-        return out
-
-    def rbar(M):
-        n = M.shape[0]
-        out = np.eye(n)
-        for i in range(n):
-            row = [M[i, j] - (1.0 if i == j else 0.0) for j in range(n)]
-            total = sum(row)
-            for j in range(n):
-                out[i, j] += row[j] / total if total > 0 else 0.0
-        return out
-
-    def matmul(X, Y):
-        out = np.zeros((X.shape[0], Y.shape[1]))
-        for i in range(X.shape[0]):
-            for k in range(Y.shape[1]):
-                out[i, k] = sum(X[i, j] * Y[j, k] for j in range(X.shape[1]))
-        return out
-
-    for step in steps:
-        adds = []
-        for e in step:
-            if e.grad is None:
-                continue
-            Ab, s, q = abar_of(e), e.query, e.key
-            if s == q:
-                adds += [((s, x), matmul(Ab, R[s, x])) for x in names]
-            else:
-                Rs, Rq = (rbar(R[s, s]), rbar(R[q, q])) if normalize else (R[s, s], R[q, q])
-                adds.append(((s, q), matmul(Rs.T, matmul(Ab, Rq))))
-                adds.append(((s, s), matmul(Ab, R[q, s])))
-        new = {k: v.copy() for k, v in R.items()}
-        for k, v in adds:
-            new[k] += v
-        R = new
-    return R
 
 
 def random_event(g, query, key, sizes, batch=(2,), heads=2, dtype=torch.float32):
@@ -760,3 +708,30 @@ def test_lxmert_relevance_float32_is_float64_and_the_reference_algorithm_on_a_2_
         rel = (x - y).abs() / y.abs().clamp(min=1e-30)
         assert rel.max() <= f32_rel(depth)["rtol"], (name, rel.max().item())
         assert y.abs().max() < 1e-2        # the regime where eq. 8 cancels: R stays close to I
+
+
+def test_rows_of_an_empty_list_is_refused_clearly():
+    from vitlab.relevance.engine import AttentionEvent, propagate, read_rows
+
+    sizes = {"text": 2, "image": 3}
+    g = torch.Generator().manual_seed(0)
+    A = torch.softmax(torch.randn(2, 1, 2, 5, generator=g), -1)
+    events = [AttentionEvent("text", "text", A[..., :2], torch.randn(2, 1, 2, 2, generator=g)),
+              AttentionEvent("text", "image", A[..., 2:], torch.randn(2, 1, 2, 3, generator=g))]
+    R = propagate(events, sizes)
+    assert R.rows("text", "image", [1, 0]).shape == (2, 3)
+    for empty in ([], (), torch.zeros(0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"no rows asked for"):
+            R.rows("text", "image", empty)
+    with pytest.raises(ValueError, match=r"no rows asked for"):
+        read_rows(torch.zeros(3, 4, 5), [])
+
+
+# --- smaller silent ones --------------------------------------------------------------------------
+def test_propagate_gives_every_item_its_own_identity():
+    A = torch.rand(3, 2, 4, 4).softmax(-1)
+    R = propagate([AttentionEvent("a", "a", A, torch.rand(3, 2, 4, 4))], {"a": 4, "b": 2})
+    for M in (R["b", "b"], initial_relevances({"b": 2}, (3,))["b", "b"]):
+        M[0, 0, 1] = 5.0  # editing one item's relevance in place...
+        assert M[1, 0, 1] == 0 and M[2, 0, 1] == 0  # ...edits that item only
+        assert torch.equal(M[1], torch.eye(2))

@@ -15,9 +15,8 @@ import torch
 import vitlab
 from vitlab.relevance import lxmert_relevance
 
-from conftest import f64_tol, module_depth
-from test_record_multimodal import lxmert_inputs, model_state, tiny_lxmert
-from test_relevance_multimodal import peaked
+from conftest import assert_model_unchanged, f64_tol, model_snapshot, module_depth
+from tiny_models import lxmert_inputs, peaked, tiny_lxmert
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,9 +95,10 @@ def by_hand(model, inputs, target, b, eq11=True, simultaneous=True, self_in_eq10
 
 @pytest.mark.parametrize("switches", SWITCHES, ids=IDS)
 def test_each_ablation_equals_the_hand_computation(model, inputs, switches):
-    before = model_state(model)
+    before = model_snapshot(model)
     out = lxmert_relevance(model, inputs, target=[1, 4, 6], **switches)
-    assert model_state(model) == before and out.image.dtype == torch.float64
+    assert_model_unchanged(model, before)
+    assert out.image.dtype == torch.float64
     for b in range(3):
         image, text = by_hand(model, inputs, [1, 4, 6], b, **switches)
         close(out.image[b], image)

@@ -10,27 +10,34 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from timm.models.vision_transformer import VisionTransformer
 from transformers import DetrModel, LxmertModel
 
 import vitlab
 from vitlab.relevance import (
     AttentionEvent,
     BimodalMaps,
+    detr_detections,
     detr_gradcam,
+    detr_method_maps,
     detr_raw_attention,
     detr_relevance,
     detr_rollout,
+    grade_detr,
     lxmert_gradcam,
+    lxmert_method_maps,
     lxmert_raw_attention,
     lxmert_relevance,
     lxmert_rollout,
     propagate,
 )
 
-from test_record_multimodal import ViTLxmert, lxmert_inputs, model_state, randomize_biases, tiny_detr, tiny_lxmert, vit_detr
-from test_relevance import loop_propagate
 
-from conftest import decided_argmax, f32_tol, f32_tol_deep, module_depth
+from conftest import (
+    assert_model_unchanged, decided_argmax, f32_tol, f32_tol_deep, f64_tol, model_snapshot, module_depth,
+)
+from references import forwards_counted, loop_propagate
+from tiny_models import ViTLxmert, lxmert_inputs, peaked, randomize_biases, tiny_detr, tiny_lxmert, vit_detr
 
 
 def rel_depth(model, tokens):
@@ -44,23 +51,6 @@ def close(got, want, depth, scale=None):
     torch.testing.assert_close(got, want, **f32_tol(want if scale is None else scale, depth))
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def state(model):
-    """model_state plus every parameter's .grad (the methods must write none)."""
-    return model_state(model), [p.grad is None for p in model.parameters()]
-
-
-def peaked(model, std=0.3, seed=0):
-    """Weights of std ``std`` (LayerNorms kept): gradients large enough that float32 keeps the
-    relevance's digits. With Hugging Face's 0.02 init the attention gradients are ~1e-5, and
-    eq. 8's ``R - I`` of an ``R`` that close to I loses ~4% in float32 against float64 loops."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model
 
 
 def ev(cap, query=None, key=None, attention=None, grad=None):
@@ -91,9 +81,9 @@ def lxmert_expected(model, inputs, target):
 def test_lxmert_relevance_equals_the_events_by_hand_and_the_dense_loop():
     model = peaked(tiny_lxmert())
     inputs = lxmert_inputs()
-    before = state(model)
+    before = model_snapshot(model)
     out = lxmert_relevance(model, inputs, target=[3, 5])
-    assert state(model) == before
+    assert_model_unchanged(model, before)
     assert isinstance(out, BimodalMaps) and out.image.shape == (2, 9) and out.text.shape == (2, 6)
     assert out.target.tolist() == [3, 5]
     image, text, steps, rec = lxmert_expected(model, inputs, [3, 5])
@@ -115,9 +105,10 @@ def test_lxmert_relevance_equals_the_events_by_hand_and_the_dense_loop():
 def test_lxmert_batch_equals_items_predicted_target_and_train_mode_restored():
     model = tiny_lxmert().train()
     inputs = lxmert_inputs(batch=3)
-    before = state(model)
+    before = model_snapshot(model)
     batch = lxmert_relevance(model, inputs)
-    assert state(model) == before and model.training
+    assert_model_unchanged(model, before)
+    assert model.training
     with torch.no_grad():
         scores = model.eval()(**inputs).question_answering_score
     predicted = decided_argmax(scores, f32_tol(scores, module_depth(model, tokens=15))["atol"])
@@ -137,9 +128,9 @@ def test_lxmert_batch_equals_items_predicted_target_and_train_mode_restored():
 def test_lxmert_baselines_are_their_formulas():
     model = tiny_lxmert(x_layers=3)
     inputs = lxmert_inputs()
-    before = state(model)
+    before = model_snapshot(model)
     raw, rolled, cam = (f(model, inputs) for f in (lxmert_raw_attention, lxmert_rollout, lxmert_gradcam))
-    assert state(model) == before
+    assert_model_unchanged(model, before)
     _, _, _, rec = lxmert_expected(model, inputs, raw.target)
     A = {s: [c.attention.detach().double() for c in rec.stream(s)] for s in rec.streams}
     last_lv, last_cl = A["lang->vision"][-1], A["cross.lang"][-1]
@@ -253,9 +244,10 @@ def test_detr_relevance_per_query_equals_its_own_backward_and_batch_equals_items
     # method's own forward, in eager attention, rounds them differently: not at one of them)
     ranked = best.flatten().sort().values
     threshold = float((ranked[-3] + ranked[-4]) / 2)
-    before = state(model)
+    before = model_snapshot(model)
     out = detr_relevance(model, x, threshold=threshold)
-    assert state(model) == before and model.config._attn_implementation == "sdpa"
+    assert_model_unchanged(model, before)
+    assert model.config._attn_implementation == "sdpa"
     assert len(out) == 2
     found = [(b, int(j)) for b in range(2) for j in torch.nonzero(best[b] > threshold).flatten()]
     assert [(b, int(j)) for b, o in enumerate(out) for j in o.queries] == found and len(found) == 3
@@ -289,10 +281,11 @@ def test_detr_relevance_through_a_vit_backbone():
     model, vit = vit_detr()
     randomize_biases(model)
     x = torch.randn(2, 3, 32, 32)
-    before = state(model)
+    before = model_snapshot(model)
     out = detr_relevance(model, x, target=[3, 1], backbone=True)
     plain = detr_relevance(model, x, target=[3, 1])
-    assert state(model) == before and vit.blocks[0].attn.fused_attn
+    assert_model_unchanged(model, before)
+    assert vit.blocks[0].attn.fused_attn
     P = vit.num_prefix_tokens
     depth = rel_depth(model, 17 + 5)  # the ViT's 17 tokens (16 features), 5 queries
     for b in range(2):
@@ -317,10 +310,11 @@ def test_lxmert_relevance_through_a_vit_backbone():
     model = randomize_biases(ViTLxmert(cfg, vit).eval())
     vit.requires_grad_(False)  # frozen, as in shapes-lxmert: the input is made to require grad
     inputs = dict(input_ids=torch.randint(0, 50, (2, 5)), pixel_values=torch.randn(2, 3, 32, 32))
-    before = state(model)
+    before = model_snapshot(model)
     out = lxmert_relevance(model, inputs, target=2, backbone=True)
     plain = lxmert_relevance(model, inputs, target=2)
-    assert state(model) == before and out.image.shape == plain.image.shape == (2, 16)
+    assert_model_unchanged(model, before)
+    assert out.image.shape == plain.image.shape == (2, 16)
     # by hand: the ViT's blocks as image self-attention over its 17 tokens, regions after the CLS
     with vitlab.record(model, gradients=True) as rec:
         x = inputs["pixel_values"].clone().requires_grad_(True)
@@ -352,9 +346,9 @@ def test_detr_baselines_are_their_formulas():
     model = tiny_detr()
     x = torch.randn(2, 3, 64, 48)
     queries = [[0, 3], [2]]
-    before = state(model)
+    before = model_snapshot(model)
     raw, rolled, cam = (f(model, x, target=queries) for f in (detr_raw_attention, detr_rollout, detr_gradcam))
-    assert state(model) == before
+    assert_model_unchanged(model, before)
     for b, qs in enumerate(queries):
         for k, j in enumerate(qs):
             _, c, rec = detr_expected(model, x, b, j)
@@ -429,11 +423,238 @@ def test_embedded_shapes_models_with_and_without_their_frozen_vit_backbone():
     ids, mask = lxmert.encode(["where is the circle", "is there a square"])
     x = torch.randn(2, 3, 112, 112, generator=torch.Generator().manual_seed(0))
     inputs = dict(input_ids=ids, attention_mask=mask, pixel_values=x)
-    before = state(lxmert), state(detr)
+    before = model_snapshot(lxmert), model_snapshot(detr)
     plain, through = lxmert_relevance(lxmert, inputs), lxmert_relevance(lxmert, inputs, backbone=True)
     assert plain.image.shape == through.image.shape == (2, 49) and plain.text.shape == (2, ids.shape[1])
     assert not torch.allclose(plain.image, through.image,
                               **f32_tol_deep(plain.image, rel_depth(lxmert, 49 + ids.shape[1])))  # depth > 1e4
     maps = detr_relevance(detr, x, target=[0, 5], backbone=True)
     assert [m.maps.shape for m in maps] == [(2, 7, 7)] * 2 and all(m.maps.min() >= 0 for m in maps)
-    assert (state(lxmert), state(detr)) == before and not x.requires_grad
+    assert_model_unchanged(lxmert, before[0])
+    assert_model_unchanged(detr, before[1])
+    assert not x.requires_grad
+
+
+LXMERT_METHODS = (lxmert_relevance, lxmert_raw_attention, lxmert_rollout, lxmert_gradcam)
+
+
+DETR_METHODS = (detr_relevance, detr_raw_attention, detr_rollout, detr_gradcam)
+
+
+@pytest.fixture(scope="module")
+def lx():
+    return tiny_lxmert()
+
+
+@pytest.fixture(scope="module")
+def detr():
+    return tiny_detr()
+
+
+def padded(inputs: dict, pads: int) -> dict:
+    """``inputs`` with ``pads`` [PAD] tokens (id 0, attention_mask 0) after every question."""
+    out = dict(inputs)
+    B = inputs["input_ids"].shape[0]
+    out["input_ids"] = torch.cat([inputs["input_ids"], torch.zeros(B, pads, dtype=torch.long)], 1)
+    out["attention_mask"] = torch.cat([inputs["attention_mask"], torch.zeros(B, pads, dtype=torch.long)], 1)
+    return out
+
+
+# --- padding never changes a map ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def peaked_lx():
+    """Weights of std 0.3: gradients large enough that GradCAM's maps are not clamped to 0. In
+    float64: "padding changes nothing" is an exact claim, checked to ~1e-12 of the maps (a padded
+    float32 batch rounds differently from its question alone, CPU by CPU)."""
+
+    return peaked(tiny_lxmert()).double()
+
+
+def inputs64(inputs: dict) -> dict:
+    return {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+
+
+def lxmert_maps64(method, model, inputs):
+    """The method's maps; the gradient methods explain answer 5 (positive GradCAM maps here)."""
+    inputs = inputs64(inputs)
+    takes_target = method in (lxmert_relevance, lxmert_gradcam)
+    return method(model, inputs, target=5) if takes_target else method(model, inputs)
+
+
+# the tiny LXMERT's forward and backward over at most 9 words and 9 regions
+LX_DEPTH = module_depth(tiny_lxmert(), tokens=18, grad=True)
+
+
+def assert_same_map(got, want):
+    assert float(want.abs().max()) > 0  # a map with something in it
+    torch.testing.assert_close(got, want, **f64_tol(want, LX_DEPTH))
+
+
+@pytest.mark.parametrize("method", LXMERT_METHODS, ids=lambda f: f.__name__)
+def test_lxmert_maps_of_a_padded_question_equal_the_question_alone(peaked_lx, method):
+    alone = lxmert_inputs(batch=1, words=7, seed=1)
+    alone["attention_mask"][:] = 1
+    one = lxmert_maps64(method, peaked_lx, alone)
+    # the same question with 2 [PAD] tokens, batched with a longer question (as a tokenizer pads)
+    other = lxmert_inputs(batch=1, words=9, seed=2)
+    other["attention_mask"][:] = 1
+    both = lxmert_maps64(method, peaked_lx, {k: torch.cat([padded(alone, 2)[k], other[k]]) for k in alone})
+    torch.testing.assert_close(both.logits[0], one.logits[0], **f64_tol(one.logits, LX_DEPTH))  # the answer: same
+    assert_same_map(both.image[0], one.image[0])
+    assert_same_map(both.text[0, :7], one.text[0])
+    assert both.text[0, 7:].abs().max() == 0  # padding gets nothing
+    # and the longer question's maps are its own
+    assert_same_map(both.image[1], lxmert_maps64(method, peaked_lx, other).image[0])
+
+
+@pytest.mark.parametrize("method", LXMERT_METHODS, ids=lambda f: f.__name__)
+def test_lxmert_masked_regions_are_as_if_absent(peaked_lx, method):
+    inputs = lxmert_inputs(batch=1, regions=6, seed=1)
+    inputs["attention_mask"][:] = 1
+    g = torch.Generator().manual_seed(9)
+    extra = dict(inputs, visual_feats=torch.cat([inputs["visual_feats"], torch.randn(1, 3, 16, generator=g)], 1),
+                 visual_pos=torch.cat([inputs["visual_pos"], torch.rand(1, 3, 4, generator=g)], 1),
+                 visual_attention_mask=torch.tensor([[1] * 6 + [0] * 3]))
+    one, more = lxmert_maps64(method, peaked_lx, inputs), lxmert_maps64(method, peaked_lx, extra)
+    assert_same_map(more.image[0, :6], one.image[0])
+    assert_same_map(more.text[0], one.text[0])
+    assert more.image[0, 6:].abs().max() <= f64_tol(one.image, LX_DEPTH)["atol"]
+
+
+def test_chapter_maps_of_a_set_equal_each_question_asked_alone():
+    shapes_lxmert = vitlab.load_model("shapes-lxmert").double()
+    from vitlab.shapes import make_scenes, scenes_to_tensor
+    from vitlab.shapes.model import MEAN, STD
+    from vitlab.shapes.qa import make_questions
+
+    scenes = make_scenes(2, 60_321, 2)
+    x = scenes_to_tensor(scenes.images, (3, 112, 112), MEAN, STD).double()  # exact claim: float64
+    qs = make_questions(scenes, seed=3, per_scene=3)
+    lengths = [len(shapes_lxmert.tokenizer.tokenize(t)) for t in qs.text]
+    assert len(set(lengths)) > 1  # the set pads its shorter questions
+    methods = ("rollout", "GradCAM", "relevance")
+    maps = lxmert_method_maps(shapes_lxmert, x, qs, methods=methods, batch_size=4)
+    depth = module_depth(shapes_lxmert, tokens=60, grad=True)
+    for q in range(len(qs)):
+        alone = lxmert_method_maps(shapes_lxmert, x, qs.select([q]), methods=methods)
+        for name in methods:
+            tol = f64_tol([alone[name].image, alone[name].text], depth)
+            torch.testing.assert_close(maps[name].image[q], alone[name].image[0], **tol)
+            torch.testing.assert_close(maps[name].text[q, :lengths[q]], alone[name].text[0], **tol)
+            assert maps[name].text[q, lengths[q]:].abs().max() == 0 if lengths[q] < maps[name].text.shape[1] else True
+
+
+# --- NaN, empty and integer inputs refused before the forward --------------------------------------
+@pytest.mark.parametrize("method", LXMERT_METHODS, ids=lambda f: f.__name__)
+def test_lxmert_methods_refuse_nan_empty_and_integer_inputs_before_the_forward(lx, method):
+    inputs = lxmert_inputs()
+    cases = []
+    for key in ("visual_feats", "visual_pos"):
+        bad = dict(inputs, **{key: inputs[key].clone()})
+        bad[key][1, 0, 0] = float("nan")
+        cases.append((bad, rf"inputs\['{key}'\] holds NaN or infinite values \(in sample 1\)"))
+    cases.append(({k: v[:0] for k, v in inputs.items()}, r"empty batch \(B = 0"))
+    cases.append((dict(inputs, visual_feats=inputs["visual_feats"].to(torch.int64)), "must be a float tensor"))
+    for bad, message in cases:
+        with forwards_counted(lx) as calls, pytest.raises(ValueError, match=message):
+            method(lx, bad)
+        assert not calls
+
+
+def test_lxmert_pixels_refused_like_the_vit_methods():
+    vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=0).eval()
+    model = randomize_biases(ViTLxmert(tiny_lxmert(l_layers=1, x_layers=1).config, vit).eval())
+    ids = torch.randint(0, 50, (2, 5))
+    x = torch.randn(2, 3, 32, 32)
+    x[0, 1, 2, 3] = float("inf")
+    for method in LXMERT_METHODS:
+        with forwards_counted(model) as calls:
+            with pytest.raises(ValueError, match=r"NaN or infinite values \(in sample 0\)"):
+                method(model, dict(input_ids=ids, pixel_values=x))
+            with pytest.raises(ValueError, match="float image batch"):
+                method(model, dict(input_ids=ids, pixel_values=(x.nan_to_num() * 0).to(torch.uint8)))
+        assert not calls
+
+
+@pytest.mark.parametrize("method", DETR_METHODS, ids=lambda f: f.__name__)
+def test_detr_methods_refuse_nan_empty_and_integer_pixels_before_the_forward(detr, method):
+    x = torch.randn(2, 3, 64, 48)
+    nan = x.clone()
+    nan[1, 0, 5, 5] = float("nan")
+    for bad, kw, message in ((nan, {}, r"NaN or infinite values \(in sample 1\)"),
+                             (nan, dict(target=[0]), r"NaN or infinite values \(in sample 1\)"),
+                             (x[:0], dict(target=[0]), r"empty batch \(B = 0"),
+                             ((x * 10).to(torch.uint8), dict(target=[0]), "float image batch")):
+        with forwards_counted(detr) as calls, pytest.raises(ValueError, match=message):
+            method(detr, bad, **kw)
+        assert not calls
+
+
+def test_detr_method_maps_without_detections_keep_the_map_shape(detr):
+    x = torch.randn(2, 3, 64, 48)
+    methods = ("relevance", "raw attention", "rollout", "GradCAM")
+    some = detr_method_maps(detr, x, [[1], []], methods=methods)
+    none = detr_method_maps(detr, x, [[], []], methods=methods)
+    for name in methods:
+        assert none[name].shape == (0, *some[name].shape[1:]) and some[name].shape[0] == 1
+
+
+def test_detr_cryptic_cases_say_what_is_wrong(detr):
+    x = torch.randn(2, 3, 64, 48)
+    with pytest.raises(ValueError, match=r"target must be query indices \(ints\), got \[0\.0\]"):
+        detr_relevance(detr, x, target=[0.0])
+    with pytest.raises(ValueError, match=r"pixel_mask must be B x H x W = 2 x 64 x 48 .* got \(1, 64, 48\)"):
+        detr_rollout(detr, x, target=[0], pixel_mask=torch.ones(1, 64, 48, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"threshold must be a probability in \[0, 1\), got '0\.5'"):
+        detr_detections(detr, x, threshold="0.5")
+    with pytest.raises(ValueError, match=r"threshold must be a probability in \[0, 1\), got '0\.5'"):
+        detr_relevance(detr, x, threshold="0.5")
+    masks, labels = np.zeros((2, 2, 64, 48), dtype=bool), np.zeros((2, 2), dtype=np.int64)
+    masks[:, 0, :10, :10] = masks[:, 1, 30:40, 30:40] = True
+    with pytest.raises(ValueError, match=r"nothing to grade: no query's .* above threshold=0\.99999 in any of the 2"):
+        grade_detr(detr, x, masks, labels, threshold=0.99999)
+
+
+def test_lxmert_cryptic_cases_say_what_is_wrong(lx):
+    inputs = lxmert_inputs()
+    for bad, message in (
+        (dict(inputs, input_ids=inputs["input_ids"] + 49), r"token id \d+ \(sample 0, position 0\), outside the "
+                                                            r"model's vocabulary 0 \.\. 49"),
+        (dict(inputs, visual_feats=torch.randn(2, 9, 12)), r"visual_feats'\] must be B x regions x 16 \(the model's "
+                                                           r"visual_feat_dim\), got shape \(2, 9, 12\)"),
+        (dict(inputs, visual_pos=torch.rand(2, 8, 4)), "has 9 regions and inputs\\['visual_pos'\\] 8"),
+        (dict(inputs, attention_mask=inputs["attention_mask"][:, :4]), r"attention_mask'\] has shape \(2, 4\)"),
+        (dict(input_ids=torch.randint(0, 50, (2, 600)), visual_feats=inputs["visual_feats"],
+              visual_pos=inputs["visual_pos"]), r"question 0 is 600 tokens long .* at most 512 tokens"),
+    ):
+        for method in LXMERT_METHODS:
+            with forwards_counted(lx) as calls, pytest.raises(ValueError, match=message):
+                method(lx, bad)
+            assert not calls
+
+
+def test_detr_gradcam_weights_average_over_real_pixels_only(detr):
+    """With a pixel_mask, each head's weight is the gradient's mean over the feature positions
+    of real pixels (those DETR masks: the mask resized to the grid), as for the image alone."""
+    import vitlab
+
+    x = torch.zeros(1, 3, 64, 80)
+    x[..., :48] = torch.randn(1, 3, 64, 48, generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros(1, 64, 80, dtype=torch.long)
+    mask[..., :48] = 1
+    got = detr_gradcam(detr, x, target=[2], pixel_mask=mask)[0]
+    with vitlab.record(detr, gradients=True) as rec:
+        logits = detr(pixel_values=x, pixel_mask=mask).logits
+        logits[0, 2, int(got.labels[0])].backward()
+    detr.zero_grad(set_to_none=True)
+    cross = rec.stream("cross")[-1]
+    h, w = rec.feature_grid
+    real = torch.zeros(h, w, dtype=torch.bool)
+    real[:, : w * 48 // 80] = True  # 48 of 80 pixel columns: 6 of 10 feature columns
+    weights = cross.grad[..., real.flatten()].mean(dim=(-2, -1), keepdim=True)
+    want = (weights * cross.attention.detach()).mean(1).clamp(min=0)[0, 2].reshape(h, w)
+    assert want.abs().max() > 0
+    tol = f32_tol(want, module_depth(detr, tokens=h * w + 5, grad=True))  # 80 feature positions, 5 queries
+    torch.testing.assert_close(got.maps[0], want, **tol)
+    everywhere = (cross.grad.mean(dim=(-2, -1), keepdim=True) * cross.attention.detach()).mean(1).clamp(min=0)
+    assert not torch.allclose(everywhere[0, 2].reshape(h, w), want, **tol)  # the padding would count

@@ -17,9 +17,8 @@ from vitlab.relevance import (
     visualbert_raw_attention, visualbert_relevance, visualbert_rollout,
 )
 
-from conftest import f32_tol, f32_tol_deep, f64_tol, module_depth
-from test_record_visualbert import tiny_vilt, tiny_visualbert
-from test_relevance_multimodal import state
+from conftest import assert_model_unchanged, f32_tol, f32_tol_deep, f64_tol, model_snapshot, module_depth
+from tiny_models import tiny_vilt, tiny_visualbert, vb_batch, vb_items
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,24 +56,6 @@ def one_visualbert(model, ids, mask, feats, target):
     return [a[0].detach() for a in out.attentions], [g[0] for g in grads], row, out.logits.detach()
 
 
-def vb_items(words=(6, 4, 5), regions=(5, 3, 4), seed=1, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(1, 40, (1, w), generator=g), torch.randn(1, r, 10, generator=g).to(dtype))
-            for w, r in zip(words, regions)]
-
-
-def vb_batch(items):
-    W, R = max(i.shape[1] for i, _ in items), max(f.shape[1] for _, f in items)
-    ids = torch.zeros(len(items), W, dtype=torch.long)
-    mask = torch.zeros(len(items), W, dtype=torch.long)
-    feats = torch.zeros(len(items), R, 10, dtype=items[0][1].dtype)
-    vmask = torch.zeros(len(items), R, dtype=torch.long)
-    for b, (i, f) in enumerate(items):
-        ids[b, : i.shape[1]], mask[b, : i.shape[1]] = i[0], 1
-        feats[b, : f.shape[1]], vmask[b, : f.shape[1]] = f[0], 1
-    return dict(input_ids=ids, attention_mask=mask, visual_embeds=feats, visual_attention_mask=vmask)
-
-
 @pytest.fixture(scope="module")
 def vb():
     return tiny_visualbert()
@@ -96,9 +77,9 @@ def test_visualbert_equals_the_reference_per_item_and_batch_equals_items(vb64, m
     vb = vb64
     items = vb_items(dtype=torch.float64)
     inputs = vb_batch(items)
-    before = state(vb)
+    before = model_snapshot(vb)
     maps = VB[method](vb, inputs)
-    assert state(vb) == before
+    assert_model_unchanged(vb, before)
     assert isinstance(maps, BimodalMaps) and maps.image.shape == (3, 5) and maps.text.shape == (3, 6)
     assert maps.image.dtype == maps.text.dtype == torch.float64
     for b, (ids, feats) in enumerate(items):
@@ -235,11 +216,11 @@ def test_vilt_equals_the_reference_per_item_on_the_patch_grid_and_batch_equals_i
     vilt = vilt64  # float64: exact claims, checked to ~1e-12
     items = vilt_items(dtype=torch.float64)
     inputs = vilt_batch(items)
-    before = state(vilt)
+    before = model_snapshot(vilt)
     rng = torch.get_rng_state()
     maps = VILT[method](vilt, inputs)
     assert torch.equal(torch.get_rng_state(), rng)  # the patch draw leaves the caller's random stream alone
-    assert state(vilt) == before
+    assert_model_unchanged(vilt, before)
     assert maps.image.shape == (3, 4, 4) and maps.text.shape == (3, 6)
     for b, (ids, px) in enumerate(items):
         A, G, patch_index, logits = one_vilt(vilt, ids, px, int(maps.target[b]))

@@ -7,7 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from tests.conftest import TINY, TINY_DEPTH, decided_argmax, f32_rel, f32_tol, f64_tol, randomize  # noqa: F401
+from conftest import (
+    TINY, TINY_DEPTH, assert_model_unchanged, decided_argmax, f32_rel, f32_tol, f64_tol, model_snapshot, randomize,
+)  # noqa: F401
+from references import forwards_counted
 from vitlab import faithfulness as fa
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -235,23 +238,12 @@ def test_saco_errors(vit, x):
         fa.saco(vit, x, torch.rand(3, 4, 4), batch_size=0)
 
 
-def state(model):
-    return ({n: p.detach().clone() for n, p in model.state_dict().items()},
-            [(n, m.training) for n, m in model.named_modules()],
-            [(n, p.requires_grad, p.grad) for n, p in model.named_parameters()],
-            [(n, getattr(m, "fused_attn", None), len(m._forward_hooks), len(m._forward_pre_hooks))
-             for n, m in model.named_modules()])
-
-
 def test_model_unchanged_and_run_in_eval(vit, x):
-    before = state(vit)
+    before = model_snapshot(vit)
     sal = torch.rand(3, 4, 4)
     fa.saco(vit, x, sal, k=4)
     fa.perturbation_curve(vit, x, sal, replacement="blur")
-    after = state(vit)
-    for a, b in zip(before[0].values(), after[0].values()):
-        assert torch.equal(a, b)
-    assert before[1:] == after[1:]
+    assert_model_unchanged(vit, before)
 
     # a model in train mode (mixed per module) gets eval inside and its modes back after
     model, xs = linear_case()
@@ -266,7 +258,10 @@ def test_model_unchanged_and_run_in_eval(vit, x):
                                fa.perturbation_curve(model, xs, eff, target=0).probability)
     model.train()
     model.sub.eval()
+    before = model_snapshot(model)
     fa.saco(model, xs, eff, target=0, k=4)
+    model.calls = before["modules"][""][1]["calls"]  # the test model's own forward counter
+    assert_model_unchanged(model, before)
     assert model.training and not model.sub.training
 
 
@@ -452,3 +447,38 @@ def test_pixel_saliency_is_the_bilinear_upsampling_saco_ranks(vit, x):
     torch.testing.assert_close(fa.saco_details(vit, x, sal, k=4).sums, want, **f32_rel(32 * 32 // 4))  # 256 terms >= 0
     with pytest.raises(ValueError, match="saliency"):
         fa.pixel_saliency(torch.rand(2, 4, 4), x)
+
+
+def test_fractions_that_are_not_numbers_are_named_as_given(vit):
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    maps = torch.rand(2, 4, 4, generator=torch.Generator().manual_seed(5))
+    for bad, shown in ((None, "None"), ("0.5", "'0.5'"), ([0.0, None], r"\[0.0, None\]")):
+        with pytest.raises(ValueError, match=r"fractions must be increasing numbers in \[0, 1\] .*got " + shown + "$"):
+            fa.perturbation_curve(vit, x, maps, fractions=bad)
+    with pytest.raises(ValueError, match=r"got \[0.0, nan\]"):                  # a real NaN is still shown as one
+        fa.perturbation_curve(vit, x, maps, fractions=[0.0, float("nan")])
+    curve = fa.perturbation_curve(vit, x, maps, fractions=np.array([0, 0.5]))   # numbers of any kind still work
+    assert curve.probability.shape == (2, 2) and curve.fractions.tolist() == [0.0, 0.5]
+
+
+def test_saco_and_curves_refuse_nan_empty_and_integer_pixels_before_the_forward(vit):
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    maps = torch.rand(2, 4, 4)
+    nan = x.clone()
+    nan[1, 2, 0, 0] = float("nan")
+    for fn in (lambda m, x, s: fa.saco(m, x, s, k=3), fa.perturbation_curve):
+        for bad, sal, message in ((nan, maps, r"NaN or infinite values \(in sample 1\)"),
+                                  (x[:0], maps[:0], r"empty batch \(B = 0"),
+                                  ((x * 10).to(torch.uint8), maps, "float image batch")):
+            with forwards_counted(vit) as calls, pytest.raises(ValueError, match=message):
+                fn(vit, bad, sal)
+            assert not calls
+
+
+def test_perturbation_curve_refuses_nan_fractions(vit):
+    x = torch.randn(2, 3, 32, 32)
+    for fractions in ([0, float("nan"), 1], [0, math.inf]):
+        with forwards_counted(vit) as calls, pytest.raises(ValueError, match=r"fractions must be increasing values "
+                                                                              r"in \[0, 1\] \(finite\)"):
+            fa.perturbation_curve(vit, x, torch.rand(2, 4, 4), fractions=fractions)
+        assert not calls

@@ -28,7 +28,11 @@ from vitlab.shapes.qa import ANSWERS, CELLS, QUESTION_TYPES, WordTokenizer, ask,
 from vitlab.shapes.train import TRAIN_SEED_BASE
 from vitlab.shapes import train_detr, train_lxmert
 
-from conftest import f32_tol, f32_tol_deep, module_depth
+from vitlab.bimodal_faithfulness import text_occlusion
+from vitlab.relevance import lxmert_method_maps
+
+from conftest import f32_tol_deep, module_depth
+from references import forwards_counted
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -355,3 +359,40 @@ def test_kind_weights_and_the_where_first_curriculum(lxmert, scenes):
     kinds = [next(stream)[4] for _ in range(12)]
     assert all(k == "where" for b in kinds[:4] for k in b)          # the first chunk: where only
     assert {k for b in kinds[4:] for k in b} - {"where"}              # then every kind
+
+
+@pytest.fixture(scope="module")
+def shapes_lxmert():
+    return vitlab.load_model("shapes-lxmert")
+
+
+def test_shapes_questions_longer_than_the_model_reads(shapes_lxmert):
+    from vitlab.shapes.qa import Questions
+
+    tok = shapes_lxmert.tokenizer
+    long = "is there a " + "star " * 12 + "?"  # 16 words and marks: the model reads 14
+    with pytest.raises(ValueError, match=r"has 16 words and punctuation marks, but the model reads at most 14"):
+        tok.encode([long], max_length=shapes_lxmert.config.max_position_embeddings)
+    qs = Questions(scene=np.array([0, 0]), kind=["exists"] * 2, text=["is there a star ?", long],
+                   answer=["no"] * 2, answer_id=np.array([10, 10]), named=np.array([0, 0]), target=np.array([-1, -1]))
+    x = torch.zeros(1, 3, 112, 112)
+    with forwards_counted(shapes_lxmert) as calls:
+        for call in (lambda: lxmert_method_maps(shapes_lxmert, x, qs, methods=("rollout",)),
+                     lambda: text_occlusion(shapes_lxmert, x, qs)):
+            with pytest.raises(ValueError, match=r"has 16 words and punctuation marks, but the model reads at most 14"):
+                call()
+    assert not calls
+    with pytest.raises(ValueError, match=r"token id 99 is not in this tokenizer's vocabulary"):
+        tok.decode([1, 99])
+
+
+def test_shapes_lxmert_answer_refuses_long_questions_and_bad_pixels(shapes_lxmert):
+    long = "is there a " + "star " * 12 + "?"
+    x = torch.zeros(1, 3, 112, 112)
+    with forwards_counted(shapes_lxmert) as calls:
+        with pytest.raises(ValueError, match=r"but the model reads at most 14"):
+            shapes_lxmert.answer(x, [long])
+        with pytest.raises(ValueError, match=r"non-finite|NaN"):
+            shapes_lxmert.answer(torch.full((1, 3, 112, 112), float("nan")), ["is there a star ?"])
+    assert not calls
+    assert shapes_lxmert.answer(x, ["is there a star ?"])[0] in shapes_lxmert.config.id2label.values()

@@ -297,6 +297,7 @@ def _no_network(*args, **kwargs):
     raise AssertionError("load_model(..., pretrained=False) tried to open a network connection")
 
 
+@pytest.mark.slow
 def test_openai_clip_architecture_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(socket, "create_connection", _no_network)
@@ -457,10 +458,11 @@ def test_evaluation_zero_shot_is_the_models_argmax(tiny):
     assert not tiny.training
 
 
-def test_wilson_interval():
-    lo, hi = tc.wilson(90, 100)
+def test_the_report_rates_carry_the_wilson_interval():
+    res = tc._rate(np.array([True] * 90 + [False] * 10))
     # Wilson (1927): centre (p + z^2/2n) / (1 + z^2/n), half-width z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n)
-    assert abs(lo - 0.8256) < 1e-4 and abs(hi - 0.9448) < 1e-4
+    assert res["rate"] == 0.9 and res["n"] == 100
+    assert abs(res["ci95"][0] - 0.8256) < 1e-4 and abs(res["ci95"][1] - 0.9448) < 1e-4
 
 
 def test_cells_and_phrases_cover_the_grid():

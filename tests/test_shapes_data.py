@@ -141,6 +141,7 @@ def test_every_shape_fits_the_unit_disc_and_shapes_differ():
             assert iou < 0.9, (CLASSES[a], CLASSES[b])  # circle vs ring: 0.84
 
 
+@pytest.mark.slow
 def test_fast_enough():
     # CPU time of this (single-threaded) process, so that other jobs on the machine don't count
     make_scenes(10, 0)

@@ -20,7 +20,9 @@ from vitlab import evaluate as ev
 from vitlab.attention import attention_gradcam, attention_gradients, raw_attention
 from vitlab.relevance import chefer_relevance, head_averaged_relevance, last_block_relevance
 
-from conftest import TINY, TINY_DEPTH, TINY_GRAD_DEPTH, decided_argmax, f32_tol, f64_tol, module_depth, randomize
+from conftest import (
+    assert_model_unchanged, decided_argmax, f32_tol, f64_tol, model_snapshot, module_depth, randomize, TINY, TINY_DEPTH, TINY_GRAD_DEPTH,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,27 +42,6 @@ def reference_forward(model, x):
         h = h + blk.ls1(a.proj(a.norm((A @ v).transpose(1, 2).reshape(B, N, -1))))
         h = h + blk.ls2(blk.mlp(blk.norm2(h)))
     return model.forward_head(model.norm(h)), attentions
-
-
-def model_state(model):
-    return {
-        "training": [(n, m.training) for n, m in model.named_modules()],
-        "requires_grad": [(n, p.requires_grad) for n, p in model.named_parameters()],
-        "grad": [(n, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()],
-        "fused": [(n, m.fused_attn) for n, m in model.named_modules() if hasattr(m, "fused_attn")],
-        "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-                     + len(m._backward_pre_hooks) for m in model.modules()),
-        "params": [p.detach().clone() for p in model.parameters()],
-    }
-
-
-def assert_same_state(before, after):
-    for key in ("training", "requires_grad", "fused"):
-        assert before[key] == after[key], key
-    assert before["hooks"] == after["hooks"] == 0
-    for (n, g0), (_, g1) in zip(before["grad"], after["grad"]):
-        assert (g0 is None and g1 is None) or torch.equal(g0, g1), f"{n}.grad changed"
-    assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
 
 
 def test_the_reference_forward_reproduces_the_model(vit, x):
@@ -220,12 +201,12 @@ def test_the_model_is_left_as_it_was_under_no_grad(x):
         p.requires_grad_(False)
     model.head.weight.grad = torch.full_like(model.head.weight, 0.5)         # a grad the user holds
     model.blocks[1].train()                                                  # an odd mix of modes
-    before = model_state(model)
+    before = model_snapshot(model)
     with torch.no_grad():
         out = last_block_relevance(model, x, [0, 1, 2])
         assert not torch.is_grad_enabled()
     assert not out.requires_grad and out.grad_fn is None
-    assert_same_state(before, model_state(model))
+    assert_model_unchanged(model, before)
     assert torch.is_grad_enabled()
     # train mode on a block does not change the map (the method runs in eval mode)
     want = last_block_relevance(model.eval(), x, [0, 1, 2])

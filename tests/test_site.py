@@ -237,6 +237,7 @@ def _pages(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.html") if "_static" not in p.parts and "_sources" not in p.parts)
 
 
+@pytest.mark.slow
 def test_the_site_has_every_chapter_in_order_with_solutions_and_the_teachers_kit(built_site):
     index = (built_site / "index.html").read_text()
     order = [index.find(f'href="notebooks/{c.stem}.html"') for c in site.CHAPTERS]
@@ -265,6 +266,7 @@ def _ids(page: Path) -> frozenset:
     return frozenset(parser.ids)
 
 
+@pytest.mark.slow
 def test_every_internal_link_resolves(built_site):
     broken = []
     for page in _pages(built_site):
@@ -307,6 +309,7 @@ const done = arguments[arguments.length - 1];
 """
 
 
+@pytest.mark.slow
 def test_every_page_renders_offline_in_chromium(built_site, served, browser):
     problems, seen_math, seen_widgets = [], 0, 0
     for page in _pages(built_site):
@@ -340,6 +343,7 @@ def test_every_page_renders_offline_in_chromium(built_site, served, browser):
     assert seen_math > 0                                   # the checks saw typeset math at all
 
 
+@pytest.mark.slow
 def test_search_finds_a_chapter(served, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -349,3 +353,86 @@ def test_search_finds_a_chapter(served, browser):
         lambda d: d.find_elements(By.CSS_SELECTOR, "#search-results ul.search li"))
     hits = [a.get_attribute("href") for a in browser.find_elements(By.CSS_SELECTOR, "#search-results ul.search li a")]
     assert any(h and urljoin(served, "notebooks/03_attention_rollout.html") in h for h in hits), hits[:10]
+
+
+@pytest.fixture
+def fake_sphinx(tmp_path, monkeypatch):
+    """site.build without npm and Sphinx: the assets and staging are stubbed, and the Sphinx
+    command writes two pages into its output folder (its last argument)."""
+    import subprocess
+
+    from vitlab import site
+
+    real_run = subprocess.run
+    calls = []
+
+    def run(cmd, *args, **kwargs):
+        if "sphinx" not in cmd:
+            return real_run(cmd, *args, **kwargs)
+        out = Path(cmd[-1])
+        calls.append(out)
+        (out / "_static").mkdir(parents=True, exist_ok=True)
+        (out / "index.html").write_text("<html>index</html>")
+        (out / "_static" / "site.css").write_text("body {}")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(site, "fetch_assets", lambda dest: tmp_path / "assets")
+    monkeypatch.setattr(site, "stage", lambda repo, dest: tmp_path / "src")
+    monkeypatch.setattr(subprocess, "run", run)
+    return calls
+
+
+def _build(out, capsys):
+    from vitlab import site
+
+    code = site.main(["build", "--out", str(out)])
+    return code, capsys.readouterr().err
+
+
+def test_site_build_refuses_a_folder_of_someone_elses_files_and_deletes_nothing(tmp_path, fake_sphinx, capsys):
+    notes = tmp_path / "mine" / "notes.txt"
+    notes.parent.mkdir()
+    notes.write_text("months of notes")
+    code, err = _build(notes.parent, capsys)
+    assert code != 0
+    assert notes.read_text() == "months of notes" and sorted(p.name for p in notes.parent.iterdir()) == ["notes.txt"]
+    assert "notes.txt" in err and "no site build wrote" in err and "give --out a new or empty folder" in err
+    assert fake_sphinx == []                                  # refused before anything ran
+    code, err = _build(notes, capsys)                          # a file as --out
+    assert code != 0 and "is a file" in err and notes.read_text() == "months of notes"
+
+
+def test_site_build_writes_a_new_or_empty_folder_and_replaces_only_its_own_build(tmp_path, fake_sphinx, capsys):
+    from vitlab import site
+
+    out = tmp_path / "deep" / "site"
+    assert _build(out, capsys)[0] == 0                           # a new folder
+    assert (out / "index.html").is_file() and (out / site.BUILD_MARK).is_file()
+    (out / "_static" / "stale.js").write_text("from an old build")
+    import json
+    record = json.loads((out / site.BUILD_MARK).read_text())
+    record["paths"].append("_static/stale.js")                  # as if an older build had written it
+    (out / site.BUILD_MARK).write_text(json.dumps(record))
+    assert _build(out, capsys)[0] == 0                           # its own previous build: replaced
+    assert not (out / "_static" / "stale.js").exists() and (out / "index.html").is_file()
+    (out / "todo.md").write_text("added after the build")       # a file put into a build folder
+    code, err = _build(out, capsys)
+    assert code != 0 and "todo.md" in err and "added to it since" in err
+    assert (out / "todo.md").read_text() == "added after the build"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _build(empty, capsys)[0] == 0 and (empty / "index.html").is_file()
+    (out / "todo.md").unlink()
+    (out / site.BUILD_MARK).write_text("not json")              # a damaged record: what else is there is unknown
+    code, err = _build(out, capsys)
+    assert code != 0 and "not the record" in err and (out / "index.html").is_file()
+    assert len(fake_sphinx) == 3
+
+
+def test_site_build_help_says_what_out_does(capsys):
+    from vitlab import site
+
+    with pytest.raises(SystemExit):
+        site.main(["build", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--out" in text and "refused" in text and "nothing of yours is deleted" in text

@@ -51,3 +51,29 @@ def test_bootstrap_intervals_and_paired_differences():
         stats.paired_difference(a, a[:-1])
     with pytest.raises(ValueError, match="NaN or inf"):
         stats.mean_interval([0.1, float("nan")])
+
+
+def test_unpaired_difference_resamples_each_side_on_its_own_and_estimates_print_themselves():
+    rng = np.random.default_rng(4)
+    a, b = rng.normal(0.5, 1.0, 3000), rng.normal(0.2, 2.0, 1000)
+    est = stats.unpaired_difference(a, b)
+    half = 1.96 * np.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size)  # the normal approximation, large n
+    assert est.value == pytest.approx(a.mean() - b.mean()) and est.n == 4000
+    assert est.low == pytest.approx(est.value - half, abs=0.1 * half)
+    assert est.high == pytest.approx(est.value + half, abs=0.1 * half)
+    assert stats.unpaired_difference(a, b, seed=1) == stats.unpaired_difference(a, b, seed=1)
+    assert stats.unpaired_difference([0.5, 0.5], [0.25] * 3) == (0.25, 0.25, 0.25, 5)  # no spread: no width
+    # against a loop: the same generator draws a's resample, then b's, n_boot times in one array each
+    g = np.random.default_rng(7)
+    ia, ib = g.integers(0, 4, size=(50, 4)), g.integers(0, 3, size=(50, 3))
+    x, y = np.array([0.1, 0.4, 0.2, 0.9]), np.array([0.3, 0.0, 0.6])
+    d = np.array([x[ia[i]].mean() - y[ib[i]].mean() for i in range(50)])
+    got = stats.unpaired_difference(x, y, n_boot=50, seed=7)
+    assert (got.low, got.high) == pytest.approx(tuple(np.quantile(d, [0.025, 0.975])), abs=1e-12)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        stats.unpaired_difference([0.1, float("nan")], [0.2])
+    with pytest.raises(ValueError, match="at least one value"):
+        stats.unpaired_difference([], [0.2])
+    e = stats.Estimate(0.37, 0.34, 0.4, 10)
+    assert str(e) == e.format() == "0.370 [0.340, 0.400]"
+    assert stats.Estimate(-0.0123, -0.05, 0.026, 3).format("+.2f") == "-0.01 [-0.05, +0.03]"

@@ -6,6 +6,8 @@ The public API (names are fixed; the notebooks and chapters use them):
 - :func:`token_layout` — prefix tokens and patch grid of a model
 - :func:`record` — the true attention (and its gradient), queries, keys, values and
   hidden states of every block, without changing the model
+- :func:`explain` — any explanation method by its one name (:mod:`vitlab.methods`), on a ViT,
+  LXMERT, VisualBERT, ViLT, DETR or CLIP model
 - :func:`project` — every token's state after every block read as class logits through the
   model's own norm and head (:mod:`vitlab.projection`, chapter 7)
 - :mod:`vitlab.plot` — overlays and grids of maps
@@ -35,13 +37,14 @@ from vitlab.relevance import chefer_relevance
 
 # public name -> module that defines it
 _EXPORTS = {
+    "explain": "vitlab.methods",                # explain(method, model, inputs, target=None, **options)
     "load_image": "vitlab.images",
     "is_multi_label": "vitlab.targets",        # how a classifier's logits are read: sigmoids or one softmax
     "class_probabilities": "vitlab.targets",
     "project": "vitlab.projection",            # every token, block by block, as class logits (chapter 7)
 }
 _SUBMODULES = {"plot", "images", "shapes", "imgfocus", "localization", "faithfulness", "actmax", "widgets",
-               "projection", "evaluate", "gradients", "inputs", "stats", "footprints", "lrp", "targets",
+               "projection", "evaluate", "gradients", "inputs", "stats", "footprints", "lrp", "targets", "methods",
                "grad_eclip", "legrad", "clip_decomposition",  # CLIP: Grad-ECLIP, LeGrad, the embedding's decomposition
                "hierarchical"}  # Swin: rollout, relevance, raw attention, GradCAM through windows and stages
 

@@ -53,8 +53,7 @@ one-hot), so that a deleted token takes its position with it.
   several curves perturb the same way runs once); :func:`perturbation_rows` (a table row per
   method) and :func:`perturbation_verdicts` (does the paper's ordering hold, beyond a paired
   interval?);
-- :func:`bootstrap_interval` -- an interval for a mean of per-question values (the bootstrap of
-  :func:`vitlab.stats.mean_interval`);
+- the intervals over questions are :mod:`vitlab.stats`' (``mean_interval``, ``paired_difference``);
 - single-token tests of ``shapes-lxmert``'s maps: :func:`text_occlusion` (each word replaced by
   ``[UNK]``) and :func:`lxmert_answers_without` (chosen image tokens hidden);
 - what image tokens carry (why LXMERT's maps pick corner patches): :func:`image_token_roles`
@@ -69,9 +68,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from vitlab.compat import replaced_names
+
 __all__ = [
     "IMAGE_KEYS", "PERTURBATION_STEPS", "TEXT_KEYS", "VISUALBERT_IMAGE_STEPS", "PerturbationCurve",
-    "bootstrap_interval", "corner_tokens", "hiding_effect", "image_token_roles", "keep_end_for", "kept_indices",
+    "corner_tokens", "hiding_effect", "image_token_roles", "keep_end_for", "kept_indices",
     "perturbation_curve", "perturbation_test", "token_inputs",
     "PERTURBATION_TESTS", "Verdict", "lxmert_answers_without", "perturbation_grid", "perturbation_rows",
     "perturbation_verdicts", "text_occlusion",
@@ -130,22 +131,6 @@ class PerturbationCurve:
 
 def _trapezoid(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return ((y[:, 1:] + y[:, :-1]) / 2 * (x[1:] - x[:-1])).sum(-1)
-
-
-def bootstrap_interval(values, level: float = 0.95, n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval for the mean of per-question ``values`` (e.g.
-    :attr:`PerturbationCurve.question_auc`): ``n`` resamples with replacement, seeded; the
-    resampling of :func:`vitlab.stats.mean_interval`, so the same values and seed give
-    the same interval."""
-    from vitlab.stats import bootstrap
-
-    v = np.asarray(values.cpu() if isinstance(values, torch.Tensor) else values, dtype=np.float64).ravel()
-    if v.size == 0 or not np.isfinite(v).all():
-        raise ValueError(f"bootstrap_interval needs finite values, got {v.size} values"
-                         f"{'' if v.size == 0 else ' with NaN or inf'}")
-    if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    return bootstrap(v, level, n, seed)
 
 
 def kept_indices(scores: torch.Tensor, step: float, positive: bool) -> torch.Tensor:
@@ -607,13 +592,15 @@ def perturbation_grid(model, inputs: dict, maps: dict, answers, tests=PERTURBATI
 
 def perturbation_rows(curves: dict, tests=PERTURBATION_TESTS, seed: int = 0) -> list[dict]:
     """One table row per method: each test's AUC with its 95% bootstrap interval over questions
-    (:func:`vitlab.bimodal_faithfulness.bootstrap_interval`), e.g. ``0.487 [0.465, 0.507]``."""
+    (:func:`vitlab.stats.mean_interval`), e.g. ``0.487 [0.465, 0.507]``."""
+    from vitlab.stats import mean_interval
+
     rows = []
     for name in dict.fromkeys(k[0] for k in curves):
         row = {"method": name}
         for modality, positive in tests:
             c = curves[name, modality, positive]
-            lo, hi = bootstrap_interval(c.question_auc, seed=seed)
+            lo, hi = mean_interval(c.question_auc, seed=seed)[1:3]
             row[f"{modality} {'pos ↓' if positive else 'neg ↑'}"] = f"{c.auc:.3f} [{lo:.3f}, {hi:.3f}]"
         rows.append(row)
     return rows
@@ -647,7 +634,9 @@ def perturbation_verdicts(curves: dict, reference: str = "relevance", tests=PERT
     """Per test: is ``reference`` better than every other method (lowest AUC on positive,
     highest on negative, as Chefer et al. 2021 claim for their relevance), beyond a 95%
     interval? Paired: the interval is the bootstrap of the per-question AUC difference between
-    ``reference`` and the best of the others (:func:`vitlab.bimodal_faithfulness.bootstrap_interval`)."""
+    ``reference`` and the best of the others (:func:`vitlab.stats.paired_difference`)."""
+    from vitlab.stats import paired_difference
+
     out = []
     for modality, positive in tests:
         ref = curves[reference, modality, positive]
@@ -656,7 +645,7 @@ def perturbation_verdicts(curves: dict, reference: str = "relevance", tests=PERT
             raise ValueError(f"no other method than {reference!r} to compare on {modality}, "
                              f"{'positive' if positive else 'negative'}")
         best = (min if positive else max)(others, key=lambda m: others[m].auc)
-        lo, hi = bootstrap_interval(ref.question_auc - others[best].question_auc, seed=seed)
+        lo, hi = paired_difference(ref.question_auc, others[best].question_auc, seed=seed)[1:3]
         holds = hi < 0 if positive else lo > 0
         out.append(Verdict(modality, positive, ref.auc, best, others[best].auc, lo, hi, holds, lo <= 0 <= hi))
     return out
@@ -725,3 +714,6 @@ def lxmert_answers_without(model, x: torch.Tensor, questions, drop, batch_size: 
                            visual_pos=boxes[scene[s]], visual_attention_mask=(~drop[s]).to(feats.dtype))
             out.append(logits.question_answering_score.argmax(-1))
     return torch.cat(out)
+
+
+__getattr__ = replaced_names("vitlab.bimodal_faithfulness", {"bootstrap_interval": "vitlab.stats.mean_interval"})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["moved_names", "renamed_arguments"]
+__all__ = ["moved_names", "renamed_arguments", "replaced_names"]
 
 
 def renamed_arguments(**renames: str):
@@ -46,6 +46,19 @@ def moved_names(module: str, moves: dict[str, str]):
     def __getattr__(name: str):
         if name in moves:
             raise AttributeError(f"{module}.{name} moved to {moves[name]}.{name}: import it from there")
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+def replaced_names(module: str, replacements: dict[str, str]):
+    """A module ``__getattr__`` for names that were replaced by another function: reading
+    ``module.<name>`` raises ``AttributeError("<module>.<name> was replaced by <replacement>")``
+    (``replacements``: name -> the replacement's full name); any other missing name gets Python's
+    usual message."""
+    def __getattr__(name: str):
+        if name in replacements:
+            raise AttributeError(f"{module}.{name} was replaced by {replacements[name]}: call that instead")
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__

@@ -15,7 +15,7 @@ input x gradient); columns are measures (:func:`measure_names`):
 
 Every sample is explained for one class, the model's prediction on the clean input, and
 every measure is computed per sample; a cell is the mean over samples with a 95% interval
-(normal approximation, ``mean +- 1.96 sd / sqrt(n)``). A measure that is undefined for a
+(the percentile bootstrap of :func:`vitlab.stats.mean_interval`). A measure that is undefined for a
 sample (SaCo of a constant map, the mass of a map with no positive value) is left out of
 that cell, and the cell's ``n`` says how many samples it holds.
 
@@ -31,7 +31,6 @@ import argparse
 import csv
 import hashlib
 import json
-import math
 import numbers
 import os
 import sys
@@ -69,87 +68,61 @@ def _random(model, x, target, indices):
     return random_maps(indices, token_layout(model, x).grid)
 
 
-def _raw(model, x, target, indices):
-    from vitlab.attention import raw_attention
-    return raw_attention(model, x)
+class Row(NamedTuple):
+    """A row of the leaderboard: a method of :data:`vitlab.methods.METHODS` with options.
+    ``label``: the method's display name, with ``variant`` in brackets when given (the
+    gradient-weighted attention map keeps the label of the shipped boards, "attention GradCAM")."""
+
+    method: str
+    options: dict = {}
+    variant: str = ""
+    reduce: Callable | None = None  # maps a method's output to B x gh x gw (CLS attention: mean)
+    label_override: str = ""
+
+    @property
+    def label(self) -> str:
+        from vitlab.methods import display_names
+
+        if self.label_override:
+            return self.label_override
+        display = display_names(self.method)[0]
+        return f"{display} ({self.variant})" if self.variant else display
+
+    def __call__(self, model, x, target, indices):
+        from vitlab.methods import METHODS
+
+        m = METHODS[self.method]
+        fn = m.function("vit")
+        out = fn(model, x, target, **self.options) if m.takes_target("vit") else fn(model, x, **self.options)
+        return out if self.reduce is None else self.reduce(out)
 
 
-def _cls_mean(model, x, target, indices):
-    from vitlab.attention import cls_attention
-    return cls_attention(model, x).mean(dim=(1, 2))
+def _blocks_and_heads_mean(maps: torch.Tensor) -> torch.Tensor:
+    return maps.mean(dim=(1, 2))
 
 
-def _rollout(model, x, target, indices):
-    from vitlab.rollout import rollout
-    return rollout(model, x)
+#: The table's rows after the random baseline, in order: views of the method registry.
+ROWS = (
+    Row("raw_attention", variant="last block"),
+    Row("cls_attention", variant="mean of blocks", reduce=_blocks_and_heads_mean),
+    Row("rollout"),
+    Row("rollout", dict(head_fusion="max", discard_ratio=0.9), variant="max, discard 0.9"),
+    Row("gradcam", label_override="attention GradCAM"),
+    Row("last_block_relevance"),
+    Row("grad_rollout"),
+    Row("relevance"),
+    Row("projection_map"),
+    Row("input_x_gradient"),
+    Row("integrated_gradients"),
+    Row("lrp"),
+    Row("partial_lrp"),
+    Row("transformer_attribution"),
+    Row("attn_lrp"),
+)
 
-
-def _rollout_max(model, x, target, indices):
-    from vitlab.rollout import rollout
-    return rollout(model, x, head_fusion="max", discard_ratio=0.9)
-
-
-def _gradcam(model, x, target, indices):
-    from vitlab.attention import attention_gradcam
-    return attention_gradcam(model, x, target)
-
-
-def _last_block_relevance(model, x, target, indices):
-    from vitlab.relevance import last_block_relevance
-    return last_block_relevance(model, x, target)
-
-
-def _grad_rollout(model, x, target, indices):
-    from vitlab.rollout import grad_rollout
-    return grad_rollout(model, x, target)
-
-
-def _chefer(model, x, target, indices):
-    from vitlab.relevance import chefer_relevance
-    return chefer_relevance(model, x, target)
-
-
-def _projection(model, x, target, indices):
-    from vitlab.projection import projection_map
-    return projection_map(model, x, target)
-
-
-def _input_x_gradient(model, x, target, indices):
-    from vitlab.gradients import input_x_gradient
-    return input_x_gradient(model, x, target)
-
-
-def _lrp_method(name):
-    def method(model, x, target, indices):
-        import vitlab.lrp
-        return getattr(vitlab.lrp, name)(model, x, target)
-    return method
-
-
-def _integrated_gradients(model, x, target, indices):
-    from vitlab.gradients import integrated_gradients
-    return integrated_gradients(model, x, target)
-
-
-#: Method name -> ``fn(model, x, target, indices) -> B x gh x gw``, in the table's order.
-METHODS: dict[str, Callable] = {
-    "random": _random,
-    "raw attention (last block)": _raw,
-    "CLS attention (mean of blocks)": _cls_mean,
-    "rollout": _rollout,
-    "rollout (max, discard 0.9)": _rollout_max,
-    "attention GradCAM": _gradcam,
-    "gradient x attention (last block)": _last_block_relevance,
-    "gradient rollout": _grad_rollout,
-    "Chefer relevance": _chefer,
-    "class-embedding map": _projection,
-    "input x gradient": _input_x_gradient,
-    "integrated gradients": _integrated_gradients,
-    "LRP": _lrp_method("lrp"),
-    "partial LRP": _lrp_method("partial_lrp"),
-    "Transformer attribution": _lrp_method("transformer_attribution"),
-    "AttnLRP": _lrp_method("attn_lrp"),
-}
+#: Method label -> ``fn(model, x, target, indices) -> B x gh x gw``, in the table's order: the
+#: random baseline, then :data:`ROWS`.
+METHODS: dict[str, Callable] = {"random": _random, **{row.label: row for row in ROWS}}
 
 #: Whether a higher value of a measure is better (SaCo, negative AUC, plausibility) or lower
 #: (positive AUC: removing the most salient pixels first should hurt the most).
@@ -394,8 +367,12 @@ def score_chunk(model, batch: Batch, indices: Sequence[int], methods: Sequence[s
 # --------------------------------------------------------------------------------------
 
 def summarize(values: np.ndarray, methods: Sequence[str], measures: Sequence[str]) -> list[dict]:
-    """One row per (method, measure): ``mean``, 95% interval ``ci_low``/``ci_high`` (normal
-    approximation) and ``n`` (samples where the measure is defined)."""
+    """One row per (method, measure): ``mean``, the 95% interval ``ci_low``/``ci_high`` of the mean
+    over the samples (:func:`vitlab.stats.mean_interval`: the percentile bootstrap, 2000
+    resamples, seed 0) and ``n`` (samples where the measure is defined; the interval is NaN below
+    two)."""
+    from vitlab.stats import mean_interval
+
     rows = []
     for j, m in enumerate(methods):
         for q, name in enumerate(measures):
@@ -403,9 +380,8 @@ def summarize(values: np.ndarray, methods: Sequence[str], measures: Sequence[str
             v = v[~np.isnan(v)]
             n = int(v.size)
             mean = float(v.mean()) if n else float("nan")
-            half = 1.96 * float(v.std(ddof=1)) / math.sqrt(n) if n > 1 else float("nan")
-            rows.append({"method": m, "measure": name, "mean": mean, "ci_low": mean - half,
-                         "ci_high": mean + half, "n": n})
+            low, high = mean_interval(v)[1:3] if n > 1 else (float("nan"), float("nan"))
+            rows.append({"method": m, "measure": name, "mean": mean, "ci_low": low, "ci_high": high, "n": n})
     return rows
 
 

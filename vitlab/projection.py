@@ -31,7 +31,7 @@ tokens show what each token "already thinks it is".
   object's tokens, grown by one patch to close what leaks through a wide patch embedding).
 - :func:`output_similarity` -- a class-free counterpart for models without a class head: each
   token's cosine similarity, block by block, with the final class-token state.
-- :func:`removal_curve`, :func:`removal_test`, :func:`bootstrap_interval` -- the paper's
+- :func:`removal_curve`, :func:`removal_test` (its table's intervals: :mod:`vitlab.stats`) -- the paper's
   token-removal test: accuracy as a ranking's top (positive) or bottom (negative) tokens are
   removed, its AUC against random removal, with bootstrap intervals over the images.
 
@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vitlab.compat import renamed_arguments
+from vitlab.compat import renamed_arguments, replaced_names
 from vitlab.inputs import check_images, positive_int, require_gradients
 from vitlab.layout import TokenLayout, is_hf_model, is_timm_vit, token_layout
 from vitlab.record import blocks as record_blocks, record
@@ -1195,23 +1195,6 @@ def removal_curve(model, x: torch.Tensor, ranking: torch.Tensor, target=None, re
     return RemovalCurve(fractions=f, correct=correct, target=runs[0].target.cpu(), remove=remove)
 
 
-def bootstrap_interval(values, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of ``values`` (``(n,)``, one per sample):
-    ``n_boot`` resamples of the n samples with replacement (a generator seeded with ``seed``),
-    the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of their means."""
-    v = torch.as_tensor(values, dtype=torch.float64).flatten()
-    if v.numel() == 0 or not bool(torch.isfinite(v).all()):
-        raise ValueError(f"bootstrap_interval needs at least one finite value, got {v.numel()} values"
-                         f"{'' if v.numel() == 0 else ' with NaN or inf'}")
-    positive_int("n_boot", n_boot)
-    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0 < level < 1:
-        raise ValueError(f"level must be a number in (0, 1), got {level!r}")
-    g = torch.Generator().manual_seed(seed)
-    means = v[torch.randint(0, v.numel(), (n_boot, v.numel()), generator=g)].mean(1)
-    low, high = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
-    return float(low), float(high)
-
-
 class RemovalTest(NamedTuple):
     """From :func:`removal_test`.
 
@@ -1232,20 +1215,23 @@ class RemovalTest(NamedTuple):
 
     def table(self, n_boot: int = 2000, level: float = 0.95, seed: int = 0) -> list[dict]:
         """One row per ranking and direction, plus one for random removal: the AUC with its
-        bootstrap interval over the samples (:func:`bootstrap_interval`), and the paired
-        difference from random removal (the same samples) with its interval."""
+        bootstrap interval over the samples (:func:`vitlab.stats.mean_interval`), and the paired
+        difference from random removal (the same samples) with its interval
+        (:func:`vitlab.stats.paired_difference`)."""
+        from vitlab.stats import mean_interval, paired_difference
+
         rand = self.random_sample_auc
         pct = f"{level:.0%}"
-        low, high = bootstrap_interval(rand, n_boot, level, seed)
+        low, high = mean_interval(rand, level, n_boot, seed)[1:3]
         rows = [{"ranking": "random", "removed first": "random", "AUC": float(rand.mean()),
                  f"AUC {pct} interval": (low, high), "AUC - random": 0.0, f"difference {pct} interval": (0.0, 0.0)}]
         for direction, curves in (("highest", self.positive), ("lowest", self.negative)):
             for name, curve in curves.items():
-                auc, diff = curve.sample_auc, curve.sample_auc - rand
+                auc = curve.sample_auc
+                diff = paired_difference(auc, rand, level, n_boot, seed)
                 rows.append({"ranking": name, "removed first": direction, "AUC": float(auc.mean()),
-                             f"AUC {pct} interval": bootstrap_interval(auc, n_boot, level, seed),
-                             "AUC - random": float(diff.mean()),
-                             f"difference {pct} interval": bootstrap_interval(diff, n_boot, level, seed)})
+                             f"AUC {pct} interval": tuple(mean_interval(auc, level, n_boot, seed)[1:3]),
+                             "AUC - random": diff.value, f"difference {pct} interval": (diff.low, diff.high)})
         return rows
 
 
@@ -1386,3 +1372,6 @@ def permutation_test(first, second, n_perm: int = 300, seed: int = 0) -> Permuta
     return PermutationTest(difference=observed, p_greater=share(diffs >= observed - eps),
                            p_less=share(diffs <= observed + eps),
                            p_two_sided=share(diffs.abs() >= abs(observed) - eps), n_perm=n_perm)
+
+
+__getattr__ = replaced_names("vitlab.projection", {"bootstrap_interval": "vitlab.stats.mean_interval"})

@@ -4,8 +4,12 @@
 - :func:`mean_interval` -- a mean with its percentile bootstrap interval (:func:`bootstrap`);
 - :func:`paired_difference` -- two measurements of the same scenes, the mean difference with the
   bootstrap interval of the scenes resampled together;
+- :func:`unpaired_difference` -- two measurements of different scenes, the difference of the means
+  with the bootstrap interval of each side resampled on its own;
 
-each an :class:`Estimate`, which prints itself as ``0.370 [0.340, 0.400]``.
+each an :class:`Estimate`, which prints itself as ``0.370 [0.340, 0.400]``. These are vitlab's only
+intervals: the leaderboard (:func:`vitlab.evaluate.summarize`), the removal test of chapter 7, the
+bi-modal perturbation tests and the CLIP training report all call them.
 """
 from __future__ import annotations
 
@@ -29,7 +33,12 @@ class Estimate(NamedTuple):
     n: int
 
     def __str__(self) -> str:
-        return f"{self.value:.3f} [{self.low:.3f}, {self.high:.3f}]"
+        return self.format()
+
+    def format(self, spec: str = ".3f") -> str:
+        """``value [low, high]``, each number formatted with ``spec`` (``"+.3f"`` for a difference,
+        ``".2f"`` for fewer digits)."""
+        return f"{self.value:{spec}} [{self.low:{spec}}, {self.high:{spec}}]"
 
     def excludes(self, v: float = 0.0) -> bool:
         """Whether ``v`` lies outside the interval (for a difference: it is not a tie)."""
@@ -83,8 +92,7 @@ def mean_interval(values, level: float = 0.95, n_boot: int = 2000, seed: int = 0
 def bootstrap(v: np.ndarray, level: float, n_boot: int, seed: int) -> tuple[float, float]:
     """The percentile bootstrap of the mean of checked float64 ``v``: ``n_boot`` resamples with
     replacement drawn by ``np.random.default_rng(seed)``, the middle ``level`` of their means.
-    The one resampling behind every interval of a mean here and in
-    :func:`vitlab.bimodal_faithfulness.bootstrap_interval`."""
+    The one resampling behind every interval of a mean in vitlab."""
     rng = np.random.default_rng(seed_int("seed", seed))   # None (fresh entropy) refused: reproducible
     means = v[rng.integers(0, v.size, size=(n_boot, v.size))].mean(1)
     low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
@@ -102,6 +110,21 @@ def paired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int =
                          f"same scenes in the same order), got shapes {shapes[0]} and {shapes[1]}")
     va, vb = _values(a, "paired_difference"), _values(b, "paired_difference")
     return mean_interval(va - vb, level, n_boot, seed)
+
+
+def unpaired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> Estimate:
+    """``mean(a) - mean(b)`` for grades of *different* samples (e.g. two groups of scenes): the
+    percentile bootstrap interval with ``a`` and ``b`` each resampled with replacement on its own
+    (one generator seeded with ``seed`` draws both), the middle ``level`` of the ``n_boot``
+    differences of means. ``n`` of the result: ``len(a) + len(b)``."""
+    lv = _level(level)
+    positive_int("n_boot", n_boot)
+    va, vb = _values(a, "unpaired_difference"), _values(b, "unpaired_difference")
+    rng = np.random.default_rng(seed)
+    diffs = (va[rng.integers(0, va.size, size=(n_boot, va.size))].mean(1)
+             - vb[rng.integers(0, vb.size, size=(n_boot, vb.size))].mean(1))
+    low, high = np.quantile(diffs, [(1 - lv) / 2, (1 + lv) / 2])
+    return Estimate(float(va.mean() - vb.mean()), float(low), float(high), int(va.size + vb.size))
 
 
 def _normal_quantile(level: float) -> float:

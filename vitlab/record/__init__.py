@@ -178,6 +178,15 @@ def require_materialized(model: nn.Module, method: str) -> None:
                          "vitlab.load_model(name), or model.to_empty(device='cpu') then model.load_state_dict(...)")
 
 
+def model_family(model: nn.Module) -> str:
+    """The family of ``model`` as vitlab records it: ``"vit"`` (timm and Hugging Face ViTs),
+    ``"lxmert"``, ``"visualbert"``, ``"vilt"``, ``"detr"`` or ``"clip"`` (:func:`vitlab.explain`
+    dispatches on it). TypeError, naming what is supported, for a model vitlab cannot record."""
+    attach, _ = _adapter_for(model)
+    family = _MULTI.get(attach)
+    return "vit" if family is None else family[0].replace("_", "")
+
+
 def _vit_only(model: nn.Module, what: str):
     attach, found = _adapter_for(model)
     if attach is attach_swin:

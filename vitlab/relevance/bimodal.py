@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from vitlab.methods import display_names
 from vitlab.relevance.engine import AttentionEvent, Step
 
 
@@ -186,8 +187,12 @@ def attention_matrix_gradcam(attn: torch.Tensor, grad: torch.Tensor, entries: to
 # ---------------------------------------------------------------------------------------------
 
 
-#: The methods chapters 9 and 10 compare, in table order (the same names for LXMERT and DETR).
-BIMODAL_METHODS: tuple[str, ...] = ("relevance", "relevance + backbone", "raw attention", "rollout", "GradCAM")
+#: The methods chapters 9 and 10 compare, in table order (the same names for LXMERT and DETR): the
+#: display names (:mod:`vitlab.methods`) of raw_attention, rollout and gradcam, after Chefer et al.'s
+#: relevance (display name "Chefer relevance"; labelled "relevance" in chapters 9, 9a and 10, whose
+#: stored outputs use it) without and with the relevance carried through the ViT backbone.
+BIMODAL_METHODS: tuple[str, ...] = ("relevance", "relevance + backbone",
+                                    *display_names("raw_attention", "rollout", "gradcam"))
 
 
 def _checked_methods(methods) -> tuple[str, ...]:

@@ -52,6 +52,7 @@ from vitlab.inputs import batches, require_gradients
 from vitlab.relevance.bimodal import (
     BimodalMaps, _attention_grads, _recorded_forward, _rollout, attention_matrix_gradcam,
 )
+from vitlab.methods import display_names
 from vitlab.relevance.engine import propagate, read_rows, self_attention_events
 from vitlab.relevance.lxmert import QuestionGrades, _grade_question_maps, encoded_questions, lxmert_scene_features
 
@@ -408,7 +409,8 @@ def _visualbert_methods() -> dict:
 
 #: The methods chapter 9 compares for ``shapes-visualbert``, in table order (no backbone variant: the
 #: single-stream relevance stops at VisualBERT's input tokens).
-VISUALBERT_METHODS: tuple[str, ...] = ("relevance", "raw attention", "rollout", "GradCAM")
+#: As :data:`BIMODAL_METHODS`: "relevance" is Chefer et al.'s, then display names of the registry.
+VISUALBERT_METHODS: tuple[str, ...] = ("relevance", *display_names("raw_attention", "rollout", "gradcam"))
 
 
 def visualbert_method_maps(model, x: torch.Tensor, questions, methods=VISUALBERT_METHODS, batch_size: int = 100,

@@ -9,6 +9,7 @@ import torch
 
 from vitlab.attention import attention_gradients, attention_gradients_for_blocks, gradcam_cls_row
 from vitlab.inputs import batches, checked_layout, in_chunks, readout_weights, require_cls
+from vitlab.methods import display_names
 from vitlab.relevance.engine import head_averaged_relevance, propagate, self_attention_events
 from vitlab.rollout import (
     discard_lowest, grad_fuse_heads, max_normalize, residual_normalize, rollout_from_attentions, rollout_row,
@@ -120,8 +121,9 @@ def last_block_relevance(model, x: torch.Tensor, target=None, score: str = "logi
 # ---------------------------------------------------------------------------------------------
 
 
-#: The methods :func:`maps_from_gradients` computes, class-agnostic ones first.
-CLASS_METHODS = ("raw attention", "rollout", "GradCAM", "gradient rollout", "Chefer relevance")
+#: The methods :func:`maps_from_gradients` computes, class-agnostic ones first: the display names
+#: (:mod:`vitlab.methods`) of raw_attention, rollout, gradcam, grad_rollout and relevance.
+CLASS_METHODS = display_names("raw_attention", "rollout", "gradcam", "grad_rollout", "relevance")
 
 
 def maps_from_gradients(ag, rollout_setting: tuple[str, float] = ("mean", 0.0),
@@ -139,13 +141,13 @@ def maps_from_gradients(ag, rollout_setting: tuple[str, float] = ("mean", 0.0),
     A_last, G_last = ag.attentions[-1], ag.gradients[-1]
     grad_layers = [residual_normalize(discard_lowest(grad_fuse_heads(A, G), grad_discard_ratio))
                    for A, G in zip(ag.attentions, ag.gradients)]
-    return {
-        "raw attention": layout.patches_to_grid(A_last[:, :, 0, :].mean(dim=1)),
-        "rollout": rollout_from_attentions(ag.attentions, layout, *rollout_setting),
-        "GradCAM": layout.patches_to_grid(gradcam_cls_row(A_last[:, :, 0, P:], G_last[:, :, 0, P:])),
-        "gradient rollout": max_normalize(layout.patches_to_grid(rollout_row(grad_layers, index=0))),
-        "Chefer relevance": layout.patches_to_grid(relevance_matrix(ag.attentions, ag.gradients)[:, 0, :]),
-    }
+    return dict(zip(CLASS_METHODS, (
+        layout.patches_to_grid(A_last[:, :, 0, :].mean(dim=1)),
+        rollout_from_attentions(ag.attentions, layout, *rollout_setting),
+        layout.patches_to_grid(gradcam_cls_row(A_last[:, :, 0, P:], G_last[:, :, 0, P:])),
+        max_normalize(layout.patches_to_grid(rollout_row(grad_layers, index=0))),
+        layout.patches_to_grid(relevance_matrix(ag.attentions, ag.gradients)[:, 0, :]),
+    )))
 
 
 def asked_object_maps(model, x: torch.Tensor, labels, batch_size: int = 50,

@@ -41,6 +41,7 @@ import torch
 from vitlab.attention import raw_attention
 from vitlab.localization import TOUCH, grade_asked, mask_to_grid
 from vitlab.localization import pointing_game as pointing_game_on_grid
+from vitlab.methods import display_names
 from vitlab.relevance import asked_object_maps
 from vitlab.shapes.data import make_scenes, remove_objects, scenes_to_tensor
 from vitlab.targets import SCORES, is_multi_label
@@ -50,8 +51,9 @@ __all__ = [
     "pair_separation", "patch_object_fraction", "pointing_game", "removal_effect", "main",
 ]
 
-#: The class-specific methods graded on asked objects (keys of ``asked_object_maps``).
-ASKED_METHODS = ("Chefer relevance", "gradient rollout")
+#: The class-specific methods graded on asked objects (keys of ``asked_object_maps``): the display
+#: names (:mod:`vitlab.methods`) of relevance and grad_rollout.
+ASKED_METHODS = display_names("relevance", "grad_rollout")
 
 SEED_SINGLE = 1
 SEED_TWO = 2

@@ -59,10 +59,11 @@ from vitlab.shapes.model import MEAN, STD
 from vitlab.shapes.qa import CELLS
 from vitlab.shapes.train import TRAIN_SEED_BASE
 from vitlab.shapes.train_loop import finish_run, lr_schedule, parse, parser, start
+from vitlab.stats import rate
 
 __all__ = [
     "EVAL_SEED", "VAL_SEED", "CARD_PATH", "caption_batches", "clip_logits", "evaluate_clip", "hard_negatives", "main",
-    "make_optimizer", "multi_positive_infonce", "PositionProbe", "parse_args", "train", "validate_clip", "wilson",
+    "make_optimizer", "multi_positive_infonce", "PositionProbe", "parse_args", "train", "validate_clip",
     "write_card",
 ]
 
@@ -271,20 +272,10 @@ def make_optimizer(model, *, lr: float, vision_lr_ratio: float, weight_decay: fl
 
 
 # ---------------------------------------------------------------------------------- evaluation
-def wilson(k: int, n: int, z: float = 1.96) -> list[float]:
-    """Wilson score interval (95% by default) of a proportion ``k / n``."""
-    if n == 0:
-        return [float("nan"), float("nan")]
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return [max(0.0, c - h), min(1.0, c + h)]
-
-
 def _rate(right: np.ndarray) -> dict:
-    right = np.asarray(right, dtype=bool)
-    return {"rate": float(right.mean()), "ci95": wilson(int(right.sum()), len(right)), "n": int(len(right))}
+    """A hit rate with its 95% Wilson interval (:func:`vitlab.stats.rate`), as the report stores it."""
+    est = rate(np.asarray(right, dtype=bool))
+    return {"rate": est.value, "ci95": [est.low, est.high], "n": est.n}
 
 
 @torch.no_grad()

@@ -1,0 +1,241 @@
+"""Independent computations shared by several test files (written from the papers and the weights,
+not from vitlab): the float64 CLIP forward, Chefer et al.'s bi-modal rules as loops, a timm ViT
+written out block by block, the text-and-image deletion loop, a forward counter. Test files import
+from here, from tiny_models and from conftest, never from one another."""
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from conftest import f32_tol, module_depth
+from tiny_models import tiny_clip
+from vitlab import bimodal_faithfulness as bf
+
+
+def end_of_text(model, ids):
+    """Hugging Face's pooling position, written out: legacy configs pool at the largest id, others at the first eos."""
+    if model.config.text_config.eos_token_id == 2:
+        return ids.argmax(dim=-1)
+    return torch.tensor([int((row == model.config.text_config.eos_token_id).nonzero()[0]) for row in ids])
+
+
+def _ln(x, prefix, sd, eps=1e-5):
+    mu, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    return (x - mu) / torch.sqrt(var + eps) * sd[prefix + ".weight"] + sd[prefix + ".bias"]
+
+
+def _lin(x, prefix, sd):
+    out = x @ sd[prefix + ".weight"].T
+    return out + sd[prefix + ".bias"] if prefix + ".bias" in sd else out
+
+
+def _tower(h, prefix, sd, heads, allowed):
+    """Pre-norm blocks. ``allowed``: B x N x N booleans (query may see key). Every attention and
+    every context (the heads' outputs side by side) gets a zero leaf added, so autograd gives
+    d(score)/d(attention) and d(score)/d(context) exactly."""
+    layers = []
+    l = 0
+    while f"{prefix}.encoder.layers.{l}.layer_norm1.weight" in sd:
+        p = f"{prefix}.encoder.layers.{l}"
+        B, N, D = h.shape
+        x = _ln(h, p + ".layer_norm1", sd)
+        q, k, v = (_lin(x, f"{p}.self_attn.{n}_proj", sd).view(B, N, heads, D // heads).transpose(1, 2)
+                   for n in "qkv")
+        logits = (q @ k.transpose(-1, -2)) * (D // heads) ** -0.5
+        A = logits.masked_fill(~allowed[:, None], float("-inf")).softmax(dim=-1)
+        dA = torch.zeros_like(A, requires_grad=True)
+        A = A + dA
+        ctx = (A @ v).transpose(1, 2).reshape(B, N, D)
+        dctx = torch.zeros_like(ctx, requires_grad=True)
+        ctx = ctx + dctx
+        mid = h + _lin(ctx, f"{p}.self_attn.out_proj", sd)
+        z = _lin(_ln(mid, p + ".layer_norm2", sd), p + ".mlp.fc1", sd)
+        out = mid + _lin(z * torch.sigmoid(1.702 * z), p + ".mlp.fc2", sd)  # quick_gelu
+        layers.append(SimpleNamespace(attention=A, dA=dA, context=ctx, dctx=dctx, q=q, k=k, v=v, block_input=h,
+                                      mid=mid, hidden=out))
+        h, l = out, l + 1
+    return layers
+
+
+def clip_reference(model, pixel_values, input_ids, attention_mask=None):
+    """The CLIP forward from the weights in float64: per tower its layers (attention, contexts,
+    q / k / v, residual stream), the embeddings, the cosine and the score of each pair."""
+    sd = {k: v.detach().double() for k, v in model.state_dict().items()}
+    vc, tc = model.config.vision_config, model.config.text_config
+    x = pixel_values.double()
+    B = x.shape[0]
+    w = sd["vision_model.embeddings.patch_embedding.weight"]
+    patches = torch.nn.functional.conv2d(x, w, stride=vc.patch_size).flatten(2).transpose(1, 2)
+    cls = sd["vision_model.embeddings.class_embedding"].expand(B, 1, -1)
+    h = torch.cat([cls, patches], 1) + sd["vision_model.embeddings.position_embedding.weight"]
+    h = _ln(h, "vision_model.pre_layrnorm", sd)
+    N = h.shape[1]
+    image_layers = _tower(h, "vision_model", sd, vc.num_attention_heads, torch.ones(B, N, N, dtype=torch.bool))
+    pooled = _ln(image_layers[-1].hidden[:, 0], "vision_model.post_layernorm", sd)
+    image_embeds = pooled @ sd["visual_projection.weight"].T
+
+    T = input_ids.shape[1]
+    t = sd["text_model.embeddings.token_embedding.weight"][input_ids] + sd["text_model.embeddings.position_embedding.weight"][:T]
+    mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    allowed = causal[None] & mask[:, None, :]
+    text_layers = _tower(t, "text_model", sd, tc.num_attention_heads, allowed)
+    final = _ln(text_layers[-1].hidden, "text_model.final_layer_norm", sd)
+    eos = end_of_text(model, input_ids)
+    text_embeds = final[torch.arange(B), eos] @ sd["text_projection.weight"].T
+    cosine = (torch.nn.functional.normalize(image_embeds, dim=-1) * torch.nn.functional.normalize(text_embeds, dim=-1)).sum(-1)
+    score = cosine * sd["logit_scale"].exp()
+    return SimpleNamespace(image=image_layers, text=text_layers, image_embeds=image_embeds, text_embeds=text_embeds,
+                           cosine=cosine, score=score, eos=eos, sd=sd)
+
+
+#: conftest.module_depth of every tiny_clip (same architecture), forward and backward, over its
+#: largest token count (the image tower's 4 x 4 patches + CLS; captions are at most 12 tokens)
+CLIP_DEPTH = module_depth(tiny_clip(), tokens=17, grad=True)
+
+
+def clip_close(a, b) -> bool:
+    """``a`` and ``b`` (tensors of the same shape) equal within ``f32_tol([a, b], CLIP_DEPTH)``: the
+    allowance ``2 * CLIP_DEPTH * eps32 * max(|a|, |b|)`` for every entry (why: test_record_clip's
+    docstring)."""
+    a, b = a.detach().double(), b.detach().double()
+    return a.shape == b.shape and torch.allclose(a, b, **f32_tol([a, b], CLIP_DEPTH))
+
+
+def loop_propagate(steps, sizes, normalize=True):
+    """Eq. 1-11 for one sample (index 0 of every batch dimension), with explicit loops over
+    tokens and heads in float64 numpy: an independent dense implementation. ``steps``: lists
+    of events whose additions are computed from the state before the step."""
+    names = list(sizes)
+    R = {(s, q): (np.eye(sizes[s]) if s == q else np.zeros((sizes[s], sizes[q]))) for s in names for q in names}
+
+    def abar_of(e):
+        A = e.attention.double().numpy().reshape(-1, *e.attention.shape[-3:])[0]
+        G = e.grad.double().numpy().reshape(-1, *e.grad.shape[-3:])[0]
+        H, n, m = A.shape
+        out = np.zeros((n, m))
+        for i in range(n):
+            for j in range(m):
+                out[i, j] = sum(max(A[h, i, j] * G[h, i, j], 0.0) for h in range(H)) / H
+        return out
+
+    def rbar(M):
+        n = M.shape[0]
+        out = np.eye(n)
+        for i in range(n):
+            row = [M[i, j] - (1.0 if i == j else 0.0) for j in range(n)]
+            total = sum(row)
+            for j in range(n):
+                out[i, j] += row[j] / total if total > 0 else 0.0
+        return out
+
+    def matmul(X, Y):
+        out = np.zeros((X.shape[0], Y.shape[1]))
+        for i in range(X.shape[0]):
+            for k in range(Y.shape[1]):
+                out[i, k] = sum(X[i, j] * Y[j, k] for j in range(X.shape[1]))
+        return out
+
+    for step in steps:
+        adds = []
+        for e in step:
+            if e.grad is None:
+                continue
+            Ab, s, q = abar_of(e), e.query, e.key
+            if s == q:
+                adds += [((s, x), matmul(Ab, R[s, x])) for x in names]
+            else:
+                Rs, Rq = (rbar(R[s, s]), rbar(R[q, q])) if normalize else (R[s, s], R[q, q])
+                adds.append(((s, q), matmul(Rs.T, matmul(Ab, Rq))))
+                adds.append(((s, s), matmul(Ab, R[q, s])))
+        new = {k: v.copy() for k, v in R.items()}
+        for k, v in adds:
+            new[k] += v
+        R = new
+    return R
+
+
+def hand_states(model, x, allowed=None):
+    """timm ViT written out block by block: (h_0, [(input, mid, output)] per block), the
+    attention optionally restricted to ``allowed[l]`` (N x N bool, or None) with a hand-written
+    softmax over the allowed keys."""
+    h = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))
+    h0, states = h, []
+    for l, b in enumerate(model.blocks):
+        a_in = b.norm1(h)
+        attn = b.attn
+        B, N, D = a_in.shape
+        q, k, v = attn.qkv(a_in).reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+        logits = (q * attn.scale) @ k.transpose(-2, -1)
+        if allowed is not None and allowed[l] is not None:
+            logits = logits.masked_fill(~allowed[l], float("-inf"))
+        a = attn.proj((logits.softmax(-1) @ v).transpose(1, 2).reshape(B, N, D))
+        mid = h + b.ls1(a)
+        out = mid + b.ls2(b.mlp(b.norm2(mid)))
+        states.append((h, mid, out))
+        h = out
+    return h0, states
+
+
+def as64(model, inputs):
+    """Model and inputs in float64. Answers (argmaxes) of a padded batch against a question-by-question
+    loop are an exact claim only where no two logits lie within rounding of each other; in float64
+    that is ~1e-12 of the logits instead of float32's ~1e-4."""
+    return model.double(), {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+
+
+def answer_logits(out):
+    return out.question_answering_score if hasattr(out, "question_answering_score") else out.logits
+
+
+def loop_predictions(model, inputs, maps, modality, positive, keep_end=1, steps=bf.PERTURBATION_STEPS):
+    """Question by question, unpadded: delete the tokens (plain Python sort, ties to the earlier
+    token) and rerun the model; returns B x S predictions and kept counts."""
+    B = inputs["input_ids"].shape[0]
+    preds, kept = np.zeros((B, len(steps)), int), np.zeros((B, len(steps)), int)
+    for b in range(B):
+        n = int(inputs["attention_mask"][b].sum())
+        one = {k: v[b : b + 1, :n] if k in bf.TEXT_KEYS else v[b : b + 1] for k, v in inputs.items()}
+        for j, step in enumerate(steps):
+            if modality == "image":
+                cand = list(range(maps.shape[1]))
+            else:
+                cand = list(range(1, n - keep_end))
+            ranked = sorted(cand, key=lambda i: (-float(maps[b, i]), i))      # most relevant first
+            k = int((1 - step) * len(cand))
+            keep = sorted(ranked[len(ranked) - k:] if positive else ranked[:k])
+            x = dict(one)
+            if modality == "image":
+                for key in bf.IMAGE_KEYS:
+                    if key in x:
+                        x[key] = x[key][:, keep] if keep else torch.zeros_like(x[key][:, :1])
+                kept[b, j] = len(keep)
+            else:
+                keep = [0] + keep + list(range(n - keep_end, n))
+                for key in bf.TEXT_KEYS:
+                    if key in x:
+                        x[key] = x[key][:, keep]
+                kept[b, j] = len(keep)
+            with torch.no_grad():
+                preds[b, j] = int(answer_logits(model(**x)).argmax(-1))
+    return preds, kept
+
+
+@contextlib.contextmanager
+def forwards_counted(model):
+    """Counts the model's forward passes (the test's own hook, removed on exit)."""
+    calls = []
+    handle = model.register_forward_pre_hook(lambda mod, args: calls.append(1))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per sample, ``max |a - b| / max |b|`` (float64)."""
+    a, b = a.double().flatten(1), b.double().flatten(1)
+    return (a - b).abs().max(1).values / b.abs().max(1).values
