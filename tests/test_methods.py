@@ -60,7 +60,12 @@ def _clip():
                        attention_mask=mask), None
 
 
-BUILD = {"vit": _vit, "lxmert": lambda: _question_model("shapes-lxmert"),
+def _swin():
+    model = vitlab.load_model("shapes-swin")
+    return model, vitlab.preprocess_batch(_scenes().images, model), [1, 3]
+
+
+BUILD = {"swin": _swin, "vit": _vit, "lxmert": lambda: _question_model("shapes-lxmert"),
          "visualbert": lambda: _question_model("shapes-visualbert"), "vilt": _vilt, "detr": _detr, "clip": _clip}
 
 
@@ -99,7 +104,7 @@ PAIRS = [(name, family) for name, m in METHODS.items() for family in m.families]
 
 
 def test_the_registry_covers_every_family_with_one_name_and_one_display_name_per_method():
-    assert set(FAMILIES) == set(IMPLEMENTATIONS) == {"vit", "lxmert", "visualbert", "vilt", "detr", "clip"}
+    assert set(FAMILIES) == set(IMPLEMENTATIONS) == {"vit", "lxmert", "visualbert", "vilt", "detr", "clip", "swin"}
     assert len({m.display for m in METHODS.values()}) == len(METHODS)
     for family in FAMILIES:  # the four methods every family has
         assert {"relevance", "raw_attention", "rollout", "gradcam"} <= set(methods_for(family))
@@ -174,8 +179,8 @@ def test_display_names_come_from_the_registry():
     assert display_names("relevance", "grad_rollout") == ("Chefer relevance", "gradient rollout")
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         display_names("nope")
-    with pytest.raises(ValueError, match="unknown family 'swin'; families: vit, lxmert"):
-        methods_for("swin")
+    with pytest.raises(ValueError, match="unknown family 'mamba'; families: vit, lxmert"):
+        methods_for("mamba")
 
 
 def test_the_method_lists_are_views_of_the_registry(cases):

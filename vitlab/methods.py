@@ -2,7 +2,7 @@
 
 ``vitlab.explain(method, model, inputs, target=None, **options)`` runs a method on any model
 vitlab can record: it finds the model's family (:func:`vitlab.record.model_family`: a ViT,
-LXMERT, VisualBERT, ViLT, DETR or CLIP) and calls that family's implementation, so a reader
+LXMERT, VisualBERT, ViLT, DETR, CLIP or Swin) and calls that family's implementation, so a reader
 learns one name per method (``"relevance"``, not ``chefer_relevance`` / ``lxmert_relevance`` /
 ``detr_relevance`` / ``clip_relevance``)::
 
@@ -58,6 +58,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "the object queries to explain (per image); None: every query detected above the threshold"),
     Family("clip", "CLIP", "the model's input dict of image-caption pairs (pixel_values, input_ids, attention_mask)",
            "none: each pair's own score is explained"),
+    Family("swin", "Swin", "a B x 3 x H x W float image batch",
+           "a class index (one for all samples, or one per sample); None: each sample's predicted class"),
 )}
 
 #: family -> method name -> implementing function ("module:function", imported on first use)
@@ -91,6 +93,9 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         relevance="vitlab.relevance:clip_relevance", raw_attention="vitlab.relevance:clip_raw_attention",
         rollout="vitlab.relevance:clip_rollout", gradcam="vitlab.relevance:clip_gradcam",
         grad_eclip="vitlab.grad_eclip:grad_eclip", legrad="vitlab.legrad:legrad"),
+    "swin": dict(
+        relevance="vitlab.hierarchical:swin_relevance", raw_attention="vitlab.hierarchical:swin_raw_attention",
+        rollout="vitlab.hierarchical:swin_rollout", gradcam="vitlab.hierarchical:swin_gradcam"),
 }
 
 

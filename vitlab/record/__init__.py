@@ -180,7 +180,7 @@ def require_materialized(model: nn.Module, method: str) -> None:
 
 def model_family(model: nn.Module) -> str:
     """The family of ``model`` as vitlab records it: ``"vit"`` (timm and Hugging Face ViTs),
-    ``"lxmert"``, ``"visualbert"``, ``"vilt"``, ``"detr"`` or ``"clip"`` (:func:`vitlab.explain`
+    ``"lxmert"``, ``"visualbert"``, ``"vilt"``, ``"detr"``, ``"clip"`` or ``"swin"`` (:func:`vitlab.explain`
     dispatches on it). TypeError, naming what is supported, for a model vitlab cannot record."""
     attach, _ = _adapter_for(model)
     family = _MULTI.get(attach)
