@@ -325,9 +325,7 @@ def score_chunk(model, batch: Batch, indices: Sequence[int], methods: Sequence[s
     masks = None if batch.object_masks is None else _target_masks(batch.object_masks, target)
     names = measure_names(ks, masks is not None)
     values = np.full((B, len(methods), len(names)), np.nan)
-    # float64 for a float64 model (its maps' ranks kept, as the measures keep them), else float32
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    maps = {name: METHODS[name](model, x, target, indices).detach().to("cpu", dtype) for name in methods}
+    maps = {name: METHODS[name](model, x, target, indices).detach().float().cpu() for name in methods}
 
     # faithfulness: all methods' maps in one call per measure (longer batches, same numbers per sample)
     M = len(methods)
