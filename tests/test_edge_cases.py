@@ -200,7 +200,7 @@ def test_kit_tables_names_a_missing_marker_notebook_or_row_and_refuses_a_misspel
 
 
 def test_saco_on_a_clip_without_score_says_to_pass_image_text_score():
-    from test_record_clip import pairs, tiny_clip
+    from tiny_models import pairs, tiny_clip
 
     from vitlab import faithfulness as fa
 
@@ -272,7 +272,7 @@ def test_map_change_of_signed_maps_stays_in_its_range_and_matches_the_l1_of_shar
 # --------------------------------------------------------------------------------------------
 
 def test_text_embeddings_checks_the_texts_as_every_clip_method_does():
-    from test_record_clip import EOS, captions, tiny_clip
+    from tiny_models import EOS, captions, tiny_clip
 
     from vitlab.clip_decomposition import text_embeddings
 
@@ -382,7 +382,7 @@ def test_a_float64_models_logits_are_read_in_float64(vit64, x64):
 
 def test_a_model_on_the_meta_device_is_refused_before_any_forward(x):
     from timm.models.vision_transformer import VisionTransformer
-    from test_record_clip import pairs, tiny_clip
+    from tiny_models import pairs, tiny_clip
 
     from conftest import TINY
     from vitlab import faithfulness as fa
@@ -427,7 +427,7 @@ def test_a_model_on_the_meta_device_is_refused_before_any_forward(x):
 
 @pytest.mark.parametrize("name", ["clip_relevance", "clip_gradcam", "grad_eclip", "legrad", "clip_rollout"])
 def test_each_clip_method_under_no_grad_gives_the_maps_it_gives_outside(name):
-    from test_record_clip import pairs, tiny_clip
+    from tiny_models import pairs, tiny_clip
 
     import vitlab.relevance as rel
     from vitlab.grad_eclip import grad_eclip
@@ -452,7 +452,7 @@ def test_each_clip_method_under_no_grad_gives_the_maps_it_gives_outside(name):
 
 def test_float_indices_are_refused_not_truncated():
     import numpy as np
-    from test_record_clip import pairs, tiny_clip
+    from tiny_models import pairs, tiny_clip
 
     from vitlab import faithfulness as fa
     from vitlab.shapes.captions import CaptionTokenizer

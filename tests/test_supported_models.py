@@ -108,9 +108,7 @@ def test_token_layout_is_truthful(models, name):
         with pytest.raises(TypeError, match=expected) as err:
             vitlab.token_layout(model, x)
         assert fam.internal_name(str(err.value)) is None
-        with pytest.raises(TypeError, match=expected):
-            with vitlab.record(model):
-                pass
+        assert "vitlab.hierarchical" in str(err.value)  # where it is explained (tests/test_swin.py)
         return
     layout = vitlab.token_layout(model, x)
     assert (layout.num_prefix, layout.pool) == expected
