@@ -51,3 +51,38 @@ def test_bootstrap_intervals_and_paired_differences():
         stats.paired_difference(a, a[:-1])
     with pytest.raises(ValueError, match="NaN or inf"):
         stats.mean_interval([0.1, float("nan")])
+
+
+def test_where_defined_keeps_the_scenes_every_grade_has():
+    a = np.array([0.1, np.nan, 0.3, 0.4, np.nan])
+    b = torch.tensor([1.0, 2.0, float("nan"), 4.0, 5.0])
+    ka, kb = stats.where_defined(a, b)
+    assert ka.tolist() == [0.1, 0.4] and kb.tolist() == [1.0, 4.0]
+    d = stats.paired_difference(*stats.where_defined(a, b))
+    assert d.n == 2 and d.value == pytest.approx(np.mean([0.1 - 1.0, 0.4 - 4.0]))
+    (only,) = stats.where_defined(a)
+    assert only.tolist() == [0.1, 0.3, 0.4]
+    with pytest.raises(ValueError, match="one value per scene"):
+        stats.where_defined(a, b[:3])
+    with pytest.raises(ValueError, match="infinite"):
+        stats.where_defined([0.1, float("inf")])
+    with pytest.raises(ValueError, match="at least one grade"):
+        stats.where_defined()
+
+
+def test_choose_setting_keeps_the_default_unless_another_is_better_beyond_noise():
+    rng = np.random.default_rng(3)
+    base = rng.random(400) < 0.6
+    noisy = base.copy()
+    noisy[rng.choice(400, 6, replace=False)] = True          # a few more hits: within the noise
+    clearly = base | (rng.random(400) < 0.5)                  # many more hits
+    worse = base & (rng.random(400) < 0.5)
+    assert stats.choose_setting({"paper": base, "other": noisy}, "paper") == "paper"
+    assert stats.choose_setting({"paper": base, "other": clearly, "worse": worse}, "paper") == "other"
+    assert stats.choose_setting({"paper": clearly, "other": base}, "paper") == "paper"
+    assert stats.choose_setting({"paper": base}, "paper") == "paper"
+    # the rule is the paired interval: exactly when its low end is above 0
+    d = stats.paired_difference(noisy, base)
+    assert d.low <= 0 < d.value
+    with pytest.raises(ValueError, match="default"):
+        stats.choose_setting({"a": base}, "b")
