@@ -167,6 +167,26 @@ def test_saco_of_the_pair_score_equals_a_replace_each_group_loop(model):
     assert torch.equal(fa.saco(model, x, sal, k=k, score=fa.image_text_score(model, inputs)), res.saco)
 
 
+def test_clip_saco_grades_the_pairs_with_a_ranking_and_leaves_the_others_undefined(model):
+    inputs = pairs()
+    sal = pixel_maps(3, seed=9)
+    sal[1] = 0.5                                              # a constant map: SaCo undefined
+    before = model_state(model)
+    res = fa.clip_saco(model, inputs, sal, k=5, batch_size=4)
+    assert_unchanged(model, before)
+    keep = torch.tensor([0, 2])
+    sub = {k: v[keep] for k, v in inputs.items()}
+    ref = fa.saco_details(model, sub["pixel_values"], sal[keep], k=5, score=fa.image_text_score(model, sub))
+    assert torch.isnan(res.saco[1]) and torch.isnan(res.drops[1]).all() and torch.isnan(res.sums[1]).all()
+    assert close64(res.saco[keep], ref.saco) and close64(res.drops[keep], ref.drops)
+    assert close64(res.probability[keep], ref.probability)
+    flat = {k: v for k, v in inputs.items()}
+    flat_sal = torch.ones_like(sal)
+    assert torch.isnan(fa.clip_saco(model, flat, flat_sal, k=5).saco).all()
+    with pytest.raises(ValueError, match="pixel_values"):
+        fa.clip_saco(model, {"input_ids": inputs["input_ids"]}, sal)
+
+
 def test_a_train_mode_model_comes_back_in_train_mode(model):
     inputs = pairs()
     model.train()

@@ -386,3 +386,22 @@ def test_top_token_is_gives_false_for_a_row_where_nothing_counts():
         top_token_is(torch.tensor([[float("inf"), 0.0]]), [0])
     with pytest.raises(ValueError, match="one position per row"):
         top_token_is(s, [0, 1])
+
+
+def test_map_to_mask_mean_rule_is_the_benchmarks_min_max_and_mean_cut():
+    rng = np.random.default_rng(4)
+    m = torch.from_numpy(rng.normal(size=(5, 7, 7)))
+    got = loc.map_to_mask(m, (7, 7), upsample="nearest", rule="mean")
+    for b in range(5):                                     # numpy, as imagenet_seg_eval.py does it
+        u = (m[b].numpy() - m[b].numpy().min()) / (m[b].numpy().max() - m[b].numpy().min())
+        assert np.array_equal(got[b].numpy(), u > u.mean())
+    big = loc.map_to_mask(m, (14, 14), upsample="nearest", rule="mean")
+    assert torch.equal(big, got.repeat_interleave(2, 1).repeat_interleave(2, 2))
+    assert not loc.map_to_mask(torch.ones(1, 4, 4), (4, 4), rule="mean").any()   # nothing stands out
+    # one high patch among equal ones: both rules keep exactly it
+    one = torch.zeros(1, 4, 4)
+    one[0, 1, 2] = 1.0
+    for rule in loc.MASK_RULES:
+        assert loc.map_to_mask(one, (4, 4), upsample="nearest", rule=rule).nonzero().tolist() == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="rule must be one of"):
+        loc.map_to_mask(m, (7, 7), rule="median")

@@ -77,3 +77,38 @@ def test_unpaired_difference_resamples_each_side_on_its_own_and_estimates_print_
     e = stats.Estimate(0.37, 0.34, 0.4, 10)
     assert str(e) == e.format() == "0.370 [0.340, 0.400]"
     assert stats.Estimate(-0.0123, -0.05, 0.026, 3).format("+.2f") == "-0.01 [-0.05, +0.03]"
+
+
+def test_where_defined_keeps_the_scenes_every_grade_has():
+    a = np.array([0.1, np.nan, 0.3, 0.4, np.nan])
+    b = torch.tensor([1.0, 2.0, float("nan"), 4.0, 5.0])
+    ka, kb = stats.where_defined(a, b)
+    assert ka.tolist() == [0.1, 0.4] and kb.tolist() == [1.0, 4.0]
+    d = stats.paired_difference(*stats.where_defined(a, b))
+    assert d.n == 2 and d.value == pytest.approx(np.mean([0.1 - 1.0, 0.4 - 4.0]))
+    (only,) = stats.where_defined(a)
+    assert only.tolist() == [0.1, 0.3, 0.4]
+    with pytest.raises(ValueError, match="one value per scene"):
+        stats.where_defined(a, b[:3])
+    with pytest.raises(ValueError, match="infinite"):
+        stats.where_defined([0.1, float("inf")])
+    with pytest.raises(ValueError, match="at least one grade"):
+        stats.where_defined()
+
+
+def test_choose_setting_keeps_the_default_unless_another_is_better_beyond_noise():
+    rng = np.random.default_rng(3)
+    base = rng.random(400) < 0.6
+    noisy = base.copy()
+    noisy[rng.choice(400, 6, replace=False)] = True          # a few more hits: within the noise
+    clearly = base | (rng.random(400) < 0.5)                  # many more hits
+    worse = base & (rng.random(400) < 0.5)
+    assert stats.choose_setting({"paper": base, "other": noisy}, "paper") == "paper"
+    assert stats.choose_setting({"paper": base, "other": clearly, "worse": worse}, "paper") == "other"
+    assert stats.choose_setting({"paper": clearly, "other": base}, "paper") == "paper"
+    assert stats.choose_setting({"paper": base}, "paper") == "paper"
+    # the rule is the paired interval: exactly when its low end is above 0
+    d = stats.paired_difference(noisy, base)
+    assert d.low <= 0 < d.value
+    with pytest.raises(ValueError, match="default"):
+        stats.choose_setting({"a": base}, "b")

@@ -604,3 +604,39 @@ def saco_logit(model, x: torch.Tensor, saliency, target=None, k: int = 10,
     z = logits.double().gather(2, t[:, None, None].expand(-1, k + 1, 1))[..., 0]   # B x (k+1)
     drops = z[:, :1] - z[:, 1:]
     return SaCoResult(saco_from_drops(drops, sums).float(), drops, sums, z[:, 0], t)
+
+
+def clip_saco(model, inputs, saliency, k: int = 10, batch_size: int = 64) -> SaCoResult:
+    """SaCo of CLIP pairs' scores (:func:`saco_details` with ``score=image_text_score(model,
+    inputs)``) for every pair whose map ranks some pixel above another, and NaN rows (``saco``,
+    ``drops``, ``sums``, ``probability``) for the pairs whose map is constant, where SaCo is
+    undefined (e.g. GradCAM's all-zero maps). With :func:`vitlab.stats.where_defined`, two
+    methods are then compared on the pairs both can be graded on.
+
+    Args:
+        model: a Hugging Face ``CLIPModel`` (left as it was).
+        inputs: ``dict(pixel_values=..., input_ids=..., attention_mask=...)``, row b the pair
+            (image b, text b), as the CLIP methods take them.
+        saliency: ``B x gh x gw`` or ``B x H x W`` maps, one per pair (NaN or inf refused).
+        k, batch_size: as :func:`saco`.
+    """
+    x = inputs["pixel_values"] if isinstance(inputs, dict) and "pixel_values" in inputs else None
+    if x is None:
+        raise ValueError("clip_saco: inputs must be a dict with pixel_values, input_ids and attention_mask")
+    image_text_score(model, inputs)                   # the pairs checked before any image forward
+    sal = _pixel_saliency(saliency, x).reshape(x.shape[0], -1)
+    ok = sal.amax(1) > sal.amin(1)
+    B = x.shape[0]
+    nan = float("nan")
+    out = SaCoResult(torch.full((B,), nan), torch.full((B, k), nan), torch.full((B, k), nan),
+                     torch.full((B,), nan), torch.full((B,), -1, dtype=torch.long))
+    if bool(ok.any()):
+        rows = ok.nonzero()[:, 0].cpu()
+        sub = {key: (v[rows.to(v.device)] if isinstance(v, torch.Tensor) and v.shape[:1] == (B,) else v)
+               for key, v in inputs.items()}
+        maps = saliency if isinstance(saliency, torch.Tensor) else torch.as_tensor(np.asarray(saliency))
+        part = saco_details(model, sub["pixel_values"], maps[rows.to(maps.device)], k=k, batch_size=batch_size,
+                            score=image_text_score(model, sub))
+        out.saco[rows], out.drops[rows], out.sums[rows], out.probability[rows] = (
+            part.saco, part.drops, part.sums, part.probability)
+    return out

@@ -338,16 +338,26 @@ def otsu_threshold(values) -> int:
     return int(np.argmax(between))
 
 
-def map_to_mask(maps, size: tuple[int, int], upsample: str = "bilinear") -> torch.Tensor:
-    """Explanation maps ``B x gh x gw`` -> object masks ``B x H x W`` (bool), as the reference's
-    ``DETR/mask_generator.py`` makes them: each map min-max scaled to 0..255, cast to uint8,
-    thresholded by Otsu on the patch grid (:func:`otsu_threshold`), then brought to the image
-    size. ``upsample="bilinear"``: as DETR's ``PostProcessSegm`` does it (bilinear
+#: How :func:`map_to_mask` cuts a map: ``"otsu"`` (Chefer et al.'s DETR experiment,
+#: ``DETR/mask_generator.py``) or ``"mean"`` (the ImageNet-segmentation benchmark of Chefer et
+#: al.'s ViT code, ``imagenet_seg_eval.py``, reused by Gandelsman et al.'s
+#: ``compute_segmentations.py``: min-max scaled, foreground above the map's mean).
+MASK_RULES = ("otsu", "mean")
+
+
+def map_to_mask(maps, size: tuple[int, int], upsample: str = "bilinear", rule: str = "otsu") -> torch.Tensor:
+    """Explanation maps ``B x gh x gw`` -> object masks ``B x H x W`` (bool). ``rule="otsu"``: as
+    the reference's ``DETR/mask_generator.py`` makes them: each map min-max scaled to 0..255, cast
+    to uint8, thresholded by Otsu on the patch grid (:func:`otsu_threshold`), then brought to the
+    image size. ``rule="mean"``: each map min-max scaled to [0, 1] and the patches above its mean
+    kept (the ImageNet-segmentation benchmark's rule, :data:`MASK_RULES`). ``upsample="bilinear"``: as DETR's ``PostProcessSegm`` does it (bilinear
     interpolation of the grid mask, ``align_corners=False``, foreground where the value is
     > 0, i.e. its sigmoid > 0.5); ``"nearest"``: each patch's pixels take its value. A constant
     map gives an empty mask (nothing stands out)."""
     if upsample not in ("bilinear", "nearest"):
         raise ValueError(f"upsample must be 'bilinear' or 'nearest', got {upsample!r}")
+    if rule not in MASK_RULES:
+        raise ValueError(f"rule must be one of {MASK_RULES}, got {rule!r}")
     m = as_cpu_tensor(maps, torch.float64)
     if m.ndim != 3 or m.shape[0] == 0:
         raise ValueError(f"maps must be B x gh x gw with B >= 1, got shape {tuple(m.shape)}")
@@ -357,6 +367,10 @@ def map_to_mask(maps, size: tuple[int, int], upsample: str = "bilinear") -> torc
     for b in range(m.shape[0]):
         lo, hi = m[b].min(), m[b].max()
         if hi <= lo:
+            continue
+        if rule == "mean":
+            unit = (m[b] - lo) / (hi - lo)
+            grid[b] = (unit > unit.mean()).double()
             continue
         u8 = ((m[b] - lo) / (hi - lo) * 255).numpy().astype(np.uint8)
         grid[b] = torch.from_numpy(u8 > otsu_threshold(u8)).double()

@@ -9,7 +9,14 @@
 
 each an :class:`Estimate`, which prints itself as ``0.370 [0.340, 0.400]``. These are vitlab's only
 intervals: the leaderboard (:func:`vitlab.evaluate.summarize`), the removal test of chapter 7, the
-bi-modal perturbation tests and the CLIP training report all call them.
+bi-modal perturbation tests and the CLIP training report all call them. Two helpers grade on a
+sample:
+
+- :func:`where_defined` -- the scenes where every grade is defined (e.g. SaCo, undefined for a
+  constant map), so that a paired difference compares the same scenes;
+- :func:`choose_setting` -- a setting (a block range, a threshold) chosen by a rule declared in
+  advance: the default unless another is better beyond the noise, measured on scenes kept apart
+  from the graded ones.
 """
 from __future__ import annotations
 
@@ -125,6 +132,37 @@ def unpaired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int
              - vb[rng.integers(0, vb.size, size=(n_boot, vb.size))].mean(1))
     low, high = np.quantile(diffs, [(1 - lv) / 2, (1 + lv) / 2])
     return Estimate(float(va.mean() - vb.mean()), float(low), float(high), int(va.size + vb.size))
+
+
+def where_defined(*grades) -> tuple[np.ndarray, ...]:
+    """The grades (one value per scene each, the same scenes in the same order) restricted to the
+    scenes where none is NaN, as float64 arrays: ``paired_difference(*where_defined(a, b))``
+    compares two methods on the scenes both can be graded on, and its ``n`` says how many those
+    are. An infinite value is refused (it is not "undefined", it is a fault)."""
+    if not grades:
+        raise ValueError("where_defined needs at least one grade")
+    vs = [np.asarray(g.detach().cpu() if isinstance(g, torch.Tensor) else g, dtype=np.float64).ravel() for g in grades]
+    if len({v.size for v in vs}) != 1:
+        raise ValueError(f"where_defined needs one value per scene in every grade, got sizes {[v.size for v in vs]}")
+    if any(np.isinf(v).any() for v in vs):
+        raise ValueError("where_defined got an infinite grade: only NaN marks a scene that cannot be graded")
+    ok = ~np.any([np.isnan(v) for v in vs], axis=0)
+    return tuple(v[ok] for v in vs)
+
+
+def choose_setting(hits: dict, default, level: float = 0.95) -> object:
+    """A setting chosen by a rule declared before looking: keep ``default`` unless the best other
+    setting (the highest mean of ``hits[setting]``, per-scene grades, higher is better) beats it
+    beyond the noise, i.e. its :func:`paired_difference` over the default has its interval above
+    0. Give it scenes the graded ones do not include: a setting chosen on the graded scenes
+    favours itself."""
+    if default not in hits:
+        raise ValueError(f"choose_setting: the default {default!r} is not among the settings {list(hits)}")
+    others = [k for k in hits if k != default]
+    if not others:
+        return default
+    best = max(others, key=lambda k: float(np.mean(_values(hits[k], "choose_setting"))))
+    return best if paired_difference(hits[best], hits[default], level).low > 0 else default
 
 
 def _normal_quantile(level: float) -> float:
