@@ -4,6 +4,11 @@
 - :func:`mean_interval` -- a mean with its percentile bootstrap interval (:func:`bootstrap`);
 - :func:`paired_difference` -- two measurements of the same scenes, the mean difference with the
   bootstrap interval of the scenes resampled together;
+- :func:`unpaired_difference` -- two measurements of different scenes (two groups of a split),
+  the difference of their means with the bootstrap interval of each group resampled on its own;
+
+where one scene gives several values (a detector's detections), ``groups`` names each value's
+scene and the scenes, not the values, are resampled;
 
 each an :class:`Estimate`, which prints itself as ``0.370 [0.340, 0.400]``.
 """
@@ -66,16 +71,44 @@ def rate(hits, level: float = 0.95) -> Estimate:
     return Estimate(k / n, max(0.0, centre - half), min(1.0, centre + half), n)
 
 
-def mean_interval(values, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> Estimate:
+def mean_interval(values, level: float = 0.95, n_boot: int = 2000, seed: int = 0, groups=None) -> Estimate:
     """The mean of per-scene ``values`` with its percentile bootstrap interval (Efron 1979):
     the scenes are resampled with replacement ``n_boot`` times (a generator seeded with
     ``seed``), the mean is taken each time, and the interval is the middle ``level`` of those
-    means."""
+    means.
+
+    ``groups``: one label per value (e.g. the scene of each detection) when a scene gives
+    several values that are not independent; then whole scenes are resampled (the cluster
+    bootstrap, Davison & Hinkley 1997, sec. 3.8), the mean is over all values of the drawn
+    scenes, and ``n`` counts the scenes."""
     lv = _level(level)
     positive_int("n_boot", n_boot)
     v = _values(values, "mean_interval")
-    low, high = bootstrap(v, lv, n_boot, seed)
-    return Estimate(float(v.mean()), low, high, int(v.size))
+    if groups is None:
+        low, high = bootstrap(v, lv, n_boot, seed)
+        return Estimate(float(v.mean()), low, high, int(v.size))
+    sums, counts = _group_sums(v, groups, "mean_interval")
+    low, high = _cluster_bootstrap(sums, counts, lv, n_boot, seed)
+    return Estimate(float(v.mean()), low, high, int(sums.size))
+
+
+def _group_sums(v: np.ndarray, groups, what: str) -> tuple[np.ndarray, np.ndarray]:
+    g = np.asarray(groups.detach().cpu() if isinstance(groups, torch.Tensor) else groups).ravel()
+    if g.shape != v.shape:
+        raise ValueError(f"{what}: groups needs one label per value, got {g.size} labels for {v.size} values")
+    _, index = np.unique(g, return_inverse=True)
+    return np.bincount(index, weights=v), np.bincount(index).astype(np.float64)
+
+
+def _cluster_bootstrap(sums: np.ndarray, counts: np.ndarray, level: float, n_boot: int,
+                       seed: int) -> tuple[float, float]:
+    """The percentile bootstrap of a mean over groups: ``n_boot`` draws of as many groups as
+    there are, with replacement, each giving (sum of the drawn groups' values) / (their count)."""
+    rng = np.random.default_rng(seed)
+    draw = rng.integers(0, sums.size, size=(n_boot, sums.size))
+    means = sums[draw].sum(1) / counts[draw].sum(1)
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
 
 
 def bootstrap(v: np.ndarray, level: float, n_boot: int, seed: int) -> tuple[float, float]:
@@ -89,15 +122,36 @@ def bootstrap(v: np.ndarray, level: float, n_boot: int, seed: int) -> tuple[floa
     return float(low), float(high)
 
 
-def paired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> Estimate:
+def paired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int = 0, groups=None) -> Estimate:
     """``a - b`` for two grades of the *same* scenes (per-scene values or hits, in the same
     order): the mean difference with the bootstrap interval of :func:`mean_interval`, the
     scenes resampled together, so what the two share cancels. An interval that holds 0 is a
-    tie on these scenes."""
+    tie on these scenes. ``groups``: as in :func:`mean_interval` (whole scenes resampled)."""
     va, vb = _values(a, "paired_difference"), _values(b, "paired_difference")
     if va.shape != vb.shape:
         raise ValueError(f"paired_difference needs one value per scene on both sides, got {va.size} and {vb.size}")
-    return mean_interval(va - vb, level, n_boot, seed)
+    return mean_interval(va - vb, level, n_boot, seed, groups)
+
+
+def unpaired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int = 0,
+                        groups_a=None, groups_b=None) -> Estimate:
+    """``mean(a) - mean(b)`` for grades of *different* scenes (e.g. the scenes of a split): the
+    two samples are resampled each on its own (``groups_a`` / ``groups_b`` as ``groups`` in
+    :func:`mean_interval`), the difference of their means taken ``n_boot`` times, and the
+    interval is the middle ``level`` of those differences. Nothing cancels, so it is wider than
+    a paired interval on the same numbers would be. ``n`` counts the scenes of both."""
+    lv = _level(level)
+    positive_int("n_boot", n_boot)
+    va, vb = _values(a, "unpaired_difference"), _values(b, "unpaired_difference")
+    rng = np.random.default_rng(seed)
+    means, n = [], 0
+    for v, g in ((va, groups_a), (vb, groups_b)):
+        sums, counts = (v, np.ones_like(v)) if g is None else _group_sums(v, g, "unpaired_difference")
+        draw = rng.integers(0, sums.size, size=(n_boot, sums.size))
+        means.append(sums[draw].sum(1) / counts[draw].sum(1))
+        n += sums.size
+    low, high = np.quantile(means[0] - means[1], [(1 - lv) / 2, (1 + lv) / 2])
+    return Estimate(float(va.mean() - vb.mean()), float(low), float(high), n)
 
 
 def _normal_quantile(level: float) -> float:
