@@ -372,6 +372,25 @@ def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return inter / np.maximum(area(a) + area(b) - inter, 1e-12)
 
 
+def box_masks(boxes, size: tuple[int, int]) -> torch.Tensor:
+    """Boxes filled as masks: ``D x 4`` boxes ``(x0, y0, x1, y1)`` in [0, 1] (a detector's
+    predicted boxes, e.g. :attr:`vitlab.relevance.DetectionGrades.box`) -> ``D x H x W`` bool
+    masks of ``size = (H, W)``, a pixel inside when its centre is (edges included). The trivial
+    segmentation a detector gives with no explanation at all: the baseline a map's mask
+    (:func:`map_to_mask`) has to beat."""
+    b = as_cpu_tensor(boxes, torch.float64)
+    if b.ndim != 2 or b.shape[1] != 4:
+        raise ValueError(f"boxes must be D x 4 (x0, y0, x1, y1), got shape {tuple(b.shape)}")
+    if not bool(torch.isfinite(b).all()):
+        raise ValueError("boxes hold NaN or inf: drop those detections first")
+    H, W = (int(v) for v in size)
+    cy = (torch.arange(H, dtype=torch.float64) + 0.5) / H
+    cx = (torch.arange(W, dtype=torch.float64) + 0.5) / W
+    inside_y = (cy >= b[:, 1, None]) & (cy <= b[:, 3, None])          # D x H
+    inside_x = (cx >= b[:, 0, None]) & (cx <= b[:, 2, None])          # D x W
+    return inside_y[:, :, None] & inside_x[:, None, :]
+
+
 def segmentation_ap(detections: list[dict], truths: list[dict],
                     iou_thresholds=SEGMENTATION_IOU_THRESHOLDS) -> dict:
     """COCO's mask AP (the reference's DETR segmentation score), written out here.
