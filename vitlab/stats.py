@@ -4,6 +4,8 @@
 - :func:`mean_interval` -- a mean with its percentile bootstrap interval (:func:`bootstrap`);
 - :func:`paired_difference` -- two measurements of the same scenes, the mean difference with the
   bootstrap interval of the scenes resampled together;
+- :func:`hypergeometric_cdf` -- the exact chance of an overlap as small as the one seen between
+  two sets placed at random (the null of a shuffle that keeps their sizes);
 - :func:`unpaired_difference` -- two measurements of different scenes (two groups of a split),
   the difference of their means with the bootstrap interval of each group resampled on its own;
 
@@ -152,6 +154,34 @@ def unpaired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int
         n += sums.size
     low, high = np.quantile(means[0] - means[1], [(1 - lv) / 2, (1 + lv) / 2])
     return Estimate(float(va.mean() - vb.mean()), float(low), float(high), n)
+
+
+def hypergeometric_cdf(k, total: int, marked, drawn) -> np.ndarray:
+    """P(X <= k) for X the number of marked items among ``drawn`` items taken at random without
+    replacement from ``total`` items of which ``marked`` are marked (the hypergeometric law).
+    This is the exact chance of an overlap as small as ``k`` between two sets of sizes
+    ``marked`` and ``drawn`` placed at random among ``total`` places, the counts kept (what
+    shuffling one of them over the places gives). ``k``, ``marked``, ``drawn``: integers or
+    arrays of them (broadcast together); ``P(X >= k)`` is ``1 - hypergeometric_cdf(k - 1, ...)``.
+    Computed in float64 from log-binomials."""
+    to = lambda a: np.asarray(a.detach().cpu() if isinstance(a, torch.Tensor) else a)  # noqa: E731
+    k, K, n = np.broadcast_arrays(to(k), to(marked), to(drawn))
+    N = positive_int("total", total)
+    if not all(np.issubdtype(a.dtype, np.integer) or a.size == 0 for a in (k, K, n)):
+        k, K, n = (a.astype(np.float64) for a in (k, K, n))
+        if any((a != np.round(a)).any() for a in (k, K, n)):
+            raise ValueError("hypergeometric_cdf needs whole numbers for k, marked and drawn")
+    k, K, n = (a.astype(np.int64) for a in (k, K, n))
+    if (K < 0).any() or (n < 0).any() or (K > N).any() or (n > N).any():
+        raise ValueError(f"hypergeometric_cdf needs 0 <= marked, drawn <= total={N}")
+    lchoose = lambda a, b: (math.lgamma(a + 1) - math.lgamma(b + 1) - math.lgamma(a - b + 1))  # noqa: E731
+    out = np.empty(k.shape, dtype=np.float64)
+    for idx in np.ndindex(k.shape):
+        kk, KK, nn = int(k[idx]), int(K[idx]), int(n[idx])
+        lo, hi = max(0, nn - (N - KK)), min(KK, nn)
+        terms = [math.exp(lchoose(KK, i) + lchoose(N - KK, nn - i) - lchoose(N, nn)) for i in range(lo, min(kk, hi) + 1)]
+        out[idx] = min(1.0, sum(terms)) if kk < hi else 1.0
+    return out
 
 
 def _normal_quantile(level: float) -> float:
