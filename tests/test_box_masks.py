@@ -40,3 +40,26 @@ def test_bilinear_masks_grow_by_half_a_patch():
     # the patch covers pixels 48..63; bilinear > 0 reaches to the neighbours' centres (exclusive)
     assert (rows.min(), rows.max(), cols.min(), cols.max()) == (40, 71, 40, 71)
     assert int(bil.sum()) == 32 * 32
+
+
+def test_best_patch_mask_is_the_best_union_of_patches():
+    import itertools
+    rng = np.random.default_rng(1)
+    masks = torch.as_tensor(rng.random((5, 6, 9)) < rng.random((5, 1, 1)))   # 2 x 3 patches of 3 x 3 pixels
+    masks[4] = False                                                       # an empty object
+    got = loc.best_patch_mask(masks, (2, 3))
+    assert got.shape == masks.shape and got.dtype == torch.bool
+    for b in range(5):
+        best = 0.0
+        for keep in itertools.product([False, True], repeat=6):           # every union of patches
+            g = torch.tensor(keep).view(2, 3).repeat_interleave(3, 0).repeat_interleave(3, 1)
+            union = (g | masks[b]).sum().item()
+            best = max(best, (g & masks[b]).sum().item() / union if union else 0.0)
+        mine = got[b]
+        union = (mine | masks[b]).sum().item()
+        assert ((mine & masks[b]).sum().item() / union if union else 0.0) == pytest.approx(best, abs=1e-12)
+        # whole patches only
+        assert (mine.view(2, 3, 3, 3).permute(0, 2, 1, 3).reshape(2, 3, 9).float().std(-1) == 0).all()
+    assert not got[4].any()
+    with pytest.raises(ValueError, match="not a multiple"):
+        loc.best_patch_mask(masks, (4, 3))
