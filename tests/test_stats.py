@@ -112,3 +112,51 @@ def test_choose_setting_keeps_the_default_unless_another_is_better_beyond_noise(
     assert d.low <= 0 < d.value
     with pytest.raises(ValueError, match="default"):
         stats.choose_setting({"a": base}, "b")
+
+
+def test_groups_resample_whole_scenes():
+    rng = np.random.default_rng(4)
+    # 400 scenes, each giving 1-3 values that share the scene's level: the values are not independent
+    level = rng.normal(0.0, 1.0, 400)
+    k = rng.integers(1, 4, 400)
+    groups = np.repeat(np.arange(400), k)
+    v = np.repeat(level, k) + rng.normal(0.0, 0.05, groups.size)
+    est = stats.mean_interval(v, groups=groups)
+    assert est.value == pytest.approx(v.mean()) and est.n == 400
+    # the interval of a ratio of sums over scenes (the delta method), computed independently
+    sums, counts = np.bincount(groups, weights=v), np.bincount(groups)
+    resid = sums - v.mean() * counts
+    half = 1.96 * np.sqrt((resid ** 2).sum()) / counts.sum()
+    assert est.low == pytest.approx(v.mean() - half, abs=0.15 * half)
+    assert est.high == pytest.approx(v.mean() + half, abs=0.15 * half)
+    naive = stats.mean_interval(v)                       # as if the values were independent: too narrow
+    assert (naive.high - naive.low) < 0.8 * (est.high - est.low)
+    # one value per scene: the grouped bootstrap is the plain one (same draws)
+    w = rng.random(50)
+    plain, grouped = stats.mean_interval(w), stats.mean_interval(w, groups=np.arange(50))
+    assert grouped.n == plain.n == 50
+    assert (grouped.low, grouped.high) == pytest.approx((plain.low, plain.high), abs=1e-12)
+    # labels need not be numbers (only their order matters to the draws); paired differences pass them on
+    labels = np.array([f"scene {g:04d}" for g in groups])
+    assert stats.mean_interval(v, groups=labels)[1:] == pytest.approx(est[1:], abs=1e-12)
+    d = stats.paired_difference(v + 0.1, v, groups=groups)
+    assert d.value == pytest.approx(0.1) and d.high - d.low < 1e-9 and d.n == 400
+    with pytest.raises(ValueError, match="one label per value"):
+        stats.mean_interval(v, groups=groups[:-1])
+
+
+def test_unpaired_difference():
+    rng = np.random.default_rng(5)
+    a, b = rng.normal(0.5, 1.0, 3000), rng.normal(0.3, 2.0, 2000)
+    est = stats.unpaired_difference(a, b)
+    half = 1.96 * np.sqrt(a.var(ddof=1) / a.size + b.var(ddof=1) / b.size)   # the normal approximation
+    assert est.value == pytest.approx(a.mean() - b.mean()) and est.n == 5000
+    assert est.low == pytest.approx(est.value - half, abs=0.15 * half)
+    assert est.high == pytest.approx(est.value + half, abs=0.15 * half)
+    same = stats.unpaired_difference(np.full(10, 0.7), np.full(20, 0.2))
+    assert same == pytest.approx((0.5, 0.5, 0.5, 30))
+    ga = np.repeat(np.arange(100), 3)
+    grouped = stats.unpaired_difference(np.repeat(rng.normal(0, 1, 100), 3), b, groups_a=ga)
+    assert grouped.n == 100 + b.size
+    with pytest.raises(ValueError, match="one label per value"):
+        stats.unpaired_difference(a, b, groups_b=np.arange(3))

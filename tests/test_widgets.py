@@ -91,6 +91,10 @@ def test_top_channels_equals_rank_qk_channels_and_skips_blocks(model, x):
         widgets.top_channels(scores[0])
 
 
+def push_grid_size(qk):
+    return int(np.prod(widgets.mean_query_push(qk, 2, 0, 5).shape))
+
+
 def test_qk_channels_figure_rows(model, x):
     qk = widgets.record_qk(model, x)
     fig = widgets.qk_channels_figure(qk, [(0, 1, 2), (2, 0, 5)], image=np.zeros((32, 32, 3)), scores=["a", "b"])
@@ -100,13 +104,17 @@ def test_qk_channels_figure_rows(model, x):
     _, k = widgets.qk_images(qk, 2, 0, 5)
     np.testing.assert_allclose(fig.axes[4].images[0].get_array(), k.numpy(), rtol=1e-6)
     assert fig.axes[5].get_title() == "where the mean query is sent"
-    push = widgets.mean_query_push(qk, 2, 0, 5)                       # signed: diverging, centred at 0
-    a = float(push.abs().max())
+    # signed: diverging, centred at 0, one range for both rows (the larger of the two)
+    a = max(float(widgets.mean_query_push(qk, *c).abs().max()) for c in [(0, 1, 2), (2, 0, 5)])
+    assert fig.axes[2].images[1].get_clim() == pytest.approx((-a, a))
     assert fig.axes[5].images[1].get_clim() == pytest.approx((-a, a))
     bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
     assert len(bars) == 4                                               # per row: the sigmoid scale, the push
     assert bars[2].get_ylim() == (0.0, 1.0) and "0.5" in bars[2].get_ylabel()
     assert bars[3].get_ylim() == pytest.approx((-a, a))
+    # one block per patch: the overlay is drawn with nearest interpolation, not smoothed
+    heat = np.asarray(fig.axes[5].images[1].get_array())
+    assert len(np.unique(heat)) <= push_grid_size(qk)               # as many values as patches, no blend
     assert fig.axes[0].images[0].get_clim() == (0.0, 1.0)
     with pytest.raises(ValueError, match="2 scores for 1 channels"):
         widgets.qk_channels_figure(qk, [(0, 0, 0)], scores=["a", "b"])

@@ -477,13 +477,33 @@ def two_flow_score(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     ``q``, ``k``: ``... x P x D``. Returns ``... x D`` in [0, 1).
     """
     one = one_way_score(q, k)
-    m = q.sum(dim=-2, keepdim=True).sign()                       # ... x 1 x D
-    gather = (q * m < 0).to(q.dtype)                             # minority queries
-    broadcast = (k * m > 0).to(q.dtype)                          # keys the majority reads
+    regions = two_flow_regions(q, k)
+    gather, broadcast = regions.gather.to(q.dtype), regions.broadcast.to(q.dtype)
     n_gather = gather.sum(dim=-2)
     overlap = (gather * broadcast).sum(dim=-2) / n_gather.clamp_min(1)
     P = q.shape[-2]
     return torch.where(n_gather > 0, one * (2 * n_gather / P) * (1 - overlap), torch.zeros_like(one))
+
+
+class TwoFlowRegions(NamedTuple):
+    """The two groups of :func:`two_flow_score`, per patch and channel (``... x P x D`` bool):
+    ``gather``, the queries of the minority sign (``sign(q_i) = -m``), and ``broadcast``, the
+    keys of the majority's sign (``sign(k_j) = m``), with ``m`` the sign most queries share."""
+
+    gather: torch.Tensor
+    broadcast: torch.Tensor
+
+
+def two_flow_regions(q: torch.Tensor, k: torch.Tensor) -> TwoFlowRegions:
+    """Where the two-flow pattern's gathering queries and broadcasting keys lie (see
+    :func:`two_flow_score`): ``q``, ``k`` ``... x P x D`` -> two ``... x P x D`` bool masks.
+    The blog's pattern places them in different parts of the image (the plane's lower and
+    upper part); how far they overlap compared with random placement
+    (:func:`vitlab.stats.hypergeometric_cdf`) tests that, whatever their sizes."""
+    if q.ndim < 2 or k.ndim < 2 or q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"q and k must be ... x P x D over the same P patches, got {tuple(q.shape)} and {tuple(k.shape)}")
+    m = q.sum(dim=-2, keepdim=True).sign()                       # ... x 1 x D
+    return TwoFlowRegions(q * m < 0, k * m > 0)
 
 
 _SCORES = {"one_way": one_way_score, "two_flow": two_flow_score, "exchange": exchange_score,

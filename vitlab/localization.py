@@ -403,6 +403,53 @@ def box_iou(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return inter / np.maximum(area(a) + area(b) - inter, 1e-12)
 
 
+def best_patch_mask(masks, grid: tuple[int, int]) -> torch.Tensor:
+    """For each object mask (``B x H x W`` bool), the union of whole patches of the ``gh x gw``
+    grid with the highest IoU with it, as a ``B x H x W`` bool mask: the ceiling of any mask
+    made of whole patches (a map's patches, not grown). With ``a_p`` the object's pixels in
+    patch ``p`` and ``A`` a patch's area, a union of ``k`` patches has IoU
+    ``sum a / (|object| + k A - sum a)``, highest for the ``k`` patches of largest ``a_p``; the
+    best ``k`` is then taken (ties: the fewest patches). An empty object gives an empty mask."""
+    m = as_cpu_tensor(masks, torch.float64)
+    if m.ndim != 3:
+        raise ValueError(f"masks must be B x H x W, got shape {tuple(m.shape)}")
+    H, W = m.shape[1:]
+    gh, gw = grid
+    if H % gh or W % gw:
+        raise ValueError(f"mask size {H} x {W} is not a multiple of the patch grid {gh} x {gw}")
+    ph, pw = H // gh, W // gw
+    a = F.avg_pool2d(m[:, None], kernel_size=(ph, pw))[:, 0].flatten(1) * (ph * pw)   # B x P pixels
+    order = a.argsort(dim=1, descending=True, stable=True)
+    cum = a.gather(1, order).cumsum(1)
+    k = torch.arange(1, a.shape[1] + 1, dtype=torch.float64)
+    iou = cum / (m.flatten(1).sum(1, keepdim=True) + k * ph * pw - cum).clamp_min(1)
+    best_k = iou.argmax(1) + 1                                       # first maximum: fewest patches
+    keep = torch.zeros_like(a, dtype=torch.bool)
+    keep.scatter_(1, order, k[None].expand_as(a) <= best_k[:, None].double())
+    keep &= (m.flatten(1).sum(1) > 0)[:, None]
+    grid_mask = keep.view(-1, gh, gw)
+    return grid_mask.repeat_interleave(ph, dim=1).repeat_interleave(pw, dim=2)
+
+
+def box_masks(boxes, size: tuple[int, int]) -> torch.Tensor:
+    """Boxes filled as masks: ``D x 4`` boxes ``(x0, y0, x1, y1)`` in [0, 1] (a detector's
+    predicted boxes, e.g. :attr:`vitlab.relevance.DetectionGrades.box`) -> ``D x H x W`` bool
+    masks of ``size = (H, W)``, a pixel inside when its centre is (edges included). The trivial
+    segmentation a detector gives with no explanation at all: the baseline a map's mask
+    (:func:`map_to_mask`) has to beat."""
+    b = as_cpu_tensor(boxes, torch.float64)
+    if b.ndim != 2 or b.shape[1] != 4:
+        raise ValueError(f"boxes must be D x 4 (x0, y0, x1, y1), got shape {tuple(b.shape)}")
+    if not bool(torch.isfinite(b).all()):
+        raise ValueError("boxes hold NaN or inf: drop those detections first")
+    H, W = (int(v) for v in size)
+    cy = (torch.arange(H, dtype=torch.float64) + 0.5) / H
+    cx = (torch.arange(W, dtype=torch.float64) + 0.5) / W
+    inside_y = (cy >= b[:, 1, None]) & (cy <= b[:, 3, None])          # D x H
+    inside_x = (cx >= b[:, 0, None]) & (cx <= b[:, 2, None])          # D x W
+    return inside_y[:, :, None] & inside_x[:, None, :]
+
+
 def segmentation_ap(detections: list[dict], truths: list[dict],
                     iou_thresholds=SEGMENTATION_IOU_THRESHOLDS) -> dict:
     """COCO's mask AP (the reference's DETR segmentation score), written out here.

@@ -4,8 +4,13 @@
 - :func:`mean_interval` -- a mean with its percentile bootstrap interval (:func:`bootstrap`);
 - :func:`paired_difference` -- two measurements of the same scenes, the mean difference with the
   bootstrap interval of the scenes resampled together;
-- :func:`unpaired_difference` -- two measurements of different scenes, the difference of the means
-  with the bootstrap interval of each side resampled on its own;
+- :func:`hypergeometric_cdf` -- the exact chance of an overlap as small as the one seen between
+  two sets placed at random (the null of a shuffle that keeps their sizes);
+- :func:`unpaired_difference` -- two measurements of different scenes (two groups of a split),
+  the difference of their means with the bootstrap interval of each group resampled on its own;
+
+where one scene gives several values (a detector's detections), ``groups`` names each value's
+scene and the scenes, not the values, are resampled;
 
 each an :class:`Estimate`, which prints itself as ``0.370 [0.340, 0.400]``. These are vitlab's only
 intervals: the leaderboard (:func:`vitlab.evaluate.summarize`), the removal test of chapter 7, the
@@ -84,16 +89,44 @@ def rate(hits, level: float = 0.95) -> Estimate:
     return Estimate(k / n, max(0.0, centre - half), min(1.0, centre + half), n)
 
 
-def mean_interval(values, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> Estimate:
+def mean_interval(values, level: float = 0.95, n_boot: int = 2000, seed: int = 0, groups=None) -> Estimate:
     """The mean of per-scene ``values`` with its percentile bootstrap interval (Efron 1979):
     the scenes are resampled with replacement ``n_boot`` times (a generator seeded with
     ``seed``, an int >= 0: the same seed, the same interval; ``None`` is refused), the mean is
-    taken each time, and the interval is the middle ``level`` of those means."""
+    taken each time, and the interval is the middle ``level`` of those means.
+
+    ``groups``: one label per value (e.g. the scene of each detection) when a scene gives
+    several values that are not independent; then whole scenes are resampled (the cluster
+    bootstrap, Davison & Hinkley 1997, sec. 3.8), the mean is over all values of the drawn
+    scenes, and ``n`` counts the scenes."""
     lv = _level(level)
     positive_int("n_boot", n_boot)
     v = _values(values, "mean_interval")
-    low, high = bootstrap(v, lv, n_boot, seed)
-    return Estimate(float(v.mean()), low, high, int(v.size))
+    if groups is None:
+        low, high = bootstrap(v, lv, n_boot, seed)
+        return Estimate(float(v.mean()), low, high, int(v.size))
+    sums, counts = _group_sums(v, groups, "mean_interval")
+    low, high = _cluster_bootstrap(sums, counts, lv, n_boot, seed)
+    return Estimate(float(v.mean()), low, high, int(sums.size))
+
+
+def _group_sums(v: np.ndarray, groups, what: str) -> tuple[np.ndarray, np.ndarray]:
+    g = np.asarray(groups.detach().cpu() if isinstance(groups, torch.Tensor) else groups).ravel()
+    if g.shape != v.shape:
+        raise ValueError(f"{what}: groups needs one label per value, got {g.size} labels for {v.size} values")
+    _, index = np.unique(g, return_inverse=True)
+    return np.bincount(index, weights=v), np.bincount(index).astype(np.float64)
+
+
+def _cluster_bootstrap(sums: np.ndarray, counts: np.ndarray, level: float, n_boot: int,
+                       seed: int) -> tuple[float, float]:
+    """The percentile bootstrap of a mean over groups: ``n_boot`` draws of as many groups as
+    there are, with replacement, each giving (sum of the drawn groups' values) / (their count)."""
+    rng = np.random.default_rng(seed_int("seed", seed))
+    draw = rng.integers(0, sums.size, size=(n_boot, sums.size))
+    means = sums[draw].sum(1) / counts[draw].sum(1)
+    low, high = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(low), float(high)
 
 
 def bootstrap(v: np.ndarray, level: float, n_boot: int, seed: int) -> tuple[float, float]:
@@ -106,32 +139,66 @@ def bootstrap(v: np.ndarray, level: float, n_boot: int, seed: int) -> tuple[floa
     return float(low), float(high)
 
 
-def paired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> Estimate:
+def paired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int = 0, groups=None) -> Estimate:
     """``a - b`` for two grades of the *same* scenes (per-scene values or hits, in the same
     order): the mean difference with the bootstrap interval of :func:`mean_interval`, the
     scenes resampled together, so what the two share cancels. An interval that holds 0 is a
-    tie on these scenes."""
+    tie on these scenes. ``groups``: as in :func:`mean_interval` (whole scenes resampled)."""
     shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else np.shape(v) for v in (a, b)]
     if shapes[0] != shapes[1]:          # compared before flattening: a 2 x 3 and a 3 x 2 are not paired
         raise ValueError(f"paired_difference needs one value per scene on both sides, in the same layout (the "
                          f"same scenes in the same order), got shapes {shapes[0]} and {shapes[1]}")
     va, vb = _values(a, "paired_difference"), _values(b, "paired_difference")
-    return mean_interval(va - vb, level, n_boot, seed)
+    return mean_interval(va - vb, level, n_boot, seed, groups)
 
 
-def unpaired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int = 0) -> Estimate:
-    """``mean(a) - mean(b)`` for grades of *different* samples (e.g. two groups of scenes): the
-    percentile bootstrap interval with ``a`` and ``b`` each resampled with replacement on its own
-    (one generator seeded with ``seed`` draws both), the middle ``level`` of the ``n_boot``
-    differences of means. ``n`` of the result: ``len(a) + len(b)``."""
+def unpaired_difference(a, b, level: float = 0.95, n_boot: int = 2000, seed: int = 0,
+                        groups_a=None, groups_b=None) -> Estimate:
+    """``mean(a) - mean(b)`` for grades of *different* scenes (e.g. the scenes of a split): the
+    two samples are resampled each on its own (``groups_a`` / ``groups_b`` as ``groups`` in
+    :func:`mean_interval`), the difference of their means taken ``n_boot`` times, and the
+    interval is the middle ``level`` of those differences. Nothing cancels, so it is wider than
+    a paired interval on the same numbers would be. ``n`` counts the scenes of both."""
     lv = _level(level)
     positive_int("n_boot", n_boot)
     va, vb = _values(a, "unpaired_difference"), _values(b, "unpaired_difference")
-    rng = np.random.default_rng(seed)
-    diffs = (va[rng.integers(0, va.size, size=(n_boot, va.size))].mean(1)
-             - vb[rng.integers(0, vb.size, size=(n_boot, vb.size))].mean(1))
-    low, high = np.quantile(diffs, [(1 - lv) / 2, (1 + lv) / 2])
-    return Estimate(float(va.mean() - vb.mean()), float(low), float(high), int(va.size + vb.size))
+    rng = np.random.default_rng(seed_int("seed", seed))
+    means, n = [], 0
+    for v, g in ((va, groups_a), (vb, groups_b)):
+        sums, counts = (v, np.ones_like(v)) if g is None else _group_sums(v, g, "unpaired_difference")
+        draw = rng.integers(0, sums.size, size=(n_boot, sums.size))
+        means.append(sums[draw].sum(1) / counts[draw].sum(1))
+        n += sums.size
+    low, high = np.quantile(means[0] - means[1], [(1 - lv) / 2, (1 + lv) / 2])
+    return Estimate(float(va.mean() - vb.mean()), float(low), float(high), n)
+
+
+def hypergeometric_cdf(k, total: int, marked, drawn) -> np.ndarray:
+    """P(X <= k) for X the number of marked items among ``drawn`` items taken at random without
+    replacement from ``total`` items of which ``marked`` are marked (the hypergeometric law).
+    This is the exact chance of an overlap as small as ``k`` between two sets of sizes
+    ``marked`` and ``drawn`` placed at random among ``total`` places, the counts kept (what
+    shuffling one of them over the places gives). ``k``, ``marked``, ``drawn``: integers or
+    arrays of them (broadcast together); ``P(X >= k)`` is ``1 - hypergeometric_cdf(k - 1, ...)``.
+    Computed in float64 from log-binomials."""
+    to = lambda a: np.asarray(a.detach().cpu() if isinstance(a, torch.Tensor) else a)  # noqa: E731
+    k, K, n = np.broadcast_arrays(to(k), to(marked), to(drawn))
+    N = positive_int("total", total)
+    if not all(np.issubdtype(a.dtype, np.integer) or a.size == 0 for a in (k, K, n)):
+        k, K, n = (a.astype(np.float64) for a in (k, K, n))
+        if any((a != np.round(a)).any() for a in (k, K, n)):
+            raise ValueError("hypergeometric_cdf needs whole numbers for k, marked and drawn")
+    k, K, n = (a.astype(np.int64) for a in (k, K, n))
+    if (K < 0).any() or (n < 0).any() or (K > N).any() or (n > N).any():
+        raise ValueError(f"hypergeometric_cdf needs 0 <= marked, drawn <= total={N}")
+    lchoose = lambda a, b: (math.lgamma(a + 1) - math.lgamma(b + 1) - math.lgamma(a - b + 1))  # noqa: E731
+    out = np.empty(k.shape, dtype=np.float64)
+    for idx in np.ndindex(k.shape):
+        kk, KK, nn = int(k[idx]), int(K[idx]), int(n[idx])
+        lo, hi = max(0, nn - (N - KK)), min(KK, nn)
+        terms = [math.exp(lchoose(KK, i) + lchoose(N - KK, nn - i) - lchoose(N, nn)) for i in range(lo, min(kk, hi) + 1)]
+        out[idx] = min(1.0, sum(terms)) if kk < hi else 1.0
+    return out
 
 
 def where_defined(*grades) -> tuple[np.ndarray, ...]:

@@ -112,9 +112,9 @@ def top_channels(scores: torch.Tensor, top: int = 5, start_block: int = 0) -> li
 
 def qk_channels_figure(qk: RecordedQK, channels, image=None, scores=None, sample: int = 0):
     """One row per channel: sigmoid(query), sigmoid(key) (grey, 0.5 = zero, one bar for both) and, when
-    ``image`` is given, :func:`mean_query_push` over the image, on a diverging scale centred
-    at 0 with a colour bar: red where the channel draws the average query, blue where it
-    pushes it away.
+    ``image`` is given, :func:`mean_query_push` over the image, one block per patch, on a
+    diverging scale centred at 0 and shared by all rows (a colour bar on each): red where the
+    channel draws the average query, blue where it pushes it away.
 
     ``channels``: ``(block, head, channel)`` triples (or :class:`~vitlab.attention.QKChannel`
     tuples); ``scores``: an optional label per row, shown in the titles. Returns the Figure.
@@ -128,6 +128,9 @@ def qk_channels_figure(qk: RecordedQK, channels, image=None, scores=None, sample
     fig, axes = plt.subplots(len(channels), ncols, figsize=(2.9 * ncols + 0.8, 2.9 * len(channels)), squeeze=False,
                              layout="constrained")
     sigmoid_scale = plot.map_scale([[[0.0, 1.0]]], vmin=0.0, vmax=1.0, cmap="gray")
+    if image is not None:   # one symmetric range for every row's third panel, so rows compare
+        pushes = [mean_query_push(qk, *c, sample) for c in channels]
+        top = max(float(p.abs().max()) for p in pushes) or 1.0
     for r, (block, head, channel) in enumerate(channels):
         q, k = qk_images(qk, block, head, channel, sample)
         label = f"  {scores[r]}" if scores is not None else ""
@@ -135,9 +138,8 @@ def qk_channels_figure(qk: RecordedQK, channels, image=None, scores=None, sample
         plot.show_map(k, ax=axes[r, 1], cmap="gray", vmin=0.0, vmax=1.0, title=f"sigmoid(k){label}")
         plot.colorbar(list(axes[r, :2]), sigmoid_scale, label="sigmoid (0.5: channel = 0)")
         if image is not None:
-            push = mean_query_push(qk, block, head, channel, sample)
-            plot.overlay(image, push, ax=axes[r, 2], title="where the mean query is sent", colorbar=True,
-                         label="mean(q) · k")
+            plot.overlay(image, pushes[r], ax=axes[r, 2], title="where the mean query is sent", colorbar=True,
+                         label="mean(q) · k", mode="nearest", vmin=-top, vmax=top)
     return fig
 
 
