@@ -171,9 +171,9 @@ def test_clip_saco_grades_the_pairs_with_a_ranking_and_leaves_the_others_undefin
     inputs = pairs()
     sal = pixel_maps(3, seed=9)
     sal[1] = 0.5                                              # a constant map: SaCo undefined
-    before = model_state(model)
+    before = model_snapshot(model)
     res = fa.clip_saco(model, inputs, sal, k=5, batch_size=4)
-    assert_unchanged(model, before)
+    assert_model_unchanged(model, before)
     keep = torch.tensor([0, 2])
     sub = {k: v[keep] for k, v in inputs.items()}
     ref = fa.saco_details(model, sub["pixel_values"], sal[keep], k=5, score=fa.image_text_score(model, sub))
