@@ -155,9 +155,13 @@ def _matmul_relprop(a, b, R):
     return share.sum(-1), share.sum(-3)
 
 
-def scratch(model, x, rules, target=None, unit=False):
+def scratch(model, x, rules, target=None, unit=False, score="logit", multi_label=False):
     """LRP of a timm ViT in float64, propagating relevance layer by layer (no autograd for the
-    relevance), plus the ordinary attention gradients from an autograd forward of the same copy."""
+    relevance), plus the ordinary attention gradients of the score from an autograd forward of the
+    same copy. The relevance starts on the logits as ``y_j ds/dy_j`` (``unit``: that over its sum,
+    relevance 1 in all), with
+    ``ds/dy`` written out: one-hot for the logit; for the log-probability ``onehot - softmax(y)``,
+    or ``onehot (1 - sigmoid(y_t))`` for a ``multi_label`` head."""
     m = copy.deepcopy(model).double()
     x = x.double()
     B = x.shape[0]
@@ -190,12 +194,23 @@ def scratch(model, x, rules, target=None, unit=False):
         logits = F.linear(nf[:, 0], m.head.weight, m.head.bias)
         t = logits.argmax(-1) if target is None else torch.as_tensor(target).expand(B)
         y = logits.gather(1, t[:, None])[:, 0]
-        y.sum().backward()
+        onehot = torch.zeros_like(logits).scatter(1, t[:, None], 1.0)
+        if score == "logit":
+            ds, explained = onehot, y
+        elif multi_label:
+            p_t = torch.sigmoid(y)
+            ds, explained = onehot * (1 - p_t.detach())[:, None], torch.log(p_t)
+        else:
+            p = torch.exp(logits - logits.logsumexp(-1, keepdim=True))
+            ds, explained = onehot - p.detach(), torch.log(p.gather(1, t[:, None])[:, 0])
+        explained.sum().backward()
     grads = [s["A"].grad for s in saved]
     with torch.no_grad():
         absorbed = torch.zeros(B, dtype=torch.float64)
-        # relevance y_t on the target (conserved), or 1 (unit: as the reference's relprop starts)
-        R = torch.zeros_like(logits).scatter(1, t[:, None], torch.ones_like(y[:, None]) if unit else y[:, None])
+        # relevance y_j ds/dy_j (y_t on the target for the logit), or that over its sum (unit: one-hot
+        # for the logit, as the reference's relprop starts)
+        R = logits.detach() * ds
+        R = R / R.sum(-1, keepdim=True) if unit else R
         R_cls = _linear_relprop(nf[:, 0], m.head.weight, m.head.bias, R, rules, absorbed)
         R_nf = torch.zeros_like(nf)
         R_nf[:, 0] = R_cls
@@ -225,7 +240,7 @@ def scratch(model, x, rules, target=None, unit=False):
             R_h = R_hin + _ln_relprop(s["h"], blk.norm1, R_n1, rules, absorbed)
         R_e = e / x0[:, 1:] * R_h[:, 1:]  # z-rule at the position embedding's addition
     return dict(tokens=R_h.sum(-1), patches=R_e.sum(-1), attention=R_attn, grads=grads, logit=y.detach(),
-                absorbed=absorbed)
+                absorbed=absorbed, start=R.sum(-1))
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +309,46 @@ def test_methods_equal_scratch(vit, vit64, x):
     ch2 = scratch(vit, x, "chefer", target=2)
     torch.testing.assert_close(L.lrp(vit64, x.double(), target=2), ch2["patches"].reshape(grid),
                                **tol64(ch2["patches"]))
+
+
+@pytest.mark.parametrize("multi_label", [False, True], ids=["softmax head", "multi-label head"])
+def test_log_probability_score_equals_scratch(vit, vit64, x, multi_label):
+    """``score="log_probability"`` starts the relevance as the score's gradient x input on the logits
+    (Transformer attribution: as its gradient, the one-hot generalised) and takes eq. 13's ``grad A``
+    of the score: each method equals the from-scratch propagation started that way, and differs from
+    the logit's map by far more than the allowance (a score ignored would pass as the logit's)."""
+    m64 = copy.deepcopy(vit64)
+    if multi_label:
+        m64.pretrained_cfg = {**getattr(m64, "pretrained_cfg", {}), "multi_label": True}
+    grid = (3, 4, 4)
+    kw = dict(score="log_probability", multi_label=multi_label)
+    x64 = x.double()
+
+    def check(got, want, logit_map, rules="chefer"):
+        tol = tol64(want, rules)
+        torch.testing.assert_close(got, want.reshape(grid), **tol)
+        assert (got - logit_map).abs().max() > 1e3 * tol["atol"]
+
+    for rules, method in (("chefer", L.lrp), ("attnlrp", L.attn_lrp)):
+        ref = scratch(vit, x, rules, **kw)
+        check(method(m64, x64, score="log_probability"), ref["patches"], method(m64, x64), rules)
+    ref = scratch(vit, x, "chefer", **kw)
+    partial = ref["attention"][-1].clamp(min=0).mean(1)[:, 0, 1:]
+    check(L.partial_lrp(m64, x64, score="log_probability"), partial, L.partial_lrp(m64, x64))
+    ref = scratch(vit, x, "chefer", unit=True, **kw)
+    N = ref["attention"][0].shape[-1]
+    joint = torch.eye(N, dtype=torch.float64).expand(3, N, N)
+    for R_A, G in zip(ref["attention"], ref["grads"]):
+        joint = (torch.eye(N, dtype=torch.float64) + (G * R_A).clamp(min=0).mean(1)) @ joint
+    check(L.transformer_attribution(m64, x64, score="log_probability"), joint[:, 0, 1:],
+          L.transformer_attribution(m64, x64))
+    # conservation: what starts on the logits reaches the tokens (Chefer's rules keep nothing)
+    c = L.lrp_conservation(m64, x64, score="log_probability")
+    want = scratch(vit, x, "chefer", **kw)["start"]
+    torch.testing.assert_close(c["start"], want, **tol64(want))
+    torch.testing.assert_close(c["tokens"], c["start"], **tol64(want))
+    with pytest.raises(ValueError, match="score must be one of"):
+        L.lrp(vit, x, score="probability")
 
 
 METHODS = [L.lrp, L.attn_lrp, L.partial_lrp, L.transformer_attribution]
@@ -386,6 +441,9 @@ def test_bad_input_refused(vit, x):
             method(vit, x, target=9)
     with pytest.raises(ValueError, match="start_block"):
         L.transformer_attribution(vit, x, start_block=3)
+    for method in METHODS:
+        with pytest.raises(ValueError, match="score must be one of"):
+            method(vit, x, score="probability")
     with pytest.raises(RuntimeError, match="inference_mode"), torch.inference_mode():
         L.lrp(vit, x)
     from tests.test_record_multimodal import tiny_detr
