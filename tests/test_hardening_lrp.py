@@ -370,7 +370,8 @@ def test_float64_batch_for_a_float32_model(vit, x):
     from vitlab.relevance import chefer_relevance
     from vitlab.rollout import grad_rollout, rollout
 
-    refusing = [L.lrp, L.partial_lrp, L.transformer_attribution, L.attn_lrp, input_x_gradient, integrated_gradients, chefer_relevance, rollout, grad_rollout,
+    refusing = [L.lrp, L.partial_lrp, L.transformer_attribution, L.attn_lrp, input_x_gradient,
+                integrated_gradients, chefer_relevance, rollout, grad_rollout,
                 cls_attention, raw_attention, attention_gradcam, attention_gradients]
     for method in refusing:
         with pytest.raises(ValueError, match=r"x is torch\.float64 but the model's parameters are torch\.float32; "

@@ -8,9 +8,10 @@ removed by ``vitlab.record(model, lrp=...)``; nothing here touches the model (``
 
 Relevance is what LRP conserves: the explained score's relevance on the logits (``score=``: the
 logit ``y_t``, or the log-probability's gradient x input ``y_j ds/dy_j``) is divided among the
-inputs of each layer, layer by layer, down to the patch tokens. What a rule gives to a bias (and to
-the position embedding added after the patch embedding, and to the CLS token) stays there:
-the patch map sums to the start (``y_t`` for the logit) minus those shares (:func:`lrp_conservation` measures them).
+inputs of each layer, layer by layer, down to the patch tokens. What a rule gives to a bias (and
+to the position embedding added after the patch embedding, and to the CLS token) stays there:
+the patch map sums to the start (``y_t`` for the logit) minus those shares
+(:func:`lrp_conservation` measures them).
 
 Precision. Chefer's rules pass relevance through the softmax and every LayerNorm unchanged
 (the identity rule), and the operation before each then splits it over the terms of a sum by

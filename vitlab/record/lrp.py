@@ -301,8 +301,9 @@ def alpha1_beta0_rule(weight: torch.Tensor, bias: torch.Tensor | None = None):
     token carries relevance) are skipped: they give 0."""
     def dense(grad, out, x):
         z = F.linear(x.abs(), weight.abs(), None if bias is None else -bias).add_(out)  # 2 sum_i (x_i w_ji)^+ >= 0
-        s = torch.where(z > 0, 2 * out * grad / z, 0.0)  # S; the inf / nan of z <= 0 is never picked
-        return torch.where(x > 0, s @ weight.clamp(min=0), torch.where(x < 0, s @ weight.clamp(max=0), 0.0))
+        s = (out * grad).div_(z).masked_fill_(z <= 0, 0.0)  # S / 2; the inf / nan of z <= 0 replaced by 0
+        g = torch.where(x > 0, s @ (2 * weight).clamp_(min=0), s @ (2 * weight).clamp_(max=0))
+        return g.masked_fill_(x == 0, 0.0)
 
     def rule(grad, out, x):
         index = _live_rows(grad)
