@@ -36,7 +36,8 @@ where the sum ``s`` is small against its terms, with two consequences:
   scene, both distances and the conservation.
 
 ``precision="model"`` (the default) runs the model as it is: no copy, the rules in its dtype, plus
-per attention map a norm per row and a float64 sum for the scores below ``2^-6`` of their bound.
+per attention map in the backward a norm per row and a float64 sum for the scores below ``2^-10`` of
+their bound.
 ``precision="float64"`` runs a float64 copy of a model in another dtype (made per call by
 :func:`vitlab.record.lrp.working_copy`; the model itself is not touched) and returns the maps in
 ``x``'s dtype: the float64 network's values, the same on every machine to float32 rounding, for

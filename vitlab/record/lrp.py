@@ -216,7 +216,7 @@ def identity_rule(grad: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> tup
 
 #: Where :func:`product_from_terms` recomputes an entry of ``a @ b``: where it is below this fraction
 #: of ``|a_i| |b_j|``, which bounds the sum of its terms' magnitudes.
-EXACT_BELOW = 2.0 ** -6
+EXACT_BELOW = 2.0 ** -10
 
 
 def product_from_terms(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -225,8 +225,10 @@ def product_from_terms(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> t
     ``|out_ij| < EXACT_BELOW |a_i| |b_j|``. A float32 matmul gives entry ``ij`` with an error up to
     ``k u sum_l |a_il b_lj| <= k u |a_i| |b_j|`` (``k`` the inner length, ``u = 2^-24``), which is
     large against the entry where its terms cancel; after this, every entry is within ``k u /
-    EXACT_BELOW`` of itself (``64`` heads' width: ``2^-12``, typically ``sqrt(k) u / EXACT_BELOW``,
-    ``2^-15``), and the recomputed ones within ``u``."""
+    EXACT_BELOW`` of itself (a head width of 64: ``2^-8``; typically ``sqrt(k) u / EXACT_BELOW``,
+    ``2^-11``), and the recomputed ones within ``u``. The threshold trades that bound against the
+    cost of the float64 sums, which grows with the share of near-orthogonal ``q``, ``k`` (large in a
+    random-initialised model; ``benchmarks/bench_lrp.py`` measures the methods' cost)."""
     batch = out.shape[:-2]
     n, k, m = a.shape[-2], a.shape[-1], b.shape[-1]
     a3 = a.expand(*batch, n, k).reshape(-1, n, k)
@@ -242,11 +244,12 @@ def product_from_terms(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> t
     return fixed.reshape(out.shape)
 
 
-def identity_rule_over(denominator: torch.Tensor):
-    """:func:`identity_rule` dividing by ``denominator`` (the input's value computed from its terms)
-    instead of the input as the forward rounded it."""
+def identity_rule_over(denominator):
+    """:func:`identity_rule` dividing by ``denominator()`` (the input's value computed from its terms,
+    in the input's dtype; computed in the backward, so a backward that stops above the rule costs
+    nothing) instead of the input as the forward rounded it."""
     def rule(grad, out, x):
-        return ((grad * out).div_(denominator).nan_to_num_(0.0, 0.0, 0.0),)
+        return ((grad * out).div_(denominator().to(x.dtype)).nan_to_num_(0.0, 0.0, 0.0),)
     return rule
 
 
@@ -457,7 +460,7 @@ class _LRPMode(TorchFunctionMode):
         entry = self.state.exact.pop(id(x), None)
         rule = identity_rule
         if entry is not None and entry[0] is x:  # scores of a matmul: divide by them as their terms sum
-            rule = identity_rule_over(entry[1]().to(x.dtype))
+            rule = identity_rule_over(entry[1])
         return _Ruled.apply(self.state, lambda t: func(t, *args[1:], **kwargs), rule, vjp, x)
 
     def layer_norm(self, x, normalized_shape, weight=None, bias=None, eps=1e-5):
