@@ -7,9 +7,10 @@ stable on a shared machine. Beside each batched method: the same method one imag
 time (the reference code's protocol: hila-chefer/Transformer-Explainability explains batch
 1 per call), over the same 16 images.
 
-Goal: each LRP method <= 3x a plain forward. Met by partial LRP and AttnLRP; not reachable
-with the exact alpha-beta rule that full LRP and Transformer attribution use (Chefer et al.'s
-relprop rules), whatever the implementation, as the matmul count shows. Profiled (torch.profiler,
+Goals (:data:`GOALS`): partial LRP and AttnLRP <= 3x a plain forward; full LRP <= 3.8x and
+Transformer attribution <= 4.8x, 1.3x the floor that the exact alpha-beta rule they use (Chefer et
+al.'s relprop rules) sets whatever the implementation, as the matmul count shows; every method
+batched below the same images one at a time. Profiled (torch.profiler,
 1 thread): the plain forward spends ~73% in its 48 linear layers, ~17% in fused attention, ~6%
 in GELU. Per linear layer the forward does 1 matmul; alpha = 1, beta = 0 needs 3 more in the
 backward (``|x| |W|^T`` for the denominator, ``S W`` and ``S |W|`` for the two signs of x:
@@ -46,7 +47,9 @@ from vitlab.relevance import chefer_relevance
 
 from bench_methods import ratios_to_forward
 
-GOAL = 3.0
+#: Goals per method, x a plain forward (issue 38: full LRP and Transformer attribution within 1.3x the
+#: floor their matmul count sets, 2.9x and 3.7x; the others 3x); every method batched below per image.
+GOALS = {"lrp": 3.8, "partial_lrp": 3.0, "transformer_attribution": 4.8, "attn_lrp": 3.0}
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
@@ -92,9 +95,13 @@ def main() -> None:
     print(f"deit_tiny_patch16_224 (random init), batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
           f"{args.clock} clock, median of {args.rounds} rounds")
     print(f"plain forward (no_grad): {statistics.median(forward_times) * 1000:.0f} ms")
-    for name, values in ratios.items():
-        ratio = statistics.median(values)
-        verdict = f"  goal <= {GOAL:.1f}x: {'ok' if ratio <= GOAL else 'MISSED'}" if name in lrp_methods else ""
+    medians = {name: statistics.median(values) for name, values in ratios.items()}
+    for name, ratio in medians.items():
+        verdict = ""
+        if name in GOALS:
+            single = medians[f"  {name}, per image"]
+            verdict = (f"  goal <= {GOALS[name]:.1f}x: {'ok' if ratio <= GOALS[name] else 'MISSED'}; "
+                       f"batched {'below' if ratio < single else 'NOT below'} per image")
         print(f"{name:36s} {ratio:6.2f}x{verdict}")
 
 

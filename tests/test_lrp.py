@@ -174,9 +174,13 @@ def _matmul_relprop(a, b, R):
     return share.sum(-1), share.sum(-3)
 
 
-def scratch(model, x, rules, target=None, unit=False):
+def scratch(model, x, rules, target=None, unit=False, score="logit", multi_label=False):
     """LRP of a timm ViT in float64, propagating relevance layer by layer (no autograd for the
-    relevance), plus the ordinary attention gradients from an autograd forward of the same copy."""
+    relevance), plus the ordinary attention gradients of the score from an autograd forward of the
+    same copy. The relevance starts on the logits as ``y_j ds/dy_j`` (``unit``: that over its sum,
+    relevance 1 in all), with
+    ``ds/dy`` written out: one-hot for the logit; for the log-probability ``onehot - softmax(y)``,
+    or ``onehot (1 - sigmoid(y_t))`` for a ``multi_label`` head."""
     m = copy.deepcopy(model).double()
     x = x.double()
     B = x.shape[0]
@@ -209,12 +213,23 @@ def scratch(model, x, rules, target=None, unit=False):
         logits = F.linear(nf[:, 0], m.head.weight, m.head.bias)
         t = logits.argmax(-1) if target is None else torch.as_tensor(target).expand(B)
         y = logits.gather(1, t[:, None])[:, 0]
-        y.sum().backward()
+        onehot = torch.zeros_like(logits).scatter(1, t[:, None], 1.0)
+        if score == "logit":
+            ds, explained = onehot, y
+        elif multi_label:
+            p_t = torch.sigmoid(y)
+            ds, explained = onehot * (1 - p_t.detach())[:, None], torch.log(p_t)
+        else:
+            p = torch.exp(logits - logits.logsumexp(-1, keepdim=True))
+            ds, explained = onehot - p.detach(), torch.log(p.gather(1, t[:, None])[:, 0])
+        explained.sum().backward()
     grads = [s["A"].grad for s in saved]
     with torch.no_grad():
         absorbed = torch.zeros(B, dtype=torch.float64)
-        # relevance y_t on the target (conserved), or 1 (unit: as the reference's relprop starts)
-        R = torch.zeros_like(logits).scatter(1, t[:, None], torch.ones_like(y[:, None]) if unit else y[:, None])
+        # relevance y_j ds/dy_j (y_t on the target for the logit), or that over its sum (unit: one-hot
+        # for the logit, as the reference's relprop starts)
+        R = logits.detach() * ds
+        R = R / R.sum(-1, keepdim=True) if unit else R
         R_cls = _linear_relprop(nf[:, 0], m.head.weight, m.head.bias, R, rules, absorbed)
         R_nf = torch.zeros_like(nf)
         R_nf[:, 0] = R_cls
@@ -244,7 +259,7 @@ def scratch(model, x, rules, target=None, unit=False):
             R_h = R_hin + _ln_relprop(s["h"], blk.norm1, R_n1, rules, absorbed)
         R_e = e / x0[:, 1:] * R_h[:, 1:]  # z-rule at the position embedding's addition
     return dict(tokens=R_h.sum(-1), patches=R_e.sum(-1), attention=R_attn, grads=grads, logit=y.detach(),
-                absorbed=absorbed)
+                absorbed=absorbed, start=R.sum(-1))
 
 
 @pytest.fixture(scope="module")
@@ -313,6 +328,46 @@ def test_methods_equal_scratch(vit, vit64, x):
     ch2 = scratch(vit, x, "chefer", target=2)
     torch.testing.assert_close(L.lrp(vit64, x.double(), target=2), ch2["patches"].reshape(grid),
                                **tol64(ch2["patches"]))
+
+
+@pytest.mark.parametrize("multi_label", [False, True], ids=["softmax head", "multi-label head"])
+def test_log_probability_score_equals_scratch(vit, vit64, x, multi_label):
+    """``score="log_probability"`` starts the relevance as the score's gradient x input on the logits
+    (Transformer attribution: as its gradient, the one-hot generalised) and takes eq. 13's ``grad A``
+    of the score: each method equals the from-scratch propagation started that way, and differs from
+    the logit's map by far more than the allowance (a score ignored would pass as the logit's)."""
+    m64 = copy.deepcopy(vit64)
+    if multi_label:
+        m64.pretrained_cfg = {**getattr(m64, "pretrained_cfg", {}), "multi_label": True}
+    grid = (3, 4, 4)
+    kw = dict(score="log_probability", multi_label=multi_label)
+    x64 = x.double()
+
+    def check(got, want, logit_map, rules="chefer"):
+        tol = tol64(want, rules)
+        torch.testing.assert_close(got, want.reshape(grid), **tol)
+        assert (got - logit_map).abs().max() > 1e3 * tol["atol"]
+
+    for rules, method in (("chefer", L.lrp), ("attnlrp", L.attn_lrp)):
+        ref = scratch(vit, x, rules, **kw)
+        check(method(m64, x64, score="log_probability"), ref["patches"], method(m64, x64), rules)
+    ref = scratch(vit, x, "chefer", **kw)
+    partial = ref["attention"][-1].clamp(min=0).mean(1)[:, 0, 1:]
+    check(L.partial_lrp(m64, x64, score="log_probability"), partial, L.partial_lrp(m64, x64))
+    ref = scratch(vit, x, "chefer", unit=True, **kw)
+    N = ref["attention"][0].shape[-1]
+    joint = torch.eye(N, dtype=torch.float64).expand(3, N, N)
+    for R_A, G in zip(ref["attention"], ref["grads"]):
+        joint = (torch.eye(N, dtype=torch.float64) + (G * R_A).clamp(min=0).mean(1)) @ joint
+    check(L.transformer_attribution(m64, x64, score="log_probability"), joint[:, 0, 1:],
+          L.transformer_attribution(m64, x64))
+    # conservation: what starts on the logits reaches the tokens (Chefer's rules keep nothing)
+    c = L.lrp_conservation(m64, x64, score="log_probability")
+    want = scratch(vit, x, "chefer", **kw)["start"]
+    torch.testing.assert_close(c["start"], want, **tol64(want))
+    torch.testing.assert_close(c["tokens"], c["start"], **tol64(want))
+    with pytest.raises(ValueError, match="score must be one of"):
+        L.lrp(vit, x, score="probability")
 
 
 METHODS = [L.lrp, L.attn_lrp, L.partial_lrp, L.transformer_attribution]
@@ -405,202 +460,10 @@ def test_bad_input_refused(vit, x):
             method(vit, x, target=9)
     with pytest.raises(ValueError, match="start_block"):
         L.transformer_attribution(vit, x, start_block=3)
+    for method in METHODS:
+        with pytest.raises(ValueError, match="score must be one of"):
+            method(vit, x, score="probability")
     with pytest.raises(RuntimeError, match="inference_mode"), torch.inference_mode():
         L.lrp(vit, x)
     with pytest.raises(ValueError, match="defined for ViTs"), record(tiny_detr(), lrp="chefer"):
         pass
-
-
-HELD_OUT_SEED = 29_017  # two-object scenes drawn nowhere else in vitlab
-
-
-@pytest.fixture(scope="module")
-def shapes():
-    from vitlab.shapes import load_shapes_vit, make_scenes, scenes_to_tensor
-
-    model = load_shapes_vit()
-    cfg = model.pretrained_cfg
-    scenes = make_scenes(30, HELD_OUT_SEED, 2)
-    x = scenes_to_tensor(scenes.images, cfg["input_size"], cfg["mean"], cfg["std"])
-    return model, copy.deepcopy(model).double(), x
-
-
-# ----------------------------------------------------------------------------- 1. float32 = float64
-@pytest.mark.parametrize("method", [L.lrp, L.transformer_attribution, L.partial_lrp], ids=lambda f: f.__name__)
-def test_float32_model_gives_the_float64_maps_on_held_out_scenes(shapes, method):
-    """Before: full LRP up to 64.6% of the map's max off on these 30 scenes (4 over 2%),
-    Transformer attribution 11.9%."""
-    model, model64, x = shapes
-    before = model_snapshot(model)
-    got = method(model, x)
-    assert got.dtype == torch.float32
-    assert_model_unchanged(model, before)
-    assert all(p.grad is None and p.dtype == torch.float32 for p in model.parameters())
-    want = method(model64, x.double())
-    err = relative_error(got, want)
-    assert err.max() < 0.02  # the issue's target
-    assert err.max() < 1e-6  # float32 rounding of the float64 maps
-    # precision="model" is the float32 pass itself: float32 out, and not the float64 maps' rounding
-    assert method(model, x[:2], precision="model").dtype == torch.float32
-
-
-def test_attn_lrp_runs_at_the_model_precision_and_float32_is_close(shapes):
-    """AttnLRP's rules divide by no sum: its float32 maps are within 1e-3 of the map's max of the
-    float64 ones (measured: 2e-6) without a float64 copy."""
-    model, model64, x = shapes
-    assert relative_error(L.attn_lrp(model, x), L.attn_lrp(model64, x.double())).max() < 1e-3
-
-
-def test_precision_is_checked(vit, x):
-    with pytest.raises(ValueError, match="precision must be one of"):
-        L.lrp(vit, x, precision="float32")
-    with pytest.raises(ValueError, match="precision must be one of"):
-        L.lrp_pass(vit, x, precision="half")
-
-
-def test_alpha1_beta0_gives_nothing_to_inputs_without_a_positive_contribution():
-    """A unit whose positive contributions are below float32's resolution of its denominator gets
-    a denominator of rounding noise, and a huge ``S``; inputs with no positive contribution to it
-    must still get only their shares of the other units. Before, ``gbar = S W + sign(x) S |W|``
-    cancelled two huge sums there: 57 of these 200 draws gave such an input an error over 1e-3
-    (up to 0.2) of a relevance of 1."""
-    g = torch.Generator().manual_seed(0)
-    worst = 0.0
-    for _ in range(200):
-        x = torch.randn(1, 16, generator=g)
-        W = torch.randn(2, 16, generator=g)
-        W[1] = -W[1].abs() * x[0].sign()  # unit 1: every contribution negative ...
-        W[1, 0] = -W[1, 0] * 10 ** float(-3 - 5 * torch.rand(1, generator=g))  # ... but input 0's, tiny
-        b = torch.zeros(2)
-        b[1] = float(torch.randn(1, generator=g)) * 10 ** float(3 * torch.rand(1, generator=g))
-        y = F.linear(x, W, b)
-        (gbar,) = alpha1_beta0_rule(W, b)(1 / y, y, x)  # relevance 1 on both units
-        c = (x[0] * W[0]).double().clamp(min=0)
-        want = c / c.sum()  # unit 0's shares: all that inputs 1..15 may get
-        worst = max(worst, float(((x * gbar)[0, 1:].double() - want[1:]).abs().max()))
-    assert worst < 1e-5  # float32 shares of unit 0 (its sum of 16 terms rounded: ~1e-7)
-
-
-# ----------------------------------------------------------------------------- 3. a zero logit
-def test_zero_logit_refused_by_transformer_attribution_and_zero_maps_elsewhere(vit, x):
-    """Before: Transformer attribution gave an all-NaN map, silently."""
-    zero = copy.deepcopy(vit)
-    with torch.no_grad():
-        zero.head.weight[0] = 0
-        zero.head.bias[0] = 0
-    with pytest.raises(ValueError, match="logit is exactly 0 for sample 0"):
-        L.transformer_attribution(zero, x, target=0)
-    with pytest.raises(ValueError, match="logit is exactly 0"):
-        L.transformer_attribution(zero, x, target=0, precision="model")
-    for method in (L.lrp, L.partial_lrp, L.attn_lrp):
-        m = method(zero, x, target=0)
-        assert torch.isfinite(m).all() and (m == 0).all(), method.__name__
-    assert torch.isfinite(L.transformer_attribution(zero, x, target=1)).all()
-
-
-# ----------------------------------------------------------------------------- 4. recordings out of order
-def _input_relevance(model, x):
-    with torch.enable_grad():
-        xi = x.clone().requires_grad_(True)
-        (g,) = torch.autograd.grad(model(xi)[:, 0].sum(), xi)
-    return xi.detach() * g
-
-
-@pytest.mark.parametrize("first_closed", ["older", "newer"])
-@pytest.mark.parametrize("rules", [("chefer", "chefer"), ("attnlrp", "chefer"), ("chefer", "attnlrp")])
-def test_lrp_recordings_closed_in_any_order_keep_their_rules(vit, x, first_closed, rules):
-    """Before: closing the older recording first popped the newer one's rules off the torch
-    function mode stack; the newer one then gave plain gradient x input."""
-    want = {}
-    for r in set(rules):
-        with record(vit, lrp=r, capture=()):
-            want[r] = _input_relevance(vit, x)
-    plain = _input_relevance(vit, x)
-    depth = torch._C._len_torch_function_stack()
-    older = record(vit, lrp=rules[0], capture=())
-    older.__enter__()
-    newer = record(vit, lrp=rules[1], capture=())
-    newer.__enter__()
-    torch.testing.assert_close(_input_relevance(vit, x), want[rules[1]])  # both open: the newer's rules
-    closing, open_one, open_rules = (older, newer, rules[1]) if first_closed == "older" else (newer, older, rules[0])
-    closing.__exit__(None, None, None)
-    try:
-        got = _input_relevance(vit, x)
-        torch.testing.assert_close(got, want[open_rules])
-        assert not torch.allclose(got, plain)
-    finally:
-        open_one.__exit__(None, None, None)
-    assert torch._C._len_torch_function_stack() == depth
-    torch.testing.assert_close(_input_relevance(vit, x), plain)
-
-
-def test_closing_a_recording_leaves_other_modes_in_place(vit, x):
-    """A torch function mode entered after the recording (a user's) stays, in its place."""
-    from torch.overrides import TorchFunctionMode
-
-    class Counting(TorchFunctionMode):
-        calls = 0
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            Counting.calls += 1
-            return func(*args, **(kwargs or {}))
-
-    with record(vit, lrp="chefer", capture=()):
-        want = _input_relevance(vit, x)
-    rec = record(vit, lrp="chefer", capture=())
-    rec.__enter__()
-    with Counting() as mode:
-        rec.__exit__(None, None, None)  # closed while the user's mode is above it
-        assert torch.overrides._get_current_function_mode_stack()[-1] is mode
-        Counting.calls = 0
-        _input_relevance(vit, x)
-        assert Counting.calls > 0
-    assert not torch.allclose(_input_relevance(vit, x), want)  # the rules left with the recording
-
-
-# ----------------------------------------------------------------------------- 6. a float64 batch
-def test_float64_batch_for_a_float32_model(vit, x):
-    """Before: every method failed inside the model with "Input type (double) and bias type
-    (float) should be the same"."""
-    vit64 = copy.deepcopy(vit).double()
-    x64 = x.double()
-    for method in (L.lrp, L.partial_lrp, L.transformer_attribution):
-        got = method(vit, x64)  # float64 is their precision: a float64 copy runs it
-        assert got.dtype == torch.float64
-        torch.testing.assert_close(got, method(vit64, x64), atol=1e-12, rtol=1e-10)
-    assert L.lrp_conservation(vit, x64)["logit"].dtype == torch.float64
-    from vitlab.attention import attention_gradcam, attention_gradients, cls_attention, raw_attention
-    from vitlab.relevance import chefer_relevance
-    from vitlab.rollout import grad_rollout, rollout
-
-    refusing = [L.attn_lrp, input_x_gradient, integrated_gradients, chefer_relevance, rollout, grad_rollout,
-                cls_attention, raw_attention, attention_gradcam, attention_gradients,
-                lambda m, xx: L.lrp(m, xx, precision="model")]
-    for method in refusing:
-        with pytest.raises(ValueError, match=r"x is torch\.float64 but the model's parameters are torch\.float32; "
-                                             r"pass x\.to\(torch\.float32\)"):
-            method(vit, x64)
-    with pytest.raises(ValueError, match=r"model\.double\(\)"):
-        input_x_gradient(vit, x64)
-
-
-def test_float64_copy_chunks_and_leaves_open_recordings_alone(vit, x, monkeypatch):
-    """The float64 pass runs on a copy: a recording open on the model does not see its forward
-    (its hooks stay behind), a user's own hook comes along; chunked batches give the same maps."""
-    import vitlab.inputs
-
-    whole = L.transformer_attribution(vit, x)
-    calls = []
-    handle = vit.blocks[0].register_forward_hook(lambda *args: calls.append(1))
-    try:
-        with record(vit, capture=("attention",)) as rec:
-            vit(x)
-            L.lrp(vit, x)
-            assert len(rec.attentions) == len(vit.blocks)  # only the recording's own forward
-    finally:
-        handle.remove()
-    assert len(calls) == 2  # the model's forward and the copy's
-    monkeypatch.setattr(vitlab.inputs, "MEMORY_BUDGET", 1)  # one sample per forward
-    chunked = L.transformer_attribution(vit, x)
-    assert chunked.dtype == torch.float32
-    torch.testing.assert_close(chunked, whole, atol=1e-6 * float(whole.abs().max()), rtol=0)

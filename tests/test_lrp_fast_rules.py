@@ -99,3 +99,30 @@ def test_half_matmul(shapes):
     with state.plain_gradients():
         for got, ref in zip(torch.autograd.grad(_HalfMatmul.apply(state, torch.matmul, a, b), [a, b], grad), want):
             torch.testing.assert_close(got, ref, **f64_tol(ref, 6))
+
+
+def test_product_from_terms_gives_each_small_entry_as_its_terms_sum():
+    """Issue 38: the softmax's rule divides by the attention scores, so a score's value must be the
+    sum of the terms the matmul rule splits. A float32 matmul gives an entry whose terms cancel with
+    an error of order ``u |a_i| |b_j|``, as large as the entry: those entries are recomputed from the
+    same float32 operands, each within one float32 rounding of the float64 product; the others are
+    left as the forward computed them (bit for bit), within ``k u / EXACT_BELOW`` of it."""
+    from vitlab.record.lrp import EXACT_BELOW, product_from_terms
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 3, 9, 16, generator=g)
+    b = torch.randn(3, 16, 7, generator=g)  # broadcast over the first batch dim, as a shared key
+    a0 = a[..., 0, :].double()
+    for h in range(3):  # make column 0 of b orthogonal to row 0 of a[0]: those scores cancel
+        b[h, :, 0] = (b[h, :, 0].double() - (a0[0, h] @ b[h, :, 0].double()) / (a0[0, h] @ a0[0, h]) * a0[0, h]).float()
+    out = a @ b
+    exact = a.double() @ b.double()
+    fixed = product_from_terms(a, b, out)
+    bound = a.norm(dim=-1).double().unsqueeze(-1) * b.norm(dim=-2).double().unsqueeze(-2)
+    small = out.abs().double() < EXACT_BELOW * bound
+    cancelled = exact[0, :, 0, 0]
+    assert small[0, :, 0, 0].all() and (cancelled.abs() < 1e-5 * bound[0, :, 0, 0]).all()
+    assert ((out[0, :, 0, 0].double() - cancelled).abs() > 1e-3 * cancelled.abs()).any()  # the forward's error
+    assert ((fixed.double() - exact).abs()[small] <= 2.0 ** -24 * exact.abs()[small]).all()
+    assert torch.equal(fixed[~small], out[~small])
+    assert ((out.double() - exact).abs()[~small] <= 16 * 2.0 ** -24 / EXACT_BELOW * exact.abs()[~small]).all()

@@ -3,45 +3,49 @@
 Every method is ``(model, x, target=None, ...) -> B x gh x gw`` and costs one forward and
 one backward for the whole batch (Transformer attribution: one more backward, for the
 ordinary attention gradient). The rules live in :mod:`vitlab.record.lrp`, attached and
-removed by ``vitlab.record(model, lrp=...)``; nothing here touches the model (the methods with
-Chefer's rules run a float64 copy of it, see Precision below).
+removed by ``vitlab.record(model, lrp=...)``; nothing here touches the model (``precision=
+"float64"`` runs a float64 copy of it, see Precision below).
 
-Relevance is what LRP conserves: the explained logit ``y_t`` is divided among the inputs of
-each layer, layer by layer, down to the patch tokens. What a rule gives to a bias (and to
-the position embedding added after the patch embedding, and to the CLS token) stays there:
-the patch map sums to ``y_t`` minus those shares (:func:`lrp_conservation` measures them).
+Relevance is what LRP conserves: the explained score's relevance on the logits (``score=``: the
+logit ``y_t``, or the log-probability's gradient x input ``y_j ds/dy_j``) is divided among the
+inputs of each layer, layer by layer, down to the patch tokens. What a rule gives to a bias (and
+to the position embedding added after the patch embedding, and to the CLS token) stays there:
+the patch map sums to the start (``y_t`` for the logit) minus those shares
+(:func:`lrp_conservation` measures them).
 
 Precision. Chefer's rules pass relevance through the softmax and every LayerNorm unchanged
 (the identity rule), and the operation before each then splits it over the terms of a sum by
 their share of it: an attention score ``q·k`` over its ``q_d k_d``, a residual stream ``a + b``
-and the position sum ``e + p`` over their parts (the z-rule). Exact, but with a pole: where a
-sum ``s`` is small against its terms (``rho = |s| / sum |terms|``) each term receives about
-``R / rho``, terms of opposite signs nearly cancelling, and ``rho`` is known only as well as the
-forward computed ``s``. A float32 forward computes ``s`` with an error of about ``1e-7 sum
-|terms|``, so a sum with ``rho`` of 1e-6 .. 1e-4 that carries relevance gives the float32 map
-another value than the rule's (scene 15 of ``make_scenes(30, 80_001, 2)`` on
-``shapes-vit-tiny``: a block-0 score with ``rho = 7e-7``, computed as 1e-8 instead of 6.6e-7,
-puts -401 on a patch where the rule gives -6.2). No computation order of the rules avoids it:
-the error is in the forward's values, which the rules leave as the model computes them. Nor
-does a stabiliser: ``s / (s^2 + (k sum |terms|)^2)`` in place of ``1 / s`` at the three sums,
-in both dtypes, needs ``k = 1e-4`` to bring float32 within 2% of float64 on those 30 scenes,
-and at ``k = 1e-4`` the float64 maps themselves move by a median 15% (max 238%) of their
-maximum; ``k = 1e-5`` moves them up to 103% and leaves float32 21% away. So the methods with
-these rules (:func:`lrp`, :func:`partial_lrp`, :func:`transformer_attribution`, and
-:func:`lrp_pass` / :func:`lrp_conservation` with ``rules="chefer"``) run a float64 copy of a
-model in another dtype by default (``precision="float64"``: :func:`at_precision`, made fresh
-per call by :func:`vitlab.record.lrp.working_copy`; the model itself is not touched) and return
-the maps in ``x``'s dtype: the rule's value to float32 rounding (``benchmarks/
-check_lrp_float32.py``: within 1e-6 of the map's max on every scene of both seeds), for 2.2x
-the CPU time of a float32 pass (measured on ``shapes-vit-tiny``, 30 scenes, one thread) and
-twice its activation memory plus the copy's parameters. ``precision="model"`` runs the model
-as it is; what float32 then costs against the float64 pass, as % of the map's max |value| on
-30 two-object scenes of seeds 29_017 / 80_001: full LRP max 64.6% / 6364%, median 0.19% /
-0.16%, 4 / 10 of the 30 scenes over 2%; Transformer attribution max 11.9% / 1.6%; partial LRP
-max 0.17% / 0.01%. AttnLRP's rules divide by no sum (the plain gradient at linear layers and
-the softmax, the LayerNorm rule holds sigma constant, GELU's ``gelu(x) / x`` is bounded):
-float32 is within 0.001% there, and :func:`attn_lrp` runs at the model's precision unless
-asked.
+and the position sum ``e + p`` over their parts (the z-rule). Each share ``t / s`` has a pole
+where the sum ``s`` is small against its terms, with two consequences:
+
+- Conservation needs the very sum of the terms split. A residual addition and the position sum
+  are one floating-point addition each, correctly rounded: the forward's value is their sum to
+  one rounding. An attention score is a matmul, off by up to ``k u sum |terms|`` (inner length
+  ``k``, unit roundoff ``u``), which is large against a score whose terms cancel; the softmax's
+  rule therefore divides by each small score recomputed from its terms in float64
+  (:func:`vitlab.record.lrp.product_from_terms`). So at the model's own precision the pass hands
+  the relevance it starts with to the tokens up to the rounding of its own arithmetic, for the
+  network as it computes.
+- Near a pole the map is ill-conditioned in the network's values: a sum ``h_d = a_d + b_d`` that
+  crosses 0 swaps the signs of two large shares. Moving the input by one float32 rounding moves
+  the float64 map of a few scenes by tens of percent of its maximum, and a float32 forward rounds
+  every layer by at least that much, so on those scenes the float32 model's map and its float64
+  copy's map are the rules' values for two networks that differ by rounding, and differ as much;
+  neither explains the float32 model better. ``benchmarks/check_lrp_float32.py`` prints, scene by
+  scene, both distances and the conservation.
+
+``precision="model"`` (the default) runs the model as it is: no copy, the rules in its dtype, plus
+per attention map in the backward a norm per row and a float64 sum for the scores below ``2^-10`` of
+their bound.
+``precision="float64"`` runs a float64 copy of a model in another dtype (made per call by
+:func:`vitlab.record.lrp.working_copy`; the model itself is not touched) and returns the maps in
+``x``'s dtype: the float64 network's values, the same on every machine to float32 rounding, for
+the copy (the parameters twice), activations of twice the size and float64 arithmetic (about
+twice a float32 pass on a CPU; 2x to 64x on a GPU, by model). AttnLRP's rules divide by no sum
+of the forward (the plain gradient at linear layers and the softmax, the LayerNorm rule holds
+sigma constant, GELU's ``gelu(x) / x`` is bounded): its float32 maps are the float64 ones to a
+few roundings.
 
 Choices where the papers leave room:
 
@@ -77,7 +81,8 @@ from vitlab.inputs import check_images, check_input_dtype, checked_layout, in_ch
 from vitlab.record import record
 from vitlab.record.lrp import working_copy
 from vitlab.relevance.engine import head_averaged_relevance
-from vitlab.targets import check_target, logits_of, require_class_head, resolve_target
+from vitlab.targets import (check_score, check_target, is_multi_label, logits_of, require_class_head,
+                            resolve_target, target_score)
 
 
 class LRPPass(NamedTuple):
@@ -89,9 +94,13 @@ class LRPPass(NamedTuple):
             embedding + position, CLS and other prefix tokens included).
         attention_relevance: per block ``B x heads x N x N``, ``R^A = A ⊙ gbar_A`` (with
             ``attention=True`` or ``plain=True``; ``attention="last"``: the last block's only).
-        attention_grads: per block the ordinary ``dy_t / dA`` (with ``plain=True``; else empty).
-        logit: ``(B,)`` the explained logit ``y_t``.
+        attention_grads: per block the ordinary gradient of the explained score with respect to
+            ``A`` (with ``plain=True``; else empty).
+        logit: ``(B,)`` the explained class's logit ``y_t``.
         target: ``(B,)`` the explained class.
+        start: ``(B,)`` the relevance the pass started with, summed over the logits: the score's
+            gradient x input ``sum_j y_j ds/dy_j`` (``y_t`` for ``score="logit"``); 1 with the unit
+            start of Transformer attribution.
     """
 
     patch_relevance: torch.Tensor
@@ -100,14 +109,19 @@ class LRPPass(NamedTuple):
     attention_grads: list[torch.Tensor]
     logit: torch.Tensor
     target: torch.Tensor
+    start: torch.Tensor
 
 
-#: What ``precision=`` takes: ``"float64"`` runs a float64 copy of a model in another dtype,
-#: ``"model"`` runs the model in its own dtype (see the module docstring).
-PRECISIONS = ("float64", "model")
-
-#: The precision each rule set runs at unless asked: Chefer's rules have poles (module docstring).
-DEFAULT_PRECISION = {"chefer": "float64", "attnlrp": "model"}
+#: What ``precision=`` takes. ``"model"`` (the default) runs the model as it is, in its own dtype:
+#: no copy, the rules' arithmetic in that dtype (each attention score the softmax's rule divides by
+#: is taken from its terms, see :mod:`vitlab.record.lrp`). ``"float64"`` runs a float64 copy of a
+#: model in another dtype (:func:`vitlab.record.lrp.working_copy`, made per call): the rules' value
+#: for the float64 network, at the price of the copy (twice the parameter memory), activations of
+#: twice the size and float64 arithmetic (about 2x a float32 pass on a CPU; on most GPUs float64
+#: runs at 1/2 to 1/64 of float32). The maps of the two are the rules' values for two networks that
+#: differ by float32 rounding; where Chefer's rules pass relevance through a pole (module docstring)
+#: those values differ, and neither is the "true" one.
+PRECISIONS = ("model", "float64")
 
 
 def at_precision(model, x: torch.Tensor, precision: str, method: str):
@@ -127,28 +141,43 @@ def at_precision(model, x: torch.Tensor, precision: str, method: str):
 
 def lrp_pass(model, x: torch.Tensor, target=None, rules: str = "chefer", attention: bool = False,
              plain: bool = False, tokens: bool = True, method: str = "lrp_pass",
-             precision: str | None = None) -> LRPPass:
+             precision: str = "model", score: str = "logit") -> LRPPass:
     """One forward with the LRP rules ``rules`` attached and one LRP backward of the target
-    logits (their sum over the batch: samples do not interact), plus with ``plain`` one
+    scores (their sum over the batch: samples do not interact), plus with ``plain`` one
     ordinary backward for the attention gradients. ``attention``: also the relevance of every
     attention map (``attention="last"``: the last block's only); ``tokens=False`` leaves the
     token relevances out (empty tensors), so the backward stops at the first attention map it
-    needs. ``precision``: ``"float64"`` or ``"model"`` (:data:`PRECISIONS`; None: the rule set's
-    :data:`DEFAULT_PRECISION`, float64 for ``"chefer"``); the results come in ``x``'s dtype.
+    needs. ``precision``: ``"model"`` or ``"float64"`` (:data:`PRECISIONS`); the results come in
+    ``x``'s dtype. ``score``: what is explained (:data:`vitlab.targets.SCORES`); the pass starts
+    from the score's gradient x input on the logits, ``R_j = y_j ds/dy_j`` (module docstring).
     Checks the input before the forward."""
-    precision = DEFAULT_PRECISION.get(rules, "model") if precision is None else precision
+    check_score(score)
     run_model, run_x = at_precision(model, x, precision, method)
-    p = _lrp_pass(run_model, run_x, target, rules, attention, plain, tokens, method)
+    p = _lrp_pass(run_model, run_x, target, rules, attention, plain, tokens, method, score=score)
     like = x.dtype
     return LRPPass(p.patch_relevance.to(like), p.token_relevance.to(like), [a.to(like) for a in p.attention_relevance],
-                   [g.to(like) for g in p.attention_grads], p.logit.to(like), p.target)
+                   [g.to(like) for g in p.attention_grads], p.logit.to(like), p.target, p.start.to(like))
+
+
+def score_gradient(model, logits: torch.Tensor, t: torch.Tensor, score: str) -> torch.Tensor:
+    """``B x C``: the gradient of each sample's score (:func:`vitlab.targets.target_score`, the
+    model's head deciding softmax or sigmoid) with respect to its logits, computed on a detached
+    copy of them: one-hot for ``"logit"``, ``onehot - softmax(y)`` (or ``(1 - sigmoid(y_t))
+    onehot`` for a multi-label head) for ``"log_probability"``."""
+    if score == "logit":
+        return torch.zeros_like(logits).scatter_(1, t[:, None], 1.0)
+    with torch.enable_grad():
+        leaf = logits.detach().requires_grad_(True)
+        s = target_score(leaf, t, score, is_multi_label(model))
+        return torch.autograd.grad(s.sum(), leaf)[0]
 
 
 def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool, tokens: bool, method: str,
-              unit: bool = False) -> LRPPass:
+              unit: bool = False, score: str = "logit") -> LRPPass:
     """:func:`lrp_pass` at the model's own precision; ``unit``: the backward starts from relevance
-    1 on each target logit instead of the logit's value (``ValueError`` where a logit is exactly 0:
-    relevance 1 on it is no gradient)."""
+    ``y_j ds/dy_j / sum_k y_k ds/dy_k``, 1 in total (for the logit: 1 on the target, the reference's
+    ``relprop(one_hot)``), instead of ``y_j ds/dy_j`` (``ValueError`` where the sum is exactly 0,
+    e.g. a target logit of 0: no gradient scales it to 1)."""
     checked_layout(model, x, method)
     require_class_head(model, method)
     target = check_target(target, x.shape[0])
@@ -160,123 +189,135 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
             logits = logits_of(model(x_in))
             t = resolve_target(target, logits)
             y = logits.gather(1, t[:, None])[:, 0]
-            start = torch.ones_like(y)
+            g = score_gradient(model, logits, t, score)  # ds/dy, B x C
+            held = logits.detach()
+            total = (held * g).sum(1)  # the score's gradient x input on the logits, summed
+            start = g  # relevance y ⊙ ds/dy
             if unit:
-                zero = (y.detach() == 0).nonzero()
+                zero = (total == 0).nonzero()
                 if zero.numel():
+                    what = ("explained logit is" if score == "logit"
+                            else "score's gradient x input on the logits sums to")
                     raise ValueError(
-                        f"{method}: the explained logit is exactly 0 for sample {int(zero[0])} (class "
-                        f"{int(t[zero[0]])}); the LRP pass starts from relevance 1 on it, which a gradient "
-                        "cannot express there (relevance = logit x gradient): explain another class (target=...)")
-                start = 1 / y.detach()  # relevance y_t * (1 / y_t) = 1 (the reference's relprop(one_hot))
+                        f"{method}: the {what} exactly 0 for sample {int(zero[0])} (class {int(t[zero[0]])}); the "
+                        "LRP pass starts from relevance 1 in total, which a gradient cannot scale it to there "
+                        "(relevance = logit x gradient): explain another class (target=...)")
+                start, total = g / total[:, None], torch.ones_like(total)  # relevance y ⊙ ds/dy, 1 in total
             e, x0 = rec.patch_tokens[-1], rec.first_block_inputs[-1]
             attn = list(rec.attentions) if capture else []
             if attention == "last":
                 attn = attn[-1:]
             wanted = ([e, x0] if tokens else []) + attn
-            grads = list(torch.autograd.grad(y, wanted, grad_outputs=start, retain_graph=plain))
+            grads = list(torch.autograd.grad(logits, wanted, grad_outputs=start, retain_graph=plain))
             plain_grads = []
             if plain:
                 with rec.plain_gradients():
-                    plain_grads = [g.detach() for g in torch.autograd.grad(y.sum(), attn)]
+                    plain_grads = [d.detach() for d in torch.autograd.grad(logits, attn, grad_outputs=g)]
     if tokens:
         R_e = (e.detach() * grads.pop(0)).sum(-1)  # B x P
         R_x0 = (x0.detach() * grads.pop(0)).sum(-1)  # B x N
     else:
         R_e = R_x0 = torch.empty(x.shape[0], 0, dtype=y.dtype, device=y.device)
-    R_A = [a.detach() * g for a, g in zip(attn, grads)]
-    return LRPPass(R_e, R_x0, R_A, plain_grads, y.detach(), t)
+    R_A = [a.detach() * d for a, d in zip(attn, grads)]
+    return LRPPass(R_e, R_x0, R_A, plain_grads, y.detach(), t, total)
 
 
-def _grid_map(method, model, x, target, kwargs, compute, precision: str):
+def _grid_map(method, model, x, target, kwargs, compute, precision: str, score: str):
     """Shared steps of the map methods: input checks, the precision (:func:`at_precision`),
-    chunking, then ``compute(model, x, target)`` at that precision; the map in ``x``'s dtype."""
+    chunking, then ``compute(model, x)`` at that precision; the map in ``x``'s dtype."""
+    check_score(score)
     run_model, run_x = at_precision(model, x, precision, method.__name__)
     layout = checked_layout(run_model, run_x, method.__name__)
     chunked = in_chunks(method, run_model, run_x, layout, gradients=True, target=target, precision=precision,
-                         **kwargs)
+                        score=score, **kwargs)
     if chunked is not None:  # a batch larger than vitlab.inputs.MEMORY_BUDGET allows
         return chunked.to(x.dtype)
     return layout.patches_to_grid(compute(run_model, run_x)).to(x.dtype)
 
 
-def lrp(model, x: torch.Tensor, target=None, precision: str = "float64") -> torch.Tensor:
+def lrp(model, x: torch.Tensor, target=None, precision: str = "model", score: str = "logit") -> torch.Tensor:
     """Full LRP to the patch tokens (Bach et al. 2015, "On Pixel-Wise Explanations for
     Non-Linear Classifier Decisions by Layer-Wise Relevance Propagation", eq. 60 for the
     alpha-beta rule; the transformer rules of Chefer, Gur & Wolf's reference code):
-    ``B x gh x gw``, each patch's relevance ``sum_d e ⊙ gbar_e`` of the target logit, in logit
-    units (signed; the patches' sum is the logit minus the shares of the position embedding
-    and the prefix tokens, see the module docstring; a target logit of 0 has nothing to
-    distribute: a map of 0). Computed in float64 unless asked (``precision``): these rules'
-    relevance is decided by sums that float32 cannot resolve (the module docstring measures
-    what float32 costs).
+    ``B x gh x gw``, each patch's relevance ``sum_d e ⊙ gbar_e`` of the target score, in the
+    score's units (signed; the patches' sum is the relevance started, ``y_t`` for the logit, minus
+    the shares of the position embedding and the prefix tokens, see the module docstring; a target
+    logit of 0 has nothing to distribute: a map of 0).
 
     Args:
         model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
         x: ``B x 3 x H x W`` input batch.
         target: int, one class per sample (sequence / 1-D tensor), or None (predicted).
-        precision: ``"float64"`` (default: a float64 copy of a model in another dtype; the map
-            is returned in ``x``'s dtype) or ``"model"`` (the model's own dtype; ``x`` must be
-            in it).
+        precision: ``"model"`` (default: the model as it is, ``x`` in its dtype) or ``"float64"``
+            (a float64 copy of a model in another dtype, made per call, the map returned in ``x``'s
+            dtype); what each costs and gives: :data:`PRECISIONS`.
+        score: ``"logit"`` (default) or ``"log_probability"`` (:data:`vitlab.targets.SCORES`): the
+            relevance starts as the score's gradient x input on the logits, ``R_j = y_j ds/dy_j``
+            (for the logit: ``y_t`` on the target; for the log-probability of a softmax head
+            ``y_j (δ_jt - p_j)`` on every class, summing to ``y_t - sum_j p_j y_j``).
     """
     return _grid_map(lrp, model, x, target, {}, lambda m, xx: _lrp_pass(
-        m, xx, target, "chefer", False, False, True, "lrp").patch_relevance, precision)
+        m, xx, target, "chefer", False, False, True, "lrp", score=score).patch_relevance, precision, score)
 
 
-def attn_lrp(model, x: torch.Tensor, target=None, precision: str = "model") -> torch.Tensor:
+def attn_lrp(model, x: torch.Tensor, target=None, precision: str = "model", score: str = "logit") -> torch.Tensor:
     """AttnLRP (Achtibat et al., ICML 2024, "AttnLRP: Attention-Aware Layer-Wise Relevance
     Propagation for Transformers": the softmax rule, the uniform rule for the attention
     matmuls (eq. 7), the identity rule for GELU (eq. 9) and the LayerNorm rule, the epsilon rule
-    elsewhere) to the patch tokens: ``B x gh x gw`` in logit units, signed. One forward and
+    elsewhere) to the patch tokens: ``B x gh x gw`` in the score's units, signed. One forward and
     one backward (the rules in :mod:`vitlab.record.lrp`, ``lrp="attnlrp"``). Its rules divide by
-    no sum, so it runs at the model's precision (float32 within 0.001% of float64).
+    no sum of the forward, so float32 gives the float64 maps to a few float32 roundings.
 
-    Args: as :func:`lrp`, with ``precision`` defaulting to ``"model"``.
+    Args: as :func:`lrp`.
     """
     return _grid_map(attn_lrp, model, x, target, {}, lambda m, xx: _lrp_pass(
-        m, xx, target, "attnlrp", False, False, True, "attn_lrp").patch_relevance, precision)
+        m, xx, target, "attnlrp", False, False, True, "attn_lrp", score=score).patch_relevance, precision, score)
 
 
-def partial_lrp(model, x: torch.Tensor, target=None, precision: str = "float64") -> torch.Tensor:
+def partial_lrp(model, x: torch.Tensor, target=None, precision: str = "model", score: str = "logit") -> torch.Tensor:
     """Partial LRP (Voita et al., ACL 2019, "Analyzing Multi-Head Self-Attention", Sec. 4.1:
     heads weighed by their LRP relevance), as Chefer et al. (CVPR 2021) use it as a baseline:
     the LRP relevance of the last block's attention maps, ``R^A = A ⊙ gbar_A``, clamped at 0
     per head and averaged over heads, CLS row, patch columns (the reference's
-    ``method="last_layer"``). A head whose output carries more of the logit's relevance
+    ``method="last_layer"``). A head whose output carries more of the score's relevance
     contributes more: that is the weighting by head relevance. ``B x gh x gw``.
 
     Args: as :func:`lrp`.
     """
     def compute(m, xx):
-        p = _lrp_pass(m, xx, target, "chefer", "last", False, False, "partial_lrp")
+        p = _lrp_pass(m, xx, target, "chefer", "last", False, False, "partial_lrp", score=score)
         return p.attention_relevance[-1].clamp(min=0).mean(dim=1)[:, 0, :]  # B x N
-    return _grid_map(partial_lrp, model, x, target, {}, compute, precision)
+    return _grid_map(partial_lrp, model, x, target, {}, compute, precision, score)
 
 
 @renamed_arguments(start_layer="start_block")
 def transformer_attribution(model, x: torch.Tensor, target=None, start_block: int = 0,
-                            precision: str = "float64") -> torch.Tensor:
+                            precision: str = "model", score: str = "logit") -> torch.Tensor:
     """Transformer attribution (Chefer, Gur & Wolf, CVPR 2021, "Transformer Interpretability
     Beyond Attention Visualization", eq. 13): per block ``Abar_b = E_h[(grad A_b ⊙ R^{A_b})^+]``,
-    with ``grad A_b`` the ordinary gradient of the target logit and ``R^{A_b}`` the attention
+    with ``grad A_b`` the ordinary gradient of the target score and ``R^{A_b}`` the attention
     map's LRP relevance (the reference's relprop rules, ``lrp="chefer"``), propagated as the
-    reference does from relevance 1 on the target class (not from the logit's value: eq. 13's
-    product is not invariant to that scale); then
+    reference does from relevance 1 (on the target class for the logit; not from the logit's
+    value: eq. 13's product is not invariant to that scale); then
     ``C = (I + Abar_1) · ... · (I + Abar_B)`` (eq. 13's product, no row normalisation, as in
     ``ViT_LRP.compute_rollout_attention``), map = ``C[CLS, patches]``. ``B x gh x gw``.
-    A target logit of exactly 0 is refused (``ValueError``): relevance 1 on it cannot be
-    written as a gradient (the LRP pass's relevance is logit x gradient).
+    With ``score="log_probability"`` the LRP pass starts from the score's gradient x input on the
+    logits scaled to 1 in total, ``y_j ds/dy_j / sum_k y_k ds/dy_k`` (the one-hot of the logit
+    generalised; ``ds/dy_j`` alone sums to 0 for a softmax head, and Chefer's residual rule would
+    scale every relevance to that 0), and ``grad A`` is the log-probability's gradient. A start whose
+    sum is exactly 0 (a target logit of 0) is refused (``ValueError``): no gradient scales it to 1.
 
     The 2021 follow-up (:func:`vitlab.relevance.chefer_relevance`) is this with ``A`` in place
     of ``R^A``: no LRP pass at all.
 
     Args:
-        model, x, target, precision: as :func:`lrp`.
+        model, x, target, precision, score: as :func:`lrp`.
         start_block: first block in the product (0: every block, eq. 13; the reference's
             perturbation script uses 1).
     """
     def compute(m, xx):
-        p = _lrp_pass(m, xx, target, "chefer", False, True, False, "transformer_attribution", unit=True)
+        p = _lrp_pass(m, xx, target, "chefer", False, True, False, "transformer_attribution", unit=True,
+                      score=score)
         L = len(p.attention_relevance)
         if isinstance(start_block, bool) or not isinstance(start_block, int) or not 0 <= start_block < L:
             raise ValueError(f"start_block must be an int in [0, {L}), got {start_block!r}")
@@ -288,20 +329,23 @@ def transformer_attribution(model, x: torch.Tensor, target=None, start_block: in
         return r
     if isinstance(start_block, bool) or not isinstance(start_block, int) or start_block < 0:
         raise ValueError(f"start_block must be a non-negative int, got {start_block!r}")
-    return _grid_map(transformer_attribution, model, x, target, {"start_block": start_block}, compute, precision)
+    return _grid_map(transformer_attribution, model, x, target, {"start_block": start_block}, compute, precision,
+                     score)
 
 
-def lrp_conservation(model, x: torch.Tensor, target=None, rules: str = "chefer",
-                     precision: str | None = None) -> dict[str, torch.Tensor]:
-    """Where the explained logit's relevance ends up, per sample (each ``(B,)``): ``"logit"``;
-    ``"tokens"`` (every token entering the first block); ``"patches"`` (the patch tokens of
-    the map); ``"absorbed"`` = logit - tokens (kept by biases, and with ``"attnlrp"`` by the
-    softmax's bias term); ``"position and prefix"`` = tokens - patches. ``precision``: as
-    :func:`lrp_pass` (the sums are taken at that precision, returned in ``x``'s dtype)."""
-    precision = DEFAULT_PRECISION.get(rules, "model") if precision is None else precision
+def lrp_conservation(model, x: torch.Tensor, target=None, rules: str = "chefer", precision: str = "model",
+                     score: str = "logit") -> dict[str, torch.Tensor]:
+    """Where the relevance started on the logits ends up, per sample (each ``(B,)``): ``"logit"``
+    (the target's); ``"start"`` (the relevance started: the score's gradient x input summed over
+    the logits, ``y_t`` for ``score="logit"``); ``"tokens"`` (every token entering the first
+    block); ``"patches"`` (the patch tokens of the map); ``"absorbed"`` = start - tokens (kept by
+    biases, and with ``"attnlrp"`` by the softmax's bias term); ``"position and prefix"`` = tokens -
+    patches. ``precision``, ``score``: as :func:`lrp_pass` (the sums are taken at that precision,
+    returned in ``x``'s dtype)."""
+    check_score(score)
     run_model, run_x = at_precision(model, x, precision, "lrp_conservation")
-    p = _lrp_pass(run_model, run_x, target, rules, False, False, True, "lrp_conservation")
+    p = _lrp_pass(run_model, run_x, target, rules, False, False, True, "lrp_conservation", score=score)
     tokens, patches = p.token_relevance.sum(-1), p.patch_relevance.sum(-1)
-    out = {"logit": p.logit, "tokens": tokens, "patches": patches, "absorbed": p.logit - tokens,
+    out = {"logit": p.logit, "start": p.start, "tokens": tokens, "patches": patches, "absorbed": p.start - tokens,
            "position and prefix": tokens - patches}
     return {k: v.to(x.dtype) for k, v in out.items()}

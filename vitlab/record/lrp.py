@@ -72,13 +72,19 @@ Numerics. The rules run in the dtype of the model they are attached to. The ``"c
 identity rules divide by the input (``gbar_x = R / x``), and the gradient x input split of the
 sum before (a score ``q·k``, a residual ``a + b``, the position sum ``e + p``) then gives each
 term ``t`` the share ``t / x``: the z-rule, with a pole where ``x`` is small against its terms.
-Near one a float32 forward does not know ``x`` well enough for the rule's value, whatever the
-order of the rules' own arithmetic; :mod:`vitlab.lrp` measures it and runs these rules on a
-float64 copy of the model (:func:`working_copy`). The rules' own steps are written not to add
-cancellation of their own: alpha-beta picks ``S W^+`` or ``S W^-`` by the input's sign (never
-the difference of two large products), the residual rule's rescaling is ``sign(s_a) T / (|s_a|
-+ |s_b|)`` (no division by a sum that cancelled), the identity rule's ``0 / 0`` is 0. The
-``"attnlrp"`` set divides by no sum of the forward and is as accurate as the model's dtype.
+The split conserves relevance only if ``x`` is the sum of those terms. A residual addition and the
+position sum are one correctly rounded addition each: their value is that sum to one rounding.
+An attention score is a matmul of two activations, which a float32 forward gives to
+``k u sum |terms|`` only (``k`` terms, unit roundoff ``u``): the softmax's rule divides by the
+scores the forward computed from their terms, each small one recomputed in float64
+(:func:`product_from_terms`; the mode follows the matmul's output through a scaling and an added
+mask to the softmax). What is left is the conditioning of the rules themselves: near a pole the
+relevance changes fast with the network's values, which :mod:`vitlab.lrp` measures. The rules' own
+steps are written not to add cancellation of their own: alpha-beta picks ``S W^+`` or ``S W^-`` by
+the input's sign (never the difference of two large products), the residual rule's rescaling is
+``sign(s_a) T / (|s_a| + |s_b|)`` (no division by a sum that cancelled), the identity rule's
+``0 / 0`` is 0. The ``"attnlrp"`` set divides by no sum of the forward and is as accurate as the
+model's dtype.
 """
 from __future__ import annotations
 
@@ -114,6 +120,9 @@ class LRPState:
         self.thread = threading.get_ident()
         self.stream: torch.Tensor | None = None  # the residual stream of the block being run ("chefer")
         self.gated = 0  # > 0 inside a gated MLP (SwiGLU): its product of two activations takes the uniform rule
+        #: products of two activations in the running forward ("chefer", below float64), the value the
+        #: softmax's rule divides by: id(tensor) -> (tensor, function giving it from its terms)
+        self.exact: dict = {}
 
     @contextlib.contextmanager
     def plain_gradients(self):
@@ -209,6 +218,45 @@ def identity_rule(grad: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> tup
     return ((grad * out).div_(x).nan_to_num_(0.0, 0.0, 0.0),)  # a / 0 -> 0
 
 
+#: Where :func:`product_from_terms` recomputes an entry of ``a @ b``: where it is below this fraction
+#: of ``|a_i| |b_j|``, which bounds the sum of its terms' magnitudes.
+EXACT_BELOW = 2.0 ** -10
+
+
+def product_from_terms(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` (batched matmul, as the forward computed it) with every entry that is small
+    against its terms recomputed from them, summed in float64 and rounded once: the entries with
+    ``|out_ij| < EXACT_BELOW |a_i| |b_j|``. A float32 matmul gives entry ``ij`` with an error up to
+    ``k u sum_l |a_il b_lj| <= k u |a_i| |b_j|`` (``k`` the inner length, ``u = 2^-24``), which is
+    large against the entry where its terms cancel; after this, every entry is within ``k u /
+    EXACT_BELOW`` of itself (a head width of 64: ``2^-8``; typically ``sqrt(k) u / EXACT_BELOW``,
+    ``2^-11``), and the recomputed ones within ``u``. The threshold trades that bound against the
+    cost of the float64 sums, which grows with the share of near-orthogonal ``q``, ``k`` (large in a
+    random-initialised model; ``benchmarks/bench_lrp.py`` measures the methods' cost)."""
+    batch = out.shape[:-2]
+    n, k, m = a.shape[-2], a.shape[-1], b.shape[-1]
+    a3 = a.expand(*batch, n, k).reshape(-1, n, k)
+    b3 = b.expand(*batch, k, m).reshape(-1, k, m)
+    o3 = out.reshape(-1, n, m)
+    bound = a3.norm(dim=-1).unsqueeze(-1) * b3.norm(dim=-2).unsqueeze(-2)  # >= sum_l |a_il b_lj|
+    which, i, j = (o3.abs() < EXACT_BELOW * bound).nonzero(as_tuple=True)
+    if which.numel() == 0:
+        return out
+    terms = a3[which, i, :].double() * b3[which, :, j].double()
+    fixed = o3.clone()
+    fixed[which, i, j] = terms.sum(-1).to(out.dtype)
+    return fixed.reshape(out.shape)
+
+
+def identity_rule_over(denominator):
+    """:func:`identity_rule` dividing by ``denominator()`` (the input's value computed from its terms,
+    in the input's dtype; computed in the backward, so a backward that stops above the rule costs
+    nothing) instead of the input as the forward rounded it."""
+    def rule(grad, out, x):
+        return ((grad * out).div_(denominator().to(x.dtype)).nan_to_num_(0.0, 0.0, 0.0),)
+    return rule
+
+
 def layer_norm_rule(normalized_shape, weight, eps):
     """AttnLRP's LayerNorm rule: the standard deviation held constant in the backward."""
     dims = tuple(range(-len(normalized_shape), 0))
@@ -260,8 +308,9 @@ def alpha1_beta0_rule(weight: torch.Tensor, bias: torch.Tensor | None = None):
     token carries relevance) are skipped: they give 0."""
     def dense(grad, out, x):
         z = F.linear(x.abs(), weight.abs(), None if bias is None else -bias).add_(out)  # 2 sum_i (x_i w_ji)^+ >= 0
-        s = torch.where(z > 0, 2 * out * grad / z, 0.0)  # S; the inf / nan of z <= 0 is never picked
-        return torch.where(x > 0, s @ weight.clamp(min=0), torch.where(x < 0, s @ weight.clamp(max=0), 0.0))
+        s = (out * grad).div_(z).masked_fill_(z <= 0, 0.0)  # S / 2; the inf / nan of z <= 0 replaced by 0
+        g = torch.where(x > 0, s @ (2 * weight).clamp_(min=0), s @ (2 * weight).clamp_(max=0))
+        return g.masked_fill_(x == 0, 0.0)
 
     def rule(grad, out, x):
         index = _live_rows(grad)
@@ -321,6 +370,9 @@ _SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax}
 _ADDS = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__}
 _TANHS = {torch.tanh, torch.Tensor.tanh, F.tanh}
 _MULS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+_SCALINGS = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.div, torch.Tensor.div,
+             torch.Tensor.__truediv__, *_ADDS}
+
 
 
 def _tensor(t) -> bool:
@@ -356,6 +408,17 @@ class _LRPMode(TorchFunctionMode):
         st = self.state
         if st.depth <= 0 or threading.get_ident() != st.thread or _overruled(st):
             return func(*args, **kwargs)
+        if st.exact and func in _SCALINGS and len(args) == 2 and not kwargs and _tensor(args[0]):
+            # attention scores scaled or given a mask on their way to the softmax: the same op on their
+            # value from the terms (a scaling or a constant added rounds relative to the result)
+            entry = st.exact.get(id(args[0]))
+            other = args[1]
+            if entry is not None and entry[0] is args[0] and (
+                    isinstance(other, (int, float)) or (_tensor(other) and not other.requires_grad)):
+                out = func(*args)
+                value = entry[1]
+                st.exact[id(out)] = (out, lambda: func(value(), other))
+                return out
         if func in _MATMULS and len(args) == 2 and _tensor(args[0]) and _tensor(args[1]):
             return self.matmul(func, *args)
         if func in _SOFTMAXES:
@@ -399,7 +462,11 @@ class _LRPMode(TorchFunctionMode):
     # each handler runs the op as the model asked, with the rule's backward
     def matmul(self, func, a, b):
         if a.ndim >= 2 and b.ndim >= 2:
-            return _HalfMatmul.apply(self.state, func, a, b)
+            out = _HalfMatmul.apply(self.state, func, a, b)
+            if self.state.rules == "chefer" and out.dtype != torch.float64:  # the softmax's rule may need it
+                a0, b0 = a.detach(), b.detach()
+                self.state.exact[id(out)] = (out, lambda: product_from_terms(a0, b0, out.detach()))
+            return out
         half_a = _ScaleGrad.apply(self.state, a, 0.5)
         half_b = _ScaleGrad.apply(self.state, b, 0.5)
         return func(half_a, half_b)
@@ -411,7 +478,11 @@ class _LRPMode(TorchFunctionMode):
         dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
         # the plain gradient without recomputation where the output keeps the input's dtype
         vjp = softmax_vjp(dim) if isinstance(dim, int) and len(args) <= 2 and kwargs.get("dtype") is None else None
-        return _Ruled.apply(self.state, lambda t: func(t, *args[1:], **kwargs), identity_rule, vjp, x)
+        entry = self.state.exact.pop(id(x), None)
+        rule = identity_rule
+        if entry is not None and entry[0] is x:  # scores of a matmul: divide by them as their terms sum
+            rule = identity_rule_over(entry[1])
+        return _Ruled.apply(self.state, lambda t: func(t, *args[1:], **kwargs), rule, vjp, x)
 
     def layer_norm(self, x, normalized_shape, weight=None, bias=None, eps=1e-5):
         w = None if weight is None else weight.detach()
@@ -625,6 +696,8 @@ def attach_lrp(model: nn.Module, session, rules: str, found) -> LRPState:
 
     def leave(mod, args, out):
         state.depth -= 1
+        if state.depth <= 0:
+            state.exact.clear()
 
     session.hook(model, enter, pre=True, with_kwargs=True)
     session.hook(model, leave)
@@ -636,6 +709,7 @@ def attach_lrp(model: nn.Module, session, rules: str, found) -> LRPState:
     def close():
         state.depth = 0
         state.gated = 0
+        state.exact.clear()
         _remove_mode(mode)
         with _OPEN_LOCK:
             _OPEN_STATES.remove(state)
