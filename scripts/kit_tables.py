@@ -31,8 +31,8 @@ NB = ROOT / "notebooks"
 KIT = NB / "README.md"
 WORKSHOP = ["00_vit_primer", "01_qk_sign_patterns", "02_cls_attention_by_layer", "03_attention_rollout",
             "04_class_specific_maps", "05_faithfulness_saco"]
-ELECTIVES = ["06_lrp_route", "07_class_embedding_projection", "08_activation_maximisation",
-             "09_bimodal_relevance", "11_clip"]
+ELECTIVES = ["04a_appendix_your_own_model", "06_lrp_route", "07_class_embedding_projection",
+             "08_activation_maximisation", "09_bimodal_relevance", "11_clip"]
 WPM = 200
 
 

@@ -113,7 +113,7 @@ def windowed_refusal(model: nn.Module) -> str | None:
     if "swin" in str(model_type).lower() or name.lower().startswith("swin"):
         return (
             f"{name} is a hierarchical ViT with shifted-window attention (Swin): its attention is computed per "
-            "window and its patch grid shrinks between stages (patch merging), and it has no class token. "
+            "window and its patch grid shrinks between stages (patch merging), and it has no class token, "
             "so it has no one token layout and the ViT methods do not apply to it; explain it with "
             "vitlab.hierarchical (swin_relevance, swin_rollout, swin_raw_attention, swin_gradcam), which "
             "scatters the windows into each stage's token matrix and carries patch merging between stages"

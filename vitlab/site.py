@@ -117,6 +117,19 @@ CHAPTERS: tuple[Chapter, ...] = (
             "the other one, and what a class's logit must mean for its map",
             (_BLOG, _CHEFER_GENERIC), "solutions/04_class_specific_maps_solutions.ipynb",
             code=("vitlab/relevance/vit.py", "vitlab/rollout.py", "vitlab/localization.py")),
+    Chapter("04a_appendix_your_own_model",
+            "how to bring your own ViT to vitlab's methods: fused attention and what vitlab.record does about "
+            "it, prefix tokens and registers, which token the head reads (class token, mean of the patches, "
+            "attention pool, CaiT's class attention), a model without a head explained for a score you define, "
+            "windowed attention (a Swin, measured on held-out scenes), and what vitlab refuses",
+            (_CHEFER_GENERIC,
+             Paper("Ze Liu et al. (ICCV 2021), *Swin Transformer: Hierarchical Vision Transformer using Shifted "
+                   "Windows*", "https://arxiv.org/abs/2103.14030", "Swin Transformer: Hierarchical Vision Transformer"),
+             Paper("Hugo Touvron et al. (ICCV 2021), *Going deeper with Image Transformers* (CaiT)",
+                   "https://arxiv.org/abs/2103.17239", "Going deeper with Image Transformers"),
+             _DARCET),
+            "solutions/04a_appendix_your_own_model_solutions.ipynb",
+            code=("vitlab/layout.py", "vitlab/record/", "vitlab/methods.py", "vitlab/hierarchical.py")),
     Chapter("05_faithfulness_saco",
             "plausible against faithful maps: perturbation curves, SaCo by hand and with vitlab, input x "
             "gradient and Integrated Gradients, and a leaderboard of the series' maps with like-for-like "
