@@ -12,7 +12,8 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from vitlab import localization as loc
-from vitlab.footprints import footprint_extent, footprint_regions, token_footprints
+from vitlab.footprints import (footprint_extent, footprint_mass, footprint_pointing, footprint_regions, object_read,
+                               token_footprints)
 from vitlab.shapes.model import ConvStemPatchEmbed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -210,3 +211,50 @@ def test_grow_masks_equals_a_brute_force_square_neighbourhood():
         loc.grow_masks(masks, -1)
     with pytest.raises(ValueError, match="B x H x W"):
         loc.grow_masks(masks[0], 1)
+
+
+def test_object_read_and_the_grades_by_it_against_a_loop_by_hand():
+    rng = np.random.default_rng(3)
+    fp = torch.as_tensor(rng.random((2, 3, 8, 12)) * (rng.random((2, 3, 8, 12)) < 0.6))   # 2 x 3 grid, 4 px patches
+    fp[0, 0] = 0.0
+    fp[0, 0, 0, 0] = 2.0                                                  # token (0, 0) reads one pixel
+    masks = torch.as_tensor(rng.random((4, 8, 12)) < 0.4)
+    masks[0] = False
+    masks[0, 0, 0] = True                                                 # scene 0: the object is that pixel
+    read = object_read(fp, masks)
+    want = torch.zeros(4, 2, 3, dtype=torch.float64)
+    for b in range(4):
+        for r in range(2):
+            for c in range(3):
+                want[b, r, c] = (fp[r, c] * masks[b]).sum() / fp[r, c].sum()
+    torch.testing.assert_close(read.double(), want, atol=1e-6, rtol=0)
+    assert float(read[0, 0, 0]) == 1.0
+    maps = torch.as_tensor(rng.random((4, 2, 3)))
+    maps[0] = 0.0
+    maps[0, 0, 0] = 1.0                                                   # top token (0, 0): read only object
+    maps[1] = 0.5                                                         # a tie over every token
+    hits = footprint_pointing(maps, read)
+    for b in range(4):
+        top = maps[b] == maps[b].max()
+        assert bool(hits[b]) == bool((read[b][top] >= 0.5).all())
+    assert bool(hits[0])
+    assert bool(hits[1]) == bool((read[1] >= 0.5).all())
+    mass = footprint_mass(maps, read)
+    torch.testing.assert_close(mass.double(), ((maps * read).sum((1, 2)) / maps.sum((1, 2))).double(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(footprint_mass(maps[1], read[1]), read[1].mean(), atol=1e-6, rtol=0)  # flat: chance
+    # the patch's own pixels as the footprint: the patch rule's cover, exactly
+    own = torch.zeros(2, 3, 8, 12)
+    for r in range(2):
+        for c in range(3):
+            own[r, c, r * 4:(r + 1) * 4, c * 4:(c + 1) * 4] = 1.0
+    torch.testing.assert_close(object_read(own, masks), loc.mask_to_grid(masks, (2, 3)).float(), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="image size"):
+        object_read(fp, masks[:, :4])
+    with pytest.raises(ValueError, match="zero everywhere"):
+        object_read(torch.zeros(2, 3, 8, 12), masks)
+    with pytest.raises(ValueError, match="min_share"):
+        footprint_pointing(maps, read, min_share=0.0)
+    with pytest.raises(ValueError, match="NaN"):
+        footprint_pointing(torch.full((4, 2, 3), float("nan")), read)
+    with pytest.raises(ValueError, match="non-negative"):
+        footprint_mass(-maps, read)

@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
-from vitlab import widgets  # noqa: E402
+from vitlab import plot, widgets  # noqa: E402
 from vitlab.attention import cls_attention, qk_maps  # noqa: E402
 
 from conftest import f32_tol, module_depth  # noqa: E402
@@ -75,6 +75,17 @@ def test_cls_attention_explorer_draws_the_chosen_map(model, x):
     assert own.axes[0].images[0].get_clim() == pytest.approx((float(cls[2, 0].min()), float(cls[2, 0].max())))
     with pytest.raises(ValueError, match="blocks x heads x gh x gw"):
         widgets.CLSAttentionExplorer(cls[0])
+    # scale="log": every setting on the one logarithmic scale a grid of all the maps would use
+    want = plot.map_scale(list(cls.flatten(0, 1)), "log").norm
+    logged = widgets.CLSAttentionExplorer(cls, scale="log")
+    for b, h in [(0, 1), (2, 0)]:
+        drawn = logged.figure(b, h)
+        norm = drawn.axes[0].images[0].norm
+        assert isinstance(norm, matplotlib.colors.LogNorm)
+        assert (norm.vmin, norm.vmax) == pytest.approx((float(want.vmin), float(want.vmax)))
+        np.testing.assert_allclose(drawn.axes[0].images[0].get_array(), cls[b, h].numpy(), rtol=1e-6)
+    with pytest.raises(ValueError, match="'percentile' or 'log'"):
+        widgets.CLSAttentionExplorer(cls, scale="linear")
     plt.close("all")
 
 

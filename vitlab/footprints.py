@@ -5,7 +5,8 @@ strongly each token's vector depends on each input pixel (its input-gradient foo
 :func:`footprint_extent` summarises it per token (centre, the share inside its own patch, and
 the area and centred square holding a given share of it; :func:`footprint_regions` draws those
 regions). Maps over the patch grid are graded against patches; these say what a patch's token
-actually read. :func:`token_centres` gives the centre of each token's receptive field after
+actually read, and :func:`object_read`, :func:`footprint_pointing` and :func:`footprint_mass`
+grade a map by that instead. :func:`token_centres` gives the centre of each token's receptive field after
 the patch embedding (a convolutional stem moves it off the patch centre, :func:`patch_centres`).
 """
 from __future__ import annotations
@@ -202,6 +203,71 @@ def footprint_regions(footprints, mass=(0.5, 0.9), shape: str = "pixels") -> tor
     area = ext.area.reshape(gh * gw, -1).long()                       # T x Q
     out = rank[:, None, :] < area[:, :, None]
     return out.reshape(gh, gw, Q, H, W)
+
+
+def object_read(footprints, masks) -> torch.Tensor:
+    """``B x gh x gw``: the share of each token's footprint that lies on the object, per mask.
+
+    ``footprints``: ``gh x gw x H x W`` non-negative weights over the pixels
+    (:func:`token_footprints`); ``masks``: ``B x H x W`` (object pixels non-zero). Each token's
+    footprint is divided by its sum, so the share is in [0, 1]: 1 when everything the token read
+    is object, 0 when none of it is. Grading a map by what its tokens read rather than by their
+    patches: see :func:`footprint_pointing` and :func:`footprint_mass`.
+    """
+    f = torch.as_tensor(footprints).detach().double()
+    m = torch.as_tensor(masks).detach()
+    if f.ndim != 4:
+        raise ValueError(f"footprints must be gh x gw x H x W, got shape {tuple(f.shape)}")
+    if m.ndim != 3 or tuple(m.shape[-2:]) != tuple(f.shape[-2:]):
+        raise ValueError(f"masks must be B x H x W with the footprints' image size {tuple(f.shape[-2:])}, "
+                         f"got shape {tuple(m.shape)}")
+    if not bool(torch.isfinite(f).all()) or bool((f < 0).any()):
+        raise ValueError("footprints must be finite and non-negative")
+    gh, gw, H, W = f.shape
+    w = f.reshape(gh * gw, H * W)
+    total = w.sum(1, keepdim=True)
+    if bool((total <= 0).any()):
+        raise ValueError("a token's footprint is zero everywhere: it read nothing to grade against")
+    share = (m.reshape(m.shape[0], H * W) != 0).double() @ (w / total).T            # B x T
+    return share.reshape(-1, gh, gw).float()
+
+
+def footprint_pointing(maps, read, min_share: float = 0.5) -> torch.Tensor:
+    """Per sample: did the map's highest token read mostly object? (bool ``B``)
+
+    The pointing game counted by what a token reads instead of by its patch: a hit when at least
+    ``min_share`` of the top token's footprint lies on the object (``read``, ``B x gh x gw``, from
+    :func:`object_read`). Ties for the highest value are a hit only if every tied token is, as in
+    :func:`vitlab.localization.pointing_game`. The hit rate of a map whose top token is drawn at
+    random is ``(read >= min_share)`` averaged over the tokens.
+    """
+    maps, read = torch.as_tensor(maps).detach(), torch.as_tensor(read).detach()
+    if maps.ndim != 3 or tuple(maps.shape) != tuple(read.shape):
+        raise ValueError(f"maps and read must both be B x gh x gw, got {tuple(maps.shape)} and {tuple(read.shape)}")
+    if not 0.0 < min_share <= 1.0:
+        raise ValueError(f"min_share must be in (0, 1], got {min_share}")
+    if not bool(torch.isfinite(maps).all()):
+        raise ValueError("maps hold NaN or inf values; pass finite maps")
+    flat, on = maps.flatten(1), read.flatten(1) >= min_share - 1e-9
+    top = flat == flat.max(dim=1, keepdim=True).values
+    return (top & ~on).sum(1) == 0
+
+
+def footprint_mass(maps, read) -> torch.Tensor:
+    """Per sample (any leading dimensions ``... x gh x gw``, ``read`` broadcast against them): the
+    share of a map's mass that reaches the object through what its tokens read,
+    ``sum_t map_t * read_t / sum_t map_t`` -- :func:`vitlab.localization.mass_on_object` with each
+    token counted by the share of its footprint on the object instead of by its patch's cover. A
+    flat map scores the mean of ``read`` over the tokens (its chance level)."""
+    maps, read = torch.as_tensor(maps).detach().double(), torch.as_tensor(read).detach().double()
+    if maps.ndim < 2 or read.ndim < 2 or maps.shape[-2:] != read.shape[-2:]:
+        raise ValueError(f"maps and read must end in the same gh x gw grid, got {tuple(maps.shape)} and {tuple(read.shape)}")
+    if not bool(torch.isfinite(maps).all()) or bool((maps < 0).any()):
+        raise ValueError("maps must be finite and non-negative (a share of mass needs a non-negative map)")
+    total = maps.sum((-2, -1))
+    if bool((total <= 0).any()):
+        raise ValueError("a map is zero everywhere: it has no mass to share out")
+    return ((maps * read).sum((-2, -1)) / total).float()
 
 
 # ---------------------------------------------------------------------------------------------

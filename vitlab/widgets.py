@@ -251,16 +251,27 @@ class CLSAttentionExplorer(_Explorer):
             heads to the ``percentile``-th percentile of all their values (shown by the colour
             bar; larger values get the top colour), so that moving a slider compares values;
             ``False``: each map on its own range.
+        scale: ``"percentile"`` (the shared scale above) or ``"log"``: one logarithmic scale for
+            every block and head (as :func:`vitlab.plot.map_grid` draws a grid of them), so the
+            explorer shows the same colours as such a grid. Maps are drawn one square per patch.
     """
 
     def __init__(self, cls_maps: torch.Tensor, image=None, block: int = 0, head: int = 0, shared: bool = True,
-                 percentile: float = 99.0):
+                 percentile: float = 99.0, scale: str = "percentile"):
         if cls_maps.ndim != 4:
             raise ValueError(f"cls_maps must be blocks x heads x gh x gw (one sample), got shape {tuple(cls_maps.shape)}")
+        if scale not in ("percentile", "log"):
+            raise ValueError(f"scale must be 'percentile' or 'log', got {scale!r}")
         self.cls_maps = cls_maps.detach().cpu()
         self.vmin = self.vmax = None
+        self.scale = scale
         self.label = "CLS attention"
-        if shared:
+        if scale == "log":
+            norm = plot.map_scale(list(self.cls_maps.flatten(0, 1)) if shared else [self.cls_maps[block, head]], "log").norm
+            if shared:
+                self.vmin, self.vmax = float(norm.vmin), float(norm.vmax)
+                self.label += "\n(one log scale for all blocks and heads)"
+        elif shared:
             norm = plot.map_scale(list(self.cls_maps.flatten(0, 1)), "percentile", percentile=percentile).norm
             self.vmin, self.vmax = float(norm.vmin), float(norm.vmax)
             if float(self.cls_maps.max()) > self.vmax:
@@ -279,4 +290,5 @@ class CLSAttentionExplorer(_Explorer):
         """The CLS attention of one block and head (over the image if given). Returns the Figure."""
         m = self.cls_maps[block, head]
         return plot.map_grid([m], [f"CLS attention  block {block} head {head}"], image=self.image, size=3.6,
-                             vmin=self.vmin, vmax=self.vmax, label=self.label)
+                             vmin=self.vmin, vmax=self.vmax, label=self.label, mode="nearest",
+                             scale="log" if self.scale == "log" else "linear")
