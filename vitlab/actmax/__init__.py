@@ -36,7 +36,7 @@ from vitlab.actmax.objectives import (
     patch_border_difference, residual_channel, seam_excess, total_variation,
 )
 from vitlab.actmax.param import FFTImage, Parametrization, PixelImage
-from vitlab.actmax.seams import border_difference, seam_profile, seam_ratio
+from vitlab.actmax.seams import border_difference, patch_period_contrast, seam_profile, seam_ratio
 from vitlab.actmax.reference import photo_crops, reference_images
 from vitlab.compat import renamed_arguments
 from vitlab.inputs import positive_int, require_gradients
@@ -47,6 +47,7 @@ __all__ = [
     "Context", "Objective", "objective", "mlp_unit", "residual_channel", "class_logit",
     "class_log_probability", "cls_attention", "total_variation", "patch_border_difference", "seam_excess",
     "PixelImage", "FFTImage", "Parametrization", "seam_ratio", "seam_profile", "border_difference",
+    "patch_period_contrast",
     "photo_crops", "reference_images", "objectives", "param", "seams", "transforms",
 ]
 
