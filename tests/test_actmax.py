@@ -283,6 +283,23 @@ def test_continuity_pulls_a_patchy_image_to_no_seams(model):
                          transforms=T.compose([]), progress=False)
     assert actmax.seam_ratio(r.images, 8).item() < 1.1
     assert r.trace[0].item() == pytest.approx(-actmax.CONTINUITY_WEIGHT * 5.0, rel=1e-3)
+    assert r.objective_trace.abs().max().item() == 0.0        # the objective alone: 0 * logit
+    assert r.objective == "0 * logit[0] - 2 * seam_excess"    # the name still shows the penalty
+
+
+def test_objective_trace_is_the_objective_without_the_penalty(model):
+    unit = actmax.mlp_unit(1, [3, 7])
+    run = dict(steps=4, batch=2, copies=2, param="fft", seed=5, progress=False)
+    plain = actmax.visualize(model, unit, **run)
+    assert torch.equal(plain.objective_trace, plain.trace)
+    smooth = actmax.visualize(model, unit, continuity=True, **run)
+    # same seed: the same start and the same jitter at step 0, so the same objective before any step
+    assert torch.equal(smooth.objective_trace[0], plain.trace[0])
+    # the penalty (weight 2 times a seam excess >= 0) is what separates the two traces
+    assert (smooth.trace <= smooth.objective_trace).all()
+    excess = smooth.objective_trace - smooth.trace
+    assert (excess > 0).any()
+    assert torch.allclose(excess / actmax.CONTINUITY_WEIGHT, (excess / actmax.CONTINUITY_WEIGHT).clamp(min=0))
 
 
 def test_objectives_compose_like_lucent(model):
