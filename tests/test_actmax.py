@@ -125,6 +125,53 @@ def test_seam_masks_and_errors():
         actmax.seam_ratio(torch.rand(8, 8), 4)
 
 
+def test_patch_period_contrast_known_values():
+    # one 2 x 4 channel, P = 2: patches A = [[0, 1], [0, 1]] and B = 0. The mean patch is
+    # [[0, .5], [0, .5]] (std .25); the image holds two 1s and six 0s (std sqrt(1.5 / 8)),
+    # so the contrast is .25 / sqrt(.1875) = 1 / sqrt(3).
+    a = torch.tensor([[0.0, 1.0], [0.0, 1.0]], dtype=torch.float64)
+    half = torch.cat([a, torch.zeros_like(a)], 1)[None, None]
+    assert actmax.patch_period_contrast(half, 2).item() == pytest.approx(3 ** -0.5, rel=1e-12)
+    # layouts that cancel (A and 1 - A) average to a flat patch: 0
+    cancel = torch.cat([a, 1 - a], 1)[None, None]
+    assert actmax.patch_period_contrast(cancel, 2).item() == pytest.approx(0.0, abs=1e-12)
+    # one random patch tiled over a 5 x 4 grid: 1, and still 1 whatever the tiling's phase
+    tile = torch.rand(3, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tiled = tile.repeat(1, 5, 4)[None]
+    for shift in (0, 2, 5):
+        rolled = tiled.roll((shift, 3), dims=(2, 3))
+        assert actmax.patch_period_contrast(rolled, 6).item() == pytest.approx(1.0, rel=1e-12)
+    assert actmax.seam_ratio(tiled, 6).item() < 1.2    # no step at the borders to speak of
+
+
+def test_patch_period_contrast_matches_a_loop_and_reads_rectangular_patches():
+    g = torch.Generator().manual_seed(1)
+    images = torch.rand(3, 2, 13, 17, dtype=torch.float64, generator=g)    # not whole patches
+    ph, pw = 4, 5
+    got = actmax.patch_period_contrast(images, (ph, pw))
+    for b in range(3):
+        layout, spread = [], []
+        for c in range(2):
+            whole = images[b, c, : 13 // ph * ph, : 17 // pw * pw]
+            tiles = [whole[i:i + ph, j:j + pw] for i in range(0, whole.shape[0], ph)
+                     for j in range(0, whole.shape[1], pw)]
+            mean_patch = sum(tiles) / len(tiles)
+            layout.append(((mean_patch - mean_patch.mean()) ** 2).mean().sqrt())
+            spread.append(((whole - whole.mean()) ** 2).mean().sqrt())
+        expected = (sum(layout) / 2) / (sum(spread) / 2)
+        assert got[b].item() == pytest.approx(expected.item(), rel=1e-12)
+    # unrelated patches: about 1 / sqrt(number of patches) (i.i.d. pixels, seeded)
+    noise = torch.rand(4, 3, 112, 112, generator=g.manual_seed(2))
+    assert torch.allclose(actmax.patch_period_contrast(noise, 14), torch.full((4,), 1 / 8), rtol=0.1)
+
+
+def test_patch_period_contrast_errors():
+    with pytest.raises(ValueError, match="two whole patches"):
+        actmax.patch_period_contrast(torch.rand(3, 8, 8), 8)
+    with pytest.raises(ValueError, match="B x C x H x W"):
+        actmax.patch_period_contrast(torch.rand(8, 8), 4)
+
+
 # ----------------------------------------------------------------------------- objectives
 def ctx_for(model, images, units_mlp=True):
     with torch.no_grad(), vitlab.record(model, mlp=units_mlp, detach=True) as rec:
@@ -236,6 +283,23 @@ def test_continuity_pulls_a_patchy_image_to_no_seams(model):
                          transforms=T.compose([]), progress=False)
     assert actmax.seam_ratio(r.images, 8).item() < 1.1
     assert r.trace[0].item() == pytest.approx(-actmax.CONTINUITY_WEIGHT * 5.0, rel=1e-3)
+    assert r.objective_trace.abs().max().item() == 0.0        # the objective alone: 0 * logit
+    assert r.objective == "0 * logit[0] - 2 * seam_excess"    # the name still shows the penalty
+
+
+def test_objective_trace_is_the_objective_without_the_penalty(model):
+    unit = actmax.mlp_unit(1, [3, 7])
+    run = dict(steps=4, batch=2, copies=2, param="fft", seed=5, progress=False)
+    plain = actmax.visualize(model, unit, **run)
+    assert torch.equal(plain.objective_trace, plain.trace)
+    smooth = actmax.visualize(model, unit, continuity=True, **run)
+    # same seed: the same start and the same jitter at step 0, so the same objective before any step
+    assert torch.equal(smooth.objective_trace[0], plain.trace[0])
+    # the penalty (weight 2 times a seam excess >= 0) is what separates the two traces
+    assert (smooth.trace <= smooth.objective_trace).all()
+    excess = smooth.objective_trace - smooth.trace
+    assert (excess > 0).any()
+    assert torch.allclose(excess / actmax.CONTINUITY_WEIGHT, (excess / actmax.CONTINUITY_WEIGHT).clamp(min=0))
 
 
 def test_objectives_compose_like_lucent(model):

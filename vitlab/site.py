@@ -169,10 +169,12 @@ CHAPTERS: tuple[Chapter, ...] = (
             "solutions/07_class_embedding_projection_solutions.ipynb",
             code=("vitlab/projection.py",)),
     Chapter("08_activation_maximisation",
-            "images optimised to make one unit or class fire (the FFT parametrisation), why they come "
-            "out patchy, how to measure the patch seams, and what a continuity constraint between "
-            "patches costs",
-            (Paper("Amin Ghiasi et al. (2022), *What do Vision Transformers Learn? A Visual Exploration*",
+            "images optimised to make one unit or class fire (plain pixels and the FFT "
+            "parametrisation), why they come out patchy, how to measure the patch grid (steps at the "
+            "borders, a layout every patch repeats), and what a continuity constraint between patches "
+            "removes and what it leaves",
+            (_BLOG,
+             Paper("Amin Ghiasi et al. (2022), *What do Vision Transformers Learn? A Visual Exploration*",
                    "https://arxiv.org/abs/2212.06727", "Ghiasi"),
              Paper("Chris Olah, Alexander Mordvintsev & Ludwig Schubert (Distill 2017), *Feature "
                    "Visualization*", "https://distill.pub/2017/feature-visualization/", "Olah")),

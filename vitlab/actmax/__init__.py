@@ -36,7 +36,7 @@ from vitlab.actmax.objectives import (
     patch_border_difference, residual_channel, seam_excess, total_variation,
 )
 from vitlab.actmax.param import FFTImage, Parametrization, PixelImage
-from vitlab.actmax.seams import border_difference, seam_profile, seam_ratio
+from vitlab.actmax.seams import border_difference, patch_period_contrast, seam_profile, seam_ratio
 from vitlab.actmax.reference import photo_crops, reference_images
 from vitlab.compat import renamed_arguments
 from vitlab.inputs import positive_int, require_gradients
@@ -47,6 +47,7 @@ __all__ = [
     "Context", "Objective", "objective", "mlp_unit", "residual_channel", "class_logit",
     "class_log_probability", "cls_attention", "total_variation", "patch_border_difference", "seam_excess",
     "PixelImage", "FFTImage", "Parametrization", "seam_ratio", "seam_profile", "border_difference",
+    "patch_period_contrast",
     "photo_crops", "reference_images", "objectives", "param", "seams", "transforms",
 ]
 
@@ -62,12 +63,16 @@ class Result:
             step's update.
         objective: the objective's name.
         settings: the arguments the run used (for tables and reproducibility).
+        objective_trace: ``steps x B``: the objective handed in, without the continuity
+            penalty, at every step (equal to ``trace`` when ``continuity`` is off): what to
+            compare across runs with and without the penalty.
     """
 
     images: torch.Tensor
     trace: torch.Tensor
     objective: str
     settings: dict = field(default_factory=dict)
+    objective_trace: torch.Tensor | None = None
 
 
 def patch_size_of(model) -> tuple[int, int]:
@@ -191,11 +196,12 @@ def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, 
     device = first.device if first is not None else torch.device("cpu")
     size, mean, std = _normaliser(model, device)
     patch = patch_size_of(model)
+    penalty = None
     if continuity is not False and continuity is not None:
         weight = CONTINUITY_WEIGHT if continuity is True else continuity
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
             raise ValueError(f"continuity must be True/False or a weight >= 0, got {continuity!r}")
-        objective = objective - float(weight) * seam_excess()
+        penalty = float(weight) * seam_excess()
     if roll_step is not None and (isinstance(roll_step, bool) or not isinstance(roll_step, int) or roll_step < 1):
         raise ValueError(f"roll_step must be a positive int (pixels) or None (the patch size), got {roll_step!r}")
     if transforms is None:
@@ -212,8 +218,10 @@ def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, 
     image_index = torch.arange(batch, device=device).repeat_interleave(copies)
     num_classes, multi_label = _num_classes(model), is_multi_label(model)
     trace = torch.empty(steps, batch)
+    objective_trace = torch.empty(steps, batch)
+    name = objective.name if penalty is None else (objective - penalty).name
 
-    bar = tqdm(range(steps), desc=desc or objective.name, disable=not progress, leave=False)
+    bar = tqdm(range(steps), desc=desc or name, disable=not progress, leave=False)
     # enable_grad: the optimisation needs gradients also under a caller's torch.no_grad()
     with torch.enable_grad(), record(model, mlp=objective.needs_mlp, detach=False, eval_mode=True) as rec:
         for step in bar:
@@ -227,21 +235,23 @@ def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, 
             inputs = transforms_fn(images.repeat_interleave(copies, 0), generator)
             output = logits_of(model((inputs - mean) / std))
             ctx = Context(rec, output, inputs, images, image_index, patch, num_classes, multi_label)
-            values = objective(ctx)
+            base = objective(ctx)
+            values = base if penalty is None else base - penalty(ctx)
             grads = torch.autograd.grad(-values.sum(), params)
             for p, g in zip(params, grads):
                 p.grad = g
             optimizer.step()
             image_param.project()
             trace[step] = values.detach().float().cpu()
+            objective_trace[step] = base.detach().float().cpu()
             if progress:
-                bar.set_postfix_str(f"{objective.name} = {trace[step].mean():.3f}")
+                bar.set_postfix_str(f"{name} = {trace[step].mean():.3f}")
         clear_recording(rec)
     with torch.no_grad():
         final = image_param.image().detach().float().cpu().clamp(0, 1)
     settings = dict(steps=steps, batch=batch, copies=copies, param=param if isinstance(param, str) else type(param).__name__,
                     continuity=continuity, roll_step=roll_step or patch[0], lr=lr, betas=tuple(betas), seed=seed)
-    return Result(final, trace, objective.name, settings)
+    return Result(final, trace, name, settings, objective_trace)
 
 
 def _forward_batches(model, images: torch.Tensor, batch_size: int, mlp: bool):

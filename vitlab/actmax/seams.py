@@ -12,12 +12,17 @@ seam measure compares image gradients *across* patch borders with those *inside*
 has a ratio well above 1. Patch ``k`` along an axis covers pixels
 ``[offset + k * P, offset + (k + 1) * P)``; a pair straddles a border when its second pixel
 starts a patch.
+
+The seam ratio sees steps at the borders only. An image whose patches all repeat one layout
+(a tiling) shows the grid to the eye with no step at any border; :func:`patch_period_contrast`
+measures that second sign of the patch grid.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["border_masks", "image_gradients", "seam_ratio", "border_difference", "seam_profile"]
+__all__ = ["border_masks", "image_gradients", "seam_ratio", "border_difference", "seam_profile",
+           "patch_period_contrast"]
 
 
 def _pair(v, what: str) -> tuple[int, int]:
@@ -127,3 +132,33 @@ def seam_profile(images: torch.Tensor, patch_size: int) -> torch.Tensor:
         count = nx * dx.shape[1] * dx.shape[2] + ny * dy.shape[1] * dy.shape[3]
         out[:, k] = total / count
     return out.detach()
+
+
+def patch_period_contrast(images: torch.Tensor, patch_size) -> torch.Tensor:
+    """How much the patches of each image (``B``) share one layout: average all its ``P x P``
+    patches into one mean patch, and divide that mean patch's contrast (its standard deviation
+    over positions) by the image's own (standard deviations over pixels, averaged over the
+    channels; population standard deviations).
+
+    1.0 for an image tiled with one patch; about ``1 / sqrt(number of patches)`` when the
+    patches are unrelated (the mean of ``n`` independent patches keeps ``1 / sqrt(n)`` of their
+    spread); 0 when the layouts cancel. A pattern with the patch period is caught whatever its
+    phase, so a grid with no step at the borders (seam ratio about 1) still shows here.
+
+    Args:
+        images: ``B x C x H x W`` (or ``C x H x W``); only whole patches from the top left count.
+        patch_size: the model's patch size (int or ``(ph, pw)``).
+    """
+    images = _check_images(images)
+    ph, pw = _pair(patch_size, "patch_size")
+    H, W = images.shape[-2:]
+    if ph < 1 or pw < 1 or H // ph * (W // pw) < 2:
+        raise ValueError(f"patch_size {(ph, pw)} must fit at least two whole patches into the "
+                         f"{H} x {W} image")
+    whole = images[..., : H // ph * ph, : W // pw * pw]
+    patches = whole.unfold(2, ph, ph).unfold(3, pw, pw)          # B x C x gh x gw x ph x pw
+    mean_patch = patches.mean((2, 3))                            # B x C x ph x pw
+    layout = mean_patch.flatten(2).std(2, correction=0).mean(1)
+    spread = whole.flatten(2).std(2, correction=0).mean(1)
+    with torch.no_grad():
+        return (layout / spread).detach()
