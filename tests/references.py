@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from conftest import f32_tol, module_depth
 from tiny_models import tiny_clip
@@ -239,3 +240,51 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per sample, ``max |a - b| / max |b|`` (float64)."""
     a, b = a.double().flatten(1), b.double().flatten(1)
     return (a - b).abs().max(1).values / b.abs().max(1).values
+
+
+# --- LRP of a timm ViT written out: explicit contributions, no autograd (test_lrp, test_lrp_precision) ---
+def ln(h, mod):
+    """``mod`` (a LayerNorm) applied to ``h`` with its own parameters."""
+    return F.layer_norm(h, mod.normalized_shape, mod.weight, mod.bias, mod.eps)
+
+
+def linear_relprop(x, W, b, R, rules, absorbed):
+    """Explicit contributions c[..., j, i] = x_i W_ji."""
+    c = x.unsqueeze(-2) * W  # ... x out x in
+    if rules == "chefer":  # alpha 1, beta 0: positive contributions over their sum
+        pos = c.clamp(min=0)
+        return (pos / pos.sum(-1, keepdim=True) * R.unsqueeze(-1)).sum(-2)
+    y = c.sum(-1) + b  # epsilon -> 0: the z-rule, the bias keeps b / y of R
+    absorbed += (b / y * R).flatten(1).sum(-1)
+    return (c / y.unsqueeze(-1) * R.unsqueeze(-1)).sum(-2)
+
+
+def ln_relprop(x, mod, R, rules, absorbed):
+    if rules == "chefer":
+        return R  # identity
+    D = x.shape[-1]
+    sigma = (x.var(-1, unbiased=False, keepdim=True) + mod.eps).sqrt()
+    n = (x - x.mean(-1, keepdim=True)) / sigma
+    y = n * mod.weight + mod.bias
+    absorbed += (mod.bias / y * R).flatten(1).sum(-1)
+    R_n = n * mod.weight / y * R  # the bias's z-rule share removed; times weight: identity
+    C = (torch.eye(D, dtype=x.dtype) - 1.0 / D) / sigma.unsqueeze(-1)  # ... x D x D, n = C x
+    c = C * x.unsqueeze(-2)  # c[..., i, j] = C_ij x_j, sums to n_i over j
+    return (c / n.unsqueeze(-1) * R_n.unsqueeze(-1)).sum(-2)
+
+
+def add_relprop(a, b, R, rules):
+    z = a + b
+    Ra, Rb = a / z * R, b / z * R
+    if rules == "chefer":  # the reference's rescaling, per sample
+        sa, sb, s = (t.flatten(1).sum(-1)[:, None, None] for t in (Ra, Rb, R))
+        share = sa.abs() / (sa.abs() + sb.abs())
+        Ra, Rb = Ra * (share * s / sa), Rb * ((1 - share) * s / sb)
+    return Ra, Rb
+
+
+def matmul_relprop(a, b, R):
+    """z = a @ b over the last two dims: contributions a_ik b_kj, half of each to each side."""
+    c = a.unsqueeze(-1) * b.unsqueeze(-3)  # ... x i x k x j
+    share = c / c.sum(-2, keepdim=True) * R.unsqueeze(-2) / 2
+    return share.sum(-1), share.sum(-3)
