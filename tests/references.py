@@ -288,3 +288,35 @@ def matmul_relprop(a, b, R):
     c = a.unsqueeze(-1) * b.unsqueeze(-3)  # ... x i x k x j
     share = c / c.sum(-2, keepdim=True) * R.unsqueeze(-2) / 2
     return share.sum(-1), share.sum(-3)
+
+
+def vit_forward(model, x: torch.Tensor):
+    """A timm ViT's forward written out block by block with the model's own weights (the operations
+    of its modules): ``(e, x0, saved, h)``, the patch embeddings, the first block's input, per block a
+    dict of every intermediate (``h n1 qkv qs k v S A O P mid n2 f1 g f2``) and the last block's
+    output, before the final norm. Runs under the caller's grad mode."""
+    B = x.shape[0]
+    e = model.patch_embed.proj(x).flatten(2).transpose(1, 2)
+    x0 = torch.cat([model.cls_token.expand(B, -1, -1), e], 1) + model.pos_embed
+    h, saved = x0, []
+    for blk in model.blocks:
+        at = blk.attn
+        H = at.num_heads
+        n1 = ln(h, blk.norm1)
+        qkv = F.linear(n1, at.qkv.weight, at.qkv.bias)
+        N, D = qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = qkv.reshape(B, N, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        qs = q * at.scale
+        S = qs @ k.transpose(-2, -1)
+        A = S.softmax(-1)
+        O = (A @ v).transpose(1, 2).reshape(B, N, D)
+        P = F.linear(O, at.proj.weight, at.proj.bias)
+        mid = h + P
+        n2 = ln(mid, blk.norm2)
+        f1 = F.linear(n2, blk.mlp.fc1.weight, blk.mlp.fc1.bias)
+        g = F.gelu(f1)
+        f2 = F.linear(g, blk.mlp.fc2.weight, blk.mlp.fc2.bias)
+        saved.append(dict(h=h, n1=n1, qkv=qkv, qs=qs, k=k, v=v, S=S, A=A, O=O, P=P, mid=mid, n2=n2, f1=f1, g=g,
+                          f2=f2))
+        h = mid + f2
+    return e, x0, saved, h

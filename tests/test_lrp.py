@@ -34,7 +34,7 @@ from vitlab.record.lrp import (
 )
 from vitlab.gradients import input_x_gradient, integrated_gradients
 
-from references import add_relprop, linear_relprop, ln, ln_relprop, matmul_relprop, relative_error
+from references import add_relprop, linear_relprop, ln, ln_relprop, matmul_relprop, relative_error, vit_forward
 from tiny_models import tiny_detr
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -139,30 +139,9 @@ def scratch(model, x, rules, target=None, unit=False, score="logit", multi_label
     x = x.double()
     B = x.shape[0]
     with torch.enable_grad():
-        e = m.patch_embed.proj(x).flatten(2).transpose(1, 2)
-        x0 = torch.cat([m.cls_token.expand(B, -1, -1), e], 1) + m.pos_embed
-        h, saved = x0, []
-        for blk in m.blocks:
-            at = blk.attn
-            H = at.num_heads
-            n1 = ln(h, blk.norm1)
-            qkv = F.linear(n1, at.qkv.weight, at.qkv.bias)
-            N, D = qkv.shape[1], qkv.shape[2] // 3
-            q, k, v = qkv.reshape(B, N, 3, H, D // H).permute(2, 0, 3, 1, 4)
-            qs = q * at.scale
-            S = qs @ k.transpose(-2, -1)
-            A = S.softmax(-1)
-            A.retain_grad()
-            O = (A @ v).transpose(1, 2).reshape(B, N, D)
-            P = F.linear(O, at.proj.weight, at.proj.bias)
-            mid = h + P
-            n2 = ln(mid, blk.norm2)
-            f1 = F.linear(n2, blk.mlp.fc1.weight, blk.mlp.fc1.bias)
-            g = F.gelu(f1)
-            f2 = F.linear(g, blk.mlp.fc2.weight, blk.mlp.fc2.bias)
-            saved.append(dict(h=h, n1=n1, qkv=qkv, qs=qs, k=k, v=v, S=S, A=A, O=O, P=P, mid=mid, n2=n2,
-                              f1=f1, g=g, f2=f2))
-            h = mid + f2
+        e, x0, saved, h = vit_forward(m, x)
+        for block in saved:
+            block["A"].retain_grad()
         nf = ln(h, m.norm)
         logits = F.linear(nf[:, 0], m.head.weight, m.head.bias)
         t = logits.argmax(-1) if target is None else torch.as_tensor(target).expand(B)

@@ -64,30 +64,12 @@ def rules_on_values(model, x: torch.Tensor, unit: bool = False) -> dict:
     (each activation computed in float32, then cast), with explicit contributions and no autograd for
     the relevance (the helpers of ``tests/references.py``): the rules' value for the network as it
     computes. Returns the patch relevances, the token relevances and the relevance started."""
-    from references import add_relprop, linear_relprop, ln, matmul_relprop
+    from references import add_relprop, linear_relprop, ln, matmul_relprop, vit_forward
 
     B, d = x.shape[0], lambda t: t.detach().double()
     with torch.no_grad():
-        e = model.patch_embed.proj(x).flatten(2).transpose(1, 2)
-        x0 = torch.cat([model.cls_token.expand(B, -1, -1), e], 1) + model.pos_embed
-        h, saved = x0, []
-        for blk in model.blocks:
-            at = blk.attn
-            n1 = ln(h, blk.norm1)
-            qkv = F.linear(n1, at.qkv.weight, at.qkv.bias)
-            N, D = qkv.shape[1], qkv.shape[2] // 3
-            q, k, v = qkv.reshape(B, N, 3, at.num_heads, D // at.num_heads).permute(2, 0, 3, 1, 4)
-            qs = q * at.scale
-            A = (qs @ k.transpose(-2, -1)).softmax(-1)
-            O = (A @ v).transpose(1, 2).reshape(B, N, D)
-            P = at.proj(O)
-            mid = h + P
-            n2 = ln(mid, blk.norm2)
-            g = F.gelu(blk.mlp.fc1(n2))
-            f2 = blk.mlp.fc2(g)
-            saved.append({key: d(val) for key, val in dict(h=h, n1=n1, qs=qs, k=k, v=v, A=A, O=O, P=P, mid=mid,
-                                                            n2=n2, g=g, f2=f2).items()})
-            h = mid + f2
+        e, x0, saved, h = vit_forward(model, x)
+        saved = [{key: d(val) for key, val in block.items()} for block in saved]
         nf = ln(h, model.norm)
         logits = model.head(nf[:, 0])
         m = copy.deepcopy(model).double()  # weights cast exactly; every activation is the float32 one
