@@ -9,7 +9,8 @@ budget and chunking of a batch, the inference-mode refusal, the positive-int che
   recorded attention would exceed the budget runs in chunks of samples, with the same maps;
 - :func:`gradient_target`: a gradient method's target checks, once;
 - :func:`require_gradients`: a gradient method called inside ``torch.inference_mode()`` says so;
-  :func:`gradient_leaf`: the input a gradient starts from, also when it was made in inference mode;
+  :func:`gradient_leaf`, :func:`graph_inputs`: the input a gradient starts from, also when it was made in
+  inference mode;
 - :func:`positive_int`, :func:`seed_int`, :func:`index_tensor`: the checks of a count, a seed
   and an array of indices.
 """
@@ -259,6 +260,13 @@ def require_gradients(method: str) -> None:
         raise RuntimeError(
             f"{method} needs gradients, but it was called inside torch.inference_mode(), which cannot be "
             "switched off from inside: call it outside inference_mode (inside torch.no_grad() is fine)")
+
+
+def graph_inputs(inputs: dict) -> dict:
+    """``inputs`` (a model's keyword inputs) with every tensor made under ``torch.inference_mode()``
+    copied, so that a forward whose graph a gradient method differentiates can save it for the
+    backward (an inference tensor cannot be saved); other entries as they are."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v for k, v in inputs.items()}
 
 
 def gradient_leaf(x: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:

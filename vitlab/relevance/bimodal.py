@@ -57,11 +57,12 @@ def _recorded_forward(model, kwargs: dict, grad: bool, method: str, through_pixe
     mode): ``(rec, output)``; with ``grad`` the attentions stay in the autograd graph.
     ``through_pixels``: the images go in as a copy that requires grad, so that a frozen
     backbone's attention joins the graph too (relevance through the backbone)."""
-    from vitlab.inputs import gradient_leaf, require_gradients
+    from vitlab.inputs import gradient_leaf, graph_inputs, require_gradients
     from vitlab.record import record
 
     if grad:
         require_gradients(method)
+        kwargs = graph_inputs(kwargs)
     if through_pixels:
         kwargs = {**kwargs, "pixel_values": gradient_leaf(kwargs["pixel_values"])}
     context = torch.enable_grad() if grad else torch.no_grad()

@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from vitlab.inputs import check_images, require_gradients
+from vitlab.inputs import check_images, graph_inputs, require_gradients
 from vitlab.record import require_materialized
 from vitlab.relevance.bimodal import _rollout, attention_matrix_gradcam
 from vitlab.relevance.engine import propagate, read_rows, self_attention_events
@@ -286,6 +286,7 @@ def clip_forward(model, inputs, method: str, grad: bool, capture=("attention",))
     kwargs = dict(inputs)
     if grad:
         require_gradients(method)
+        kwargs = graph_inputs(kwargs)
     eos, keep = text_entries(model, kwargs)
     t = torch.arange(kwargs["input_ids"].shape[1], device=eos.device)
     valid = t <= eos[:, None]
