@@ -296,3 +296,19 @@ def assert_model_unchanged(model: torch.nn.Module, before: dict) -> None:
         for k in attrs0:
             assert attrs0[k] is attrs1[k] or attrs0[k] == attrs1[k], f"config.{k} changed"
     assert now["global_hooks"] == before["global_hooks"], "global module hooks changed"
+
+
+class BareData:
+    """Leaderboard data holding inputs only: no describe(), no labels, no masks (the minimal data
+    :func:`vitlab.evaluate.leaderboard` takes)."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def __len__(self):
+        return self.x.shape[0]
+
+    def batch(self, indices):
+        from vitlab import evaluate as ev
+
+        return ev.Batch(self.x[list(indices)], None, None)

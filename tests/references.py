@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from conftest import f32_tol, module_depth
 from tiny_models import tiny_clip
@@ -239,3 +240,83 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per sample, ``max |a - b| / max |b|`` (float64)."""
     a, b = a.double().flatten(1), b.double().flatten(1)
     return (a - b).abs().max(1).values / b.abs().max(1).values
+
+
+# --- LRP of a timm ViT written out: explicit contributions, no autograd (test_lrp, test_lrp_precision) ---
+def ln(h, mod):
+    """``mod`` (a LayerNorm) applied to ``h`` with its own parameters."""
+    return F.layer_norm(h, mod.normalized_shape, mod.weight, mod.bias, mod.eps)
+
+
+def linear_relprop(x, W, b, R, rules, absorbed):
+    """Explicit contributions c[..., j, i] = x_i W_ji."""
+    c = x.unsqueeze(-2) * W  # ... x out x in
+    if rules == "chefer":  # alpha 1, beta 0: positive contributions over their sum
+        pos = c.clamp(min=0)
+        return (pos / pos.sum(-1, keepdim=True) * R.unsqueeze(-1)).sum(-2)
+    y = c.sum(-1) + b  # epsilon -> 0: the z-rule, the bias keeps b / y of R
+    absorbed += (b / y * R).flatten(1).sum(-1)
+    return (c / y.unsqueeze(-1) * R.unsqueeze(-1)).sum(-2)
+
+
+def ln_relprop(x, mod, R, rules, absorbed):
+    if rules == "chefer":
+        return R  # identity
+    D = x.shape[-1]
+    sigma = (x.var(-1, unbiased=False, keepdim=True) + mod.eps).sqrt()
+    n = (x - x.mean(-1, keepdim=True)) / sigma
+    y = n * mod.weight + mod.bias
+    absorbed += (mod.bias / y * R).flatten(1).sum(-1)
+    R_n = n * mod.weight / y * R  # the bias's z-rule share removed; times weight: identity
+    C = (torch.eye(D, dtype=x.dtype) - 1.0 / D) / sigma.unsqueeze(-1)  # ... x D x D, n = C x
+    c = C * x.unsqueeze(-2)  # c[..., i, j] = C_ij x_j, sums to n_i over j
+    return (c / n.unsqueeze(-1) * R_n.unsqueeze(-1)).sum(-2)
+
+
+def add_relprop(a, b, R, rules):
+    z = a + b
+    Ra, Rb = a / z * R, b / z * R
+    if rules == "chefer":  # the reference's rescaling, per sample
+        sa, sb, s = (t.flatten(1).sum(-1)[:, None, None] for t in (Ra, Rb, R))
+        share = sa.abs() / (sa.abs() + sb.abs())
+        Ra, Rb = Ra * (share * s / sa), Rb * ((1 - share) * s / sb)
+    return Ra, Rb
+
+
+def matmul_relprop(a, b, R):
+    """z = a @ b over the last two dims: contributions a_ik b_kj, half of each to each side."""
+    c = a.unsqueeze(-1) * b.unsqueeze(-3)  # ... x i x k x j
+    share = c / c.sum(-2, keepdim=True) * R.unsqueeze(-2) / 2
+    return share.sum(-1), share.sum(-3)
+
+
+def vit_forward(model, x: torch.Tensor):
+    """A timm ViT's forward written out block by block with the model's own weights (the operations
+    of its modules): ``(e, x0, saved, h)``, the patch embeddings, the first block's input, per block a
+    dict of every intermediate (``h n1 qkv qs k v S A O P mid n2 f1 g f2``) and the last block's
+    output, before the final norm. Runs under the caller's grad mode."""
+    B = x.shape[0]
+    e = model.patch_embed.proj(x).flatten(2).transpose(1, 2)
+    x0 = torch.cat([model.cls_token.expand(B, -1, -1), e], 1) + model.pos_embed
+    h, saved = x0, []
+    for blk in model.blocks:
+        at = blk.attn
+        H = at.num_heads
+        n1 = ln(h, blk.norm1)
+        qkv = F.linear(n1, at.qkv.weight, at.qkv.bias)
+        N, D = qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = qkv.reshape(B, N, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        qs = q * at.scale
+        S = qs @ k.transpose(-2, -1)
+        A = S.softmax(-1)
+        O = (A @ v).transpose(1, 2).reshape(B, N, D)
+        P = F.linear(O, at.proj.weight, at.proj.bias)
+        mid = h + P
+        n2 = ln(mid, blk.norm2)
+        f1 = F.linear(n2, blk.mlp.fc1.weight, blk.mlp.fc1.bias)
+        g = F.gelu(f1)
+        f2 = F.linear(g, blk.mlp.fc2.weight, blk.mlp.fc2.bias)
+        saved.append(dict(h=h, n1=n1, qkv=qkv, qs=qs, k=k, v=v, S=S, A=A, O=O, P=P, mid=mid, n2=n2, f1=f1, g=g,
+                          f2=f2))
+        h = mid + f2
+    return e, x0, saved, h

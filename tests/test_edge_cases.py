@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import BareData
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -119,24 +121,12 @@ def test_site_build_refuses_an_output_folder_inside_its_scratch_folders(tmp_path
 #     saco on a CLIP without score=
 # --------------------------------------------------------------------------------------------
 
-class _Images:
-    def __init__(self, x):
-        self.x = x
-
-    def __len__(self):
-        return self.x.shape[0]
-
-    def batch(self, indices):
-        from vitlab import evaluate as ev
-        return ev.Batch(self.x[list(indices)], None, None)
-
-
 def test_leaderboard_refuses_a_file_as_out_and_empty_data_before_any_work(vit, tmp_path, capsys):
     from vitlab import evaluate as ev
 
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
-    data = _Images(torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3)))
+    data = BareData(torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3)))
     kw = dict(methods=["random"], ks=(3,), chunk=2, progress=False)
     for out in (notes, notes / "run"):
         with pytest.raises(ValueError, match="a file, not a folder"):
@@ -146,7 +136,7 @@ def test_leaderboard_refuses_a_file_as_out_and_empty_data_before_any_work(vit, t
         ev.write(board, notes)
     assert notes.read_text() == "mine"
     with pytest.raises(ValueError, match="at least one sample"):
-        ev.leaderboard(vit, _Images(torch.zeros(0, 3, 32, 32)), **kw)
+        ev.leaderboard(vit, BareData(torch.zeros(0, 3, 32, 32)), **kw)
     # the command line: a message and exit 2, no traceback
     assert ev.main(["--model", "shapes-vit-tiny", "--samples", "2", "--chunk", "2", "--methods", "random",
                     "--k", "3", "--out", str(notes), "--no-progress", "--device", "cpu"]) == 2
@@ -212,7 +202,7 @@ def test_saco_on_a_clip_without_score_says_to_pass_image_text_score():
             measure(model, inputs["pixel_values"], maps)
     from vitlab import evaluate as ev
     with pytest.raises(ValueError, match="scores image-text pairs") as e:
-        ev.leaderboard(model, _Images(inputs["pixel_values"]), ["random"], ks=(3,), progress=False)
+        ev.leaderboard(model, BareData(inputs["pixel_values"]), ["random"], ks=(3,), progress=False)
     assert "score=" not in str(e.value)                           # the leaderboard takes no score=
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import vitlab
-from conftest import TINY, TINY_GRAD_DEPTH, f32_tol, f64_tol, randomize  # noqa: F401
+from conftest import TINY, TINY_GRAD_DEPTH, BareData, f32_tol, f64_tol, randomize  # noqa: F401
 from references import forwards_counted
 from tiny_models import tiny_detr, tiny_lxmert, tiny_vit
 from vitlab import evaluate as ev
@@ -346,19 +346,6 @@ def test_join_is_the_table_of_all_methods_run_together(vit64):
         ev.join(a, a)
     with pytest.raises(ValueError, match="at least one"):
         ev.join()
-
-
-class BareData:
-    """Inputs only: no describe(), no labels, no masks (the minimal data a leaderboard takes)."""
-
-    def __init__(self, x):
-        self.x = x
-
-    def __len__(self):
-        return self.x.shape[0]
-
-    def batch(self, indices):
-        return ev.Batch(self.x[list(indices)], None, None)
 
 
 def _two_data_sets(vit, n=4):

@@ -16,6 +16,7 @@ from timm.models.deit import VisionTransformerDistilled
 
 import vitlab
 import vitlab.inputs
+import vitlab.methods
 from vitlab.attention import (
     attention_gradcam, attention_gradients, cls_attention, qk_channel_scores, qk_maps, raw_attention,
 )
@@ -292,3 +293,70 @@ def test_chunked_gradient_methods_check_the_target_against_the_whole_batch(monke
     with forwards_counted(model) as calls, pytest.raises(ValueError, match="target has 3 classes but the batch has 5 samples"):
         chefer_relevance(model, torch.randn(5, 3, 32, 32), target=[0, 1, 2])
     assert calls == []
+
+
+# --- one validation per call: chunking wraps the computation, the method is not re-entered ----------
+def _validations_counted(monkeypatch):
+    """Counts the full input checks: every image batch a method checks passes through
+    vitlab.inputs.check_batch_values (check_images, checked_layout, the CLIP checks)."""
+    calls = []
+    original = vitlab.inputs.check_batch_values
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(vitlab.inputs, "check_batch_values", counted)
+    return calls
+
+
+VIT_TARGETED = {name for name, m in vitlab.methods.METHODS.items() if m.needs_target}
+
+
+@pytest.mark.parametrize("family", ["vit", "clip"])
+def test_each_method_validates_its_input_once_per_call_also_in_chunks(family, monkeypatch):
+    """Every method of the registry checks its batch once per call, whether the batch fits in one
+    forward or runs in chunks of one sample (the chunking splits a checked batch; before, a chunked
+    method called itself back per chunk and checked again, and a ViT gradient method checked twice
+    even unchunked). The chunked maps equal the whole batch's, as the chunking tests check."""
+    from tiny_models import pairs, tiny_clip
+
+    if family == "vit":
+        model, inputs = tiny_vit(), torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    else:
+        model, inputs = tiny_clip(), pairs()
+    for name in vitlab.methods.IMPLEMENTATIONS[family]:
+        target = 1 if family == "vit" and name in VIT_TARGETED else None
+        counts = []
+        for budget in (1 << 30, 1):  # one forward; then chunks of one sample
+            monkeypatch.setattr(vitlab.inputs, "MEMORY_BUDGET", budget)
+            calls = _validations_counted(monkeypatch)
+            vitlab.explain(name, model, inputs, target)
+            counts.append(len(calls))
+        assert counts == [1, 1], f"{family} {name}: input checked {counts} times (whole batch, in chunks)"
+
+
+def test_in_chunks_splits_the_checked_target_with_the_batch_and_calls_the_computation_once_when_it_fits(
+        monkeypatch):
+    model = tiny_vit()
+    x = torch.randn(5, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    layout = vitlab.token_layout(model, x)
+    seen = []
+
+    def compute(xc, tc):
+        seen.append((xc.shape[0], tc))
+        return xc[:, 0, 0, 0]
+    out = vitlab.inputs.in_chunks(compute, model, x, layout, gradients=True, target=torch.arange(5))
+    assert torch.equal(out, x[:, 0, 0, 0]) and len(seen) == 1 and torch.equal(seen[0][1], torch.arange(5))
+    per_sample = attention_size(model, 17) * 4 * 2
+    monkeypatch.setattr(vitlab.inputs, "MEMORY_BUDGET", 2 * per_sample)  # chunks of 2, 2, 1
+    seen.clear()
+    out = vitlab.inputs.in_chunks(compute, model, x, layout, gradients=True, target=torch.arange(5))
+    assert torch.equal(out, x[:, 0, 0, 0]) and [n for n, _ in seen] == [2, 2, 1]
+    assert [t.tolist() for _, t in seen] == [[0, 1], [2, 3], [4]]
+    seen.clear()
+    function = lambda out: out.sum(-1)  # noqa: E731  (a function target goes to every chunk as it is)
+    vitlab.inputs.in_chunks(compute, model, x, layout, gradients=True, target=function)
+    assert [t for _, t in seen] == [function] * 3
+    seen.clear()
+    vitlab.inputs.in_chunks(lambda xc: compute(xc, None), model, x, layout)  # no gradients: half the memory
+    assert [n for n, _ in seen] == [4, 1]

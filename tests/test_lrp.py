@@ -34,7 +34,7 @@ from vitlab.record.lrp import (
 )
 from vitlab.gradients import input_x_gradient, integrated_gradients
 
-from references import relative_error
+from references import add_relprop, linear_relprop, ln, ln_relprop, matmul_relprop, relative_error, vit_forward
 from tiny_models import tiny_detr
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -128,52 +128,6 @@ def test_safe_divide():
 
 
 # ----------------------------------------------------------------------------- from scratch, float64
-def _ln(h, mod):
-    return F.layer_norm(h, mod.normalized_shape, mod.weight, mod.bias, mod.eps)
-
-
-def _linear_relprop(x, W, b, R, rules, absorbed):
-    """Explicit contributions c[..., j, i] = x_i W_ji."""
-    c = x.unsqueeze(-2) * W  # ... x out x in
-    if rules == "chefer":  # alpha 1, beta 0: positive contributions over their sum
-        pos = c.clamp(min=0)
-        return (pos / pos.sum(-1, keepdim=True) * R.unsqueeze(-1)).sum(-2)
-    y = c.sum(-1) + b  # epsilon -> 0: the z-rule, the bias keeps b / y of R
-    absorbed += (b / y * R).flatten(1).sum(-1)
-    return (c / y.unsqueeze(-1) * R.unsqueeze(-1)).sum(-2)
-
-
-def _ln_relprop(x, mod, R, rules, absorbed):
-    if rules == "chefer":
-        return R  # identity
-    D = x.shape[-1]
-    sigma = (x.var(-1, unbiased=False, keepdim=True) + mod.eps).sqrt()
-    n = (x - x.mean(-1, keepdim=True)) / sigma
-    y = n * mod.weight + mod.bias
-    absorbed += (mod.bias / y * R).flatten(1).sum(-1)
-    R_n = n * mod.weight / y * R  # the bias's z-rule share removed; times weight: identity
-    C = (torch.eye(D, dtype=x.dtype) - 1.0 / D) / sigma.unsqueeze(-1)  # ... x D x D, n = C x
-    c = C * x.unsqueeze(-2)  # c[..., i, j] = C_ij x_j, sums to n_i over j
-    return (c / n.unsqueeze(-1) * R_n.unsqueeze(-1)).sum(-2)
-
-
-def _add_relprop(a, b, R, rules):
-    z = a + b
-    Ra, Rb = a / z * R, b / z * R
-    if rules == "chefer":  # the reference's rescaling, per sample
-        sa, sb, s = (t.flatten(1).sum(-1)[:, None, None] for t in (Ra, Rb, R))
-        share = sa.abs() / (sa.abs() + sb.abs())
-        Ra, Rb = Ra * (share * s / sa), Rb * ((1 - share) * s / sb)
-    return Ra, Rb
-
-
-def _matmul_relprop(a, b, R):
-    """z = a @ b over the last two dims: contributions a_ik b_kj, half of each to each side."""
-    c = a.unsqueeze(-1) * b.unsqueeze(-3)  # ... x i x k x j
-    share = c / c.sum(-2, keepdim=True) * R.unsqueeze(-2) / 2
-    return share.sum(-1), share.sum(-3)
-
-
 def scratch(model, x, rules, target=None, unit=False, score="logit", multi_label=False):
     """LRP of a timm ViT in float64, propagating relevance layer by layer (no autograd for the
     relevance), plus the ordinary attention gradients of the score from an autograd forward of the
@@ -185,31 +139,10 @@ def scratch(model, x, rules, target=None, unit=False, score="logit", multi_label
     x = x.double()
     B = x.shape[0]
     with torch.enable_grad():
-        e = m.patch_embed.proj(x).flatten(2).transpose(1, 2)
-        x0 = torch.cat([m.cls_token.expand(B, -1, -1), e], 1) + m.pos_embed
-        h, saved = x0, []
-        for blk in m.blocks:
-            at = blk.attn
-            H = at.num_heads
-            n1 = _ln(h, blk.norm1)
-            qkv = F.linear(n1, at.qkv.weight, at.qkv.bias)
-            N, D = qkv.shape[1], qkv.shape[2] // 3
-            q, k, v = qkv.reshape(B, N, 3, H, D // H).permute(2, 0, 3, 1, 4)
-            qs = q * at.scale
-            S = qs @ k.transpose(-2, -1)
-            A = S.softmax(-1)
-            A.retain_grad()
-            O = (A @ v).transpose(1, 2).reshape(B, N, D)
-            P = F.linear(O, at.proj.weight, at.proj.bias)
-            mid = h + P
-            n2 = _ln(mid, blk.norm2)
-            f1 = F.linear(n2, blk.mlp.fc1.weight, blk.mlp.fc1.bias)
-            g = F.gelu(f1)
-            f2 = F.linear(g, blk.mlp.fc2.weight, blk.mlp.fc2.bias)
-            saved.append(dict(h=h, n1=n1, qkv=qkv, qs=qs, k=k, v=v, S=S, A=A, O=O, P=P, mid=mid, n2=n2,
-                              f1=f1, g=g, f2=f2))
-            h = mid + f2
-        nf = _ln(h, m.norm)
+        e, x0, saved, h = vit_forward(m, x)
+        for block in saved:
+            block["A"].retain_grad()
+        nf = ln(h, m.norm)
         logits = F.linear(nf[:, 0], m.head.weight, m.head.bias)
         t = logits.argmax(-1) if target is None else torch.as_tensor(target).expand(B)
         y = logits.gather(1, t[:, None])[:, 0]
@@ -230,33 +163,33 @@ def scratch(model, x, rules, target=None, unit=False, score="logit", multi_label
         # for the logit, as the reference's relprop starts)
         R = logits.detach() * ds
         R = R / R.sum(-1, keepdim=True) if unit else R
-        R_cls = _linear_relprop(nf[:, 0], m.head.weight, m.head.bias, R, rules, absorbed)
+        R_cls = linear_relprop(nf[:, 0], m.head.weight, m.head.bias, R, rules, absorbed)
         R_nf = torch.zeros_like(nf)
         R_nf[:, 0] = R_cls
-        R_h = _ln_relprop(h, m.norm, R_nf, rules, absorbed)
+        R_h = ln_relprop(h, m.norm, R_nf, rules, absorbed)
         R_attn = [None] * len(saved)
         for l in reversed(range(len(saved))):
             s, blk = saved[l], m.blocks[l]
             H = blk.attn.num_heads
-            R_mid, R_f2 = _add_relprop(s["mid"], s["f2"], R_h, rules)
-            R_g = _linear_relprop(s["g"], blk.mlp.fc2.weight, blk.mlp.fc2.bias, R_f2, rules, absorbed)
-            R_n2 = _linear_relprop(s["n2"], blk.mlp.fc1.weight, blk.mlp.fc1.bias, R_g, rules, absorbed)
-            R_mid = R_mid + _ln_relprop(s["mid"], blk.norm2, R_n2, rules, absorbed)
-            R_hin, R_P = _add_relprop(s["h"], s["P"], R_mid, rules)
-            R_O = _linear_relprop(s["O"], blk.attn.proj.weight, blk.attn.proj.bias, R_P, rules, absorbed)
+            R_mid, R_f2 = add_relprop(s["mid"], s["f2"], R_h, rules)
+            R_g = linear_relprop(s["g"], blk.mlp.fc2.weight, blk.mlp.fc2.bias, R_f2, rules, absorbed)
+            R_n2 = linear_relprop(s["n2"], blk.mlp.fc1.weight, blk.mlp.fc1.bias, R_g, rules, absorbed)
+            R_mid = R_mid + ln_relprop(s["mid"], blk.norm2, R_n2, rules, absorbed)
+            R_hin, R_P = add_relprop(s["h"], s["P"], R_mid, rules)
+            R_O = linear_relprop(s["O"], blk.attn.proj.weight, blk.attn.proj.bias, R_P, rules, absorbed)
             N, D = R_O.shape[1], R_O.shape[2]
             R_Oh = R_O.reshape(B, N, H, D // H).transpose(1, 2)
-            R_A, R_v = _matmul_relprop(s["A"], s["v"], R_Oh)
+            R_A, R_v = matmul_relprop(s["A"], s["v"], R_Oh)
             R_attn[l] = R_A
             if rules == "chefer":
                 R_S = R_A
             else:  # AttnLRP's softmax rule: x * (R - p sum R), the rest absorbed
                 R_S = s["S"] * (R_A - s["A"] * R_A.sum(-1, keepdim=True))
                 absorbed += (R_A.sum((1, 2, 3)) - R_S.sum((1, 2, 3)))
-            R_q, R_kT = _matmul_relprop(s["qs"], s["k"].transpose(-2, -1), R_S)
+            R_q, R_kT = matmul_relprop(s["qs"], s["k"].transpose(-2, -1), R_S)
             R_qkv = torch.stack([R_q, R_kT.transpose(-2, -1), R_v]).permute(1, 3, 0, 2, 4).reshape(B, N, 3 * D)
-            R_n1 = _linear_relprop(s["n1"], blk.attn.qkv.weight, blk.attn.qkv.bias, R_qkv, rules, absorbed)
-            R_h = R_hin + _ln_relprop(s["h"], blk.norm1, R_n1, rules, absorbed)
+            R_n1 = linear_relprop(s["n1"], blk.attn.qkv.weight, blk.attn.qkv.bias, R_qkv, rules, absorbed)
+            R_h = R_hin + ln_relprop(s["h"], blk.norm1, R_n1, rules, absorbed)
         R_e = e / x0[:, 1:] * R_h[:, 1:]  # z-rule at the position embedding's addition
     return dict(tokens=R_h.sum(-1), patches=R_e.sum(-1), attention=R_attn, grads=grads, logit=y.detach(),
                 absorbed=absorbed, start=R.sum(-1))

@@ -62,33 +62,15 @@ def shapes():
 def rules_on_values(model, x: torch.Tensor, unit: bool = False) -> dict:
     """Chefer's rules for a timm ViT evaluated in float64 on the values its float32 forward computes
     (each activation computed in float32, then cast), with explicit contributions and no autograd for
-    the relevance (the helpers of ``tests/test_lrp.py``): the rules' value for the network as it
+    the relevance (the helpers of ``tests/references.py``): the rules' value for the network as it
     computes. Returns the patch relevances, the token relevances and the relevance started."""
-    from test_lrp import _add_relprop, _linear_relprop, _ln, _matmul_relprop
+    from references import add_relprop, linear_relprop, ln, matmul_relprop, vit_forward
 
     B, d = x.shape[0], lambda t: t.detach().double()
     with torch.no_grad():
-        e = model.patch_embed.proj(x).flatten(2).transpose(1, 2)
-        x0 = torch.cat([model.cls_token.expand(B, -1, -1), e], 1) + model.pos_embed
-        h, saved = x0, []
-        for blk in model.blocks:
-            at = blk.attn
-            n1 = _ln(h, blk.norm1)
-            qkv = F.linear(n1, at.qkv.weight, at.qkv.bias)
-            N, D = qkv.shape[1], qkv.shape[2] // 3
-            q, k, v = qkv.reshape(B, N, 3, at.num_heads, D // at.num_heads).permute(2, 0, 3, 1, 4)
-            qs = q * at.scale
-            A = (qs @ k.transpose(-2, -1)).softmax(-1)
-            O = (A @ v).transpose(1, 2).reshape(B, N, D)
-            P = at.proj(O)
-            mid = h + P
-            n2 = _ln(mid, blk.norm2)
-            g = F.gelu(blk.mlp.fc1(n2))
-            f2 = blk.mlp.fc2(g)
-            saved.append({key: d(val) for key, val in dict(h=h, n1=n1, qs=qs, k=k, v=v, A=A, O=O, P=P, mid=mid,
-                                                            n2=n2, g=g, f2=f2).items()})
-            h = mid + f2
-        nf = _ln(h, model.norm)
+        e, x0, saved, h = vit_forward(model, x)
+        saved = [{key: d(val) for key, val in block.items()} for block in saved]
+        nf = ln(h, model.norm)
         logits = model.head(nf[:, 0])
         m = copy.deepcopy(model).double()  # weights cast exactly; every activation is the float32 one
         t = logits.argmax(-1)
@@ -96,21 +78,21 @@ def rules_on_values(model, x: torch.Tensor, unit: bool = False) -> dict:
         R = torch.zeros_like(d(logits)).scatter(1, t[:, None], torch.ones_like(y) if unit else y)
         nobody = torch.zeros(B, dtype=torch.float64)
         R_h = torch.zeros_like(d(nf))
-        R_h[:, 0] = _linear_relprop(d(nf)[:, 0], m.head.weight, m.head.bias, R, "chefer", nobody)
+        R_h[:, 0] = linear_relprop(d(nf)[:, 0], m.head.weight, m.head.bias, R, "chefer", nobody)
         last = None
         for s, blk in zip(reversed(saved), reversed(m.blocks)):
             H = blk.attn.num_heads
-            R_mid, R_f2 = _add_relprop(s["mid"], s["f2"], R_h, "chefer")
-            R_g = _linear_relprop(s["g"], blk.mlp.fc2.weight, None, R_f2, "chefer", nobody)
-            R_mid = R_mid + _linear_relprop(s["n2"], blk.mlp.fc1.weight, None, R_g, "chefer", nobody)
-            R_hin, R_P = _add_relprop(s["h"], s["P"], R_mid, "chefer")
-            R_O = _linear_relprop(s["O"], blk.attn.proj.weight, None, R_P, "chefer", nobody)
+            R_mid, R_f2 = add_relprop(s["mid"], s["f2"], R_h, "chefer")
+            R_g = linear_relprop(s["g"], blk.mlp.fc2.weight, None, R_f2, "chefer", nobody)
+            R_mid = R_mid + linear_relprop(s["n2"], blk.mlp.fc1.weight, None, R_g, "chefer", nobody)
+            R_hin, R_P = add_relprop(s["h"], s["P"], R_mid, "chefer")
+            R_O = linear_relprop(s["O"], blk.attn.proj.weight, None, R_P, "chefer", nobody)
             N, D = R_O.shape[1], R_O.shape[2]
-            R_A, R_v = _matmul_relprop(s["A"], s["v"], R_O.reshape(B, N, H, D // H).transpose(1, 2))
+            R_A, R_v = matmul_relprop(s["A"], s["v"], R_O.reshape(B, N, H, D // H).transpose(1, 2))
             last = R_A if last is None else last
-            R_q, R_kT = _matmul_relprop(s["qs"], s["k"].transpose(-2, -1), R_A)  # split by the exact q·k
+            R_q, R_kT = matmul_relprop(s["qs"], s["k"].transpose(-2, -1), R_A)  # split by the exact q·k
             R_qkv = torch.stack([R_q, R_kT.transpose(-2, -1), R_v]).permute(1, 3, 0, 2, 4).reshape(B, N, 3 * D)
-            R_h = R_hin + _linear_relprop(s["n1"], blk.attn.qkv.weight, None, R_qkv, "chefer", nobody)
+            R_h = R_hin + linear_relprop(s["n1"], blk.attn.qkv.weight, None, R_qkv, "chefer", nobody)
         R_e = d(e) / d(x0)[:, 1:] * R_h[:, 1:]  # the position sum's z-rule
     return dict(patches=R_e.sum(-1), tokens=R_h.sum(-1), start=R.sum(-1),
                 partial=last.clamp(min=0).mean(1)[:, 0, 1:])

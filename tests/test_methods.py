@@ -201,3 +201,44 @@ def test_the_method_lists_are_views_of_the_registry(cases):
         want = explain(row.method, model, x, target if METHODS[row.method].takes_target("vit") else None,
                        **row.options)
         assert_same(row(model, x, target, [0, 1]), want if row.reduce is None else row.reduce(want))
+
+
+def _made_in_inference_mode(inputs):
+    """``inputs`` (a tensor or a dict of them) copied under torch.inference_mode(): inference tensors."""
+    with torch.inference_mode():
+        if isinstance(inputs, torch.Tensor):
+            return inputs.clone()
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+INFERENCE_CASES = PAIRS + [("relevance", "detr", {"backbone": True}), ("relevance", "lxmert", {"backbone": True})]
+
+
+@pytest.mark.parametrize("case", INFERENCE_CASES, ids=lambda c: "-".join(map(str, c[:2])) + ("-backbone" if len(c) > 2 else ""))
+def test_inputs_made_in_inference_mode_give_the_same_maps_and_gradient_methods_inside_it_say_so(cases, case):
+    """An input made under torch.inference_mode() gives the maps of an ordinary one (a gradient
+    method starts its graph from a copy: vitlab.inputs.gradient_leaf); a method called inside
+    inference_mode gives the same maps when it needs no gradient and says so when it does."""
+    name, family, options = (*case, {})[:3]
+    model, inputs, target = cases(family)
+    target = target if METHODS[name].takes_target(family) else None
+    want = explain(name, model, inputs, target, **options)
+    assert_same(explain(name, model, _made_in_inference_mode(inputs), target, **options), want)
+    try:
+        with torch.inference_mode():
+            got = explain(name, model, inputs, target, **options)
+    except RuntimeError as e:
+        assert "needs gradients, but it was called inside torch.inference_mode()" in str(e)
+        assert METHODS[name].needs_target or family == "clip"  # a method that reads no score needs no gradient
+    else:
+        assert not (METHODS[name].needs_target and family != "detr"), f"{name} on {family} ran in inference mode"
+        assert_same(got, want)
+
+
+def test_no_module_copies_inference_tensors_itself():
+    """vitlab.inputs.gradient_leaf is the one place that copies an inference tensor to start a graph."""
+    from pathlib import Path
+
+    root = Path(vitlab.__file__).parent
+    found = [str(p.relative_to(root)) for p in root.rglob("*.py") if ".is_inference()" in p.read_text()]
+    assert found == ["inputs.py"], found

@@ -76,17 +76,6 @@ def test_notebook_has_a_checked_output_cell(path):
     assert checked, f"{path.name}: no cell tagged 'nbval-check-output' with a stored output for nbval to check"
 
 
-SOLUTIONS = sorted((Path(__file__).resolve().parent.parent / "notebooks" / "solutions").glob("*.ipynb"))
-
-
-@pytest.mark.parametrize("path", NOTEBOOKS + SOLUTIONS, ids=[p.name for p in NOTEBOOKS + SOLUTIONS])
-def test_learner_facing_code_carries_no_test_markers(path):
-    nb = json.loads(path.read_text(encoding="utf-8"))
-    marked = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and "NBVAL" in "".join(c["source"])]
-    assert not marked, (f"{path.name}: cells {marked} carry an nbval marker in their code; "
-                        "tag the cell 'nbval-check-output' instead (cell metadata)")
-
-
 def _table(rows):
     start, end = runner.RUN_TIMES_MARKERS
     return "# Notebooks\n\n" + start + "\n" + "\n".join(rows) + "\n" + end + "\n\nthe rest\n"

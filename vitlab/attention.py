@@ -32,15 +32,12 @@ import torch
 
 from vitlab.compat import moved_names, renamed_arguments
 from vitlab.inputs import (
-    batches, check_images, check_input_dtype, checked_layout, in_chunks, positive_int, readout_weights,
-    require_gradients,
+    batches, check_images, check_input_dtype, checked_layout, gradient_leaf, gradient_target, in_chunks, positive_int,
+    readout_weights,
 )
 from vitlab.layout import TokenLayout
 from vitlab.record import record
-from vitlab.targets import (
-    check_function_target, check_score, check_target, function_scores, is_function_target, is_multi_label, logits_of,
-    require_class_head, resolve_target, target_score,
-)
+from vitlab.targets import function_scores, is_function_target, is_multi_label, logits_of, resolve_target, target_score
 
 QK_PATTERNS = ("one_way", "two_flow", "exchange", "same_region")
 
@@ -179,21 +176,23 @@ def attention_gradients_for_blocks(model, x: torch.Tensor, target, layers: list[
                          score: str = "logit", method: str = "attention_gradients") -> AttentionGradients:
     """:func:`attention_gradients`, with gradients only for block indices ``layers``
     (None: all); the other entries of ``gradients`` are None. Fewer blocks, shorter backward.
-    ``method``: the name the errors give."""
+    ``method``: the name the errors give. Checks the input, then :func:`recorded_gradients`."""
     check_images(x, method)
     check_input_dtype(model, x, method)
+    target = gradient_target(model, target, x.shape[0], score, method)
+    return recorded_gradients(model, x, target, layers, score, method)
+
+
+def recorded_gradients(model, x: torch.Tensor, target, layers: list[int] | None, score: str = "logit",
+                       method: str = "attention_gradients") -> AttentionGradients:
+    """The forward and backward of :func:`attention_gradients_for_blocks`, without its checks: for a
+    method that checked ``x`` and ``target`` itself (``target`` as
+    :func:`vitlab.inputs.gradient_target` returned it), e.g. per chunk of a batch
+    (:func:`vitlab.inputs.in_chunks`)."""
     function = is_function_target(target)
-    if function:
-        check_function_target(target, score, method)
-    else:
-        require_class_head(model, method)
-        target = check_target(target, x.shape[0])
-        check_score(score)
-    require_gradients(method)
     with torch.enable_grad():
         # A leaf that requires grad keeps the graph alive even if every parameter is frozen.
-        # (clone: an input made under inference_mode cannot be made to require grad itself)
-        x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
+        x_in = gradient_leaf(x)
         # graph-attached attentions, nothing else kept
         with record(model, detach=False, eval_mode=True, capture=("attention",)) as rec:
             output = run_images(model, x_in)
@@ -262,13 +261,11 @@ def cls_attention(model, x: torch.Tensor) -> torch.Tensor:
     post-softmax attention for head h, patch columns only, on the patch grid. Prefix
     columns (CLS, distillation, registers) are left out, so a map need not sum to 1.
     """
-    layout = checked_layout(model, x, "cls_attention")
-    chunked = in_chunks(cls_attention, model, x, layout)
-    if chunked is not None:  # a batch larger than inputs.MEMORY_BUDGET allows
-        return chunked
-    attentions, layout = recorded_attentions(model, x)
-    cls_rows = torch.stack([A[:, :, 0, :] for A in attentions], dim=1)  # B x L x H x N
-    return layout.patches_to_grid(cls_rows)  # B x L x H x gh x gw
+    def compute(x):
+        attentions, layout = recorded_attentions(model, x)
+        cls_rows = torch.stack([A[:, :, 0, :] for A in attentions], dim=1)  # B x L x H x N
+        return layout.patches_to_grid(cls_rows)  # B x L x H x gh x gw
+    return in_chunks(compute, model, x, checked_layout(model, x, "cls_attention"))
 
 
 def raw_attention(model, x: torch.Tensor) -> torch.Tensor:
@@ -279,14 +276,12 @@ def raw_attention(model, x: torch.Tensor) -> torch.Tensor:
     with ``w`` = 1/P on the patch tokens (:func:`vitlab.inputs.readout_weights`), the mean of the
     patch tokens' rows; for an attention-pool head, its probe's attention (:func:`probe_sequence`).
     """
-    layout = checked_layout(model, x, "raw_attention", pooled=True)
-    chunked = in_chunks(raw_attention, model, x, layout)
-    if chunked is not None:  # a batch larger than inputs.MEMORY_BUDGET allows
-        return chunked
-    attentions, layout = recorded_attentions(model, x)
-    A = attentions[-1].mean(dim=1)  # B x N x N
-    w = readout_weights(layout, "raw_attention", A.dtype, A.device)
-    return layout.patches_to_grid(w @ A)  # B x gh x gw
+    def compute(x):
+        attentions, layout = recorded_attentions(model, x)
+        A = attentions[-1].mean(dim=1)  # B x N x N
+        w = readout_weights(layout, "raw_attention", A.dtype, A.device)
+        return layout.patches_to_grid(w @ A)  # B x gh x gw
+    return in_chunks(compute, model, x, checked_layout(model, x, "raw_attention", pooled=True))
 
 
 def gradcam_cls_row(attn_row: torch.Tensor, grad_row: torch.Tensor) -> torch.Tensor:
@@ -308,17 +303,17 @@ def attention_gradcam(model, x: torch.Tensor, target=None, score: str = "logit")
     ``= (mean_h w_h * A[h, CLS, patches])^+``. Returns ``B x gh x gw`` (not rescaled).
     ``score="log_probability"`` differentiates the target's log-probability instead.
     """
-    layout = checked_layout(model, x, "attention_gradcam")
-    chunked = in_chunks(attention_gradcam, model, x, layout, gradients=True, target=target, score=score)
-    if chunked is not None:
-        return chunked
-    # backward through the last block only
-    ag = attention_gradients_for_blocks(model, x, target, layers=[-1], score=score, method="attention_gradcam")
-    layout = ag.layout
-    P = layout.num_prefix
-    A = ag.attentions[-1][:, :, 0, P:]  # B x H x num_patches
-    G = ag.gradients[-1][:, :, 0, P:]  # B x H x num_patches
-    return layout.patches_to_grid(gradcam_cls_row(A, G))  # B x gh x gw
+    method = "attention_gradcam"
+    layout = checked_layout(model, x, method)
+    target = gradient_target(model, target, x.shape[0], score, method)
+
+    def compute(x, target):
+        ag = recorded_gradients(model, x, target, layers=[-1], score=score, method=method)  # the last block only
+        P = ag.layout.num_prefix
+        A = ag.attentions[-1][:, :, 0, P:]  # B x H x num_patches
+        G = ag.gradients[-1][:, :, 0, P:]  # B x H x num_patches
+        return ag.layout.patches_to_grid(gradcam_cls_row(A, G))  # B x gh x gw
+    return in_chunks(compute, model, x, layout, gradients=True, target=target)
 
 
 def _check_index(name: str, value: int, size: int) -> int:

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import torch
 
-from vitlab.inputs import require_gradients
+from vitlab.inputs import gradient_leaf, graph_inputs, require_gradients
 from vitlab.lrp import PRECISIONS
 from vitlab.record import record
 from vitlab.record.lrp import working_copy
@@ -105,8 +105,7 @@ def _lrp_attention(model, kwargs: dict, target, streams, plain: bool, method: st
     require_gradients(method)
     # the image features require grad, so that every attention is in the graph even when the
     # model's parameters are frozen (its own tensors are not changed)
-    kwargs = {k: ((v.clone() if v.is_inference() else v.detach()).requires_grad_(True) if k in _IMAGE_KEYS else v)
-              for k, v in kwargs.items()}
+    kwargs = {k: (gradient_leaf(v) if k in _IMAGE_KEYS else v) for k, v in graph_inputs(kwargs).items()}
     with torch.enable_grad(), record(model, lrp="chefer", capture=("attention",), detach=False,
                                      eval_mode=True) as rec:
         out = model(**kwargs)

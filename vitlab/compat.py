@@ -43,12 +43,8 @@ def moved_names(module: str, moves: dict[str, str]):
     ``module.<name>`` raises ``AttributeError("<module>.<name> moved to <new module>.<name>")``
     (``moves``: name -> the module that holds it now); any other missing name gets Python's
     usual message."""
-    def __getattr__(name: str):
-        if name in moves:
-            raise AttributeError(f"{module}.{name} moved to {moves[name]}.{name}: import it from there")
-        raise AttributeError(f"module {module!r} has no attribute {name!r}")
-
-    return __getattr__
+    return _refused_names(module, {name: f"{module}.{name} moved to {new}.{name}: import it from there"
+                                   for name, new in moves.items()})
 
 
 def replaced_names(module: str, replacements: dict[str, str]):
@@ -56,9 +52,16 @@ def replaced_names(module: str, replacements: dict[str, str]):
     ``module.<name>`` raises ``AttributeError("<module>.<name> was replaced by <replacement>")``
     (``replacements``: name -> the replacement's full name); any other missing name gets Python's
     usual message."""
+    return _refused_names(module, {name: f"{module}.{name} was replaced by {new}: call that instead"
+                                   for name, new in replacements.items()})
+
+
+def _refused_names(module: str, messages: dict[str, str]):
+    """A module ``__getattr__`` raising ``AttributeError(messages[name])`` for the names of ``messages``,
+    Python's usual message for any other missing name."""
     def __getattr__(name: str):
-        if name in replacements:
-            raise AttributeError(f"{module}.{name} was replaced by {replacements[name]}: call that instead")
+        if name in messages:
+            raise AttributeError(messages[name])
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__

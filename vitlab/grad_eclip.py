@@ -118,22 +118,23 @@ def grad_eclip(model, inputs, target=None, *, start_block=(-1, -8)) -> ClipMaps:
     """
     method = "grad_eclip"
     check_pair_target(target, method)
-    check_clip_inputs(model, inputs, method)
+    inputs, _ = check_clip_inputs(model, inputs, method)
     si, st = start_blocks(start_block, tower_depths(model), method, whole_tower=True)
-    chunked = clip_in_chunks(grad_eclip, model, inputs, gradients=True, start_block=start_block)
-    if chunked is not None:
-        return chunked
-    f = clip_forward(model, inputs, method, grad=True, capture=("query", "key", "value"))
-    image_caps, text_caps = f.rec.stream("image")[si:], f.rec.stream("text")[st:]
-    grads = f.gradients(f.cosine, [c.context for c in image_caps + text_caps])
-    B = f.cosine.shape[0]
-    n_image = image_caps[0].context.shape[1]
-    cls = torch.zeros(B, dtype=torch.long, device=f.cosine.device)
-    patches = torch.ones(B, n_image, dtype=torch.bool, device=f.cosine.device)
-    patches[:, 0] = False
-    image = sum(_layer_map(c, g, cls, patches).clamp(min=0) for c, g in zip(image_caps, grads[:len(image_caps)]))
-    text = sum(_layer_map(c, g, f.eos, f.valid) for c, g in zip(text_caps, grads[len(image_caps):]))
-    text = f.text_row(text.clamp(min=0))
-    total = text.sum(dim=1, keepdim=True)
-    text = torch.where(total > 0, text / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(text))
-    return ClipMaps(f.image_row(image), text, f.cosine.detach())
+
+    def compute(inputs):
+        f = clip_forward(model, inputs, method, grad=True, capture=("query", "key", "value"))
+        image_caps, text_caps = f.rec.stream("image")[si:], f.rec.stream("text")[st:]
+        grads = f.gradients(f.cosine, [c.context for c in image_caps + text_caps])
+        B = f.cosine.shape[0]
+        n_image = image_caps[0].context.shape[1]
+        cls = torch.zeros(B, dtype=torch.long, device=f.cosine.device)
+        patches = torch.ones(B, n_image, dtype=torch.bool, device=f.cosine.device)
+        patches[:, 0] = False
+        image = sum(_layer_map(c, g, cls, patches).clamp(min=0) for c, g in zip(image_caps, grads[:len(image_caps)]))
+        text = sum(_layer_map(c, g, f.eos, f.valid) for c, g in zip(text_caps, grads[len(image_caps):]))
+        text = f.text_row(text.clamp(min=0))
+        total = text.sum(dim=1, keepdim=True)
+        text = torch.where(total > 0, text / torch.where(total > 0, total, torch.ones_like(total)),
+                           torch.zeros_like(text))
+        return ClipMaps(f.image_row(image), text, f.cosine.detach())
+    return clip_in_chunks(compute, model, inputs, gradients=True)

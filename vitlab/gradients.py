@@ -15,13 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from vitlab.attention import run_images
-from vitlab.inputs import check_images, check_input_dtype, require_gradients
+from vitlab.inputs import check_images, check_input_dtype, gradient_leaf, gradient_target
 from vitlab.layout import token_layout
 from vitlab.record import eval_mode
-from vitlab.targets import (
-    check_function_target, check_score, check_target, function_scores, is_function_target, is_multi_label, logits_of,
-    require_class_head, resolve_target,
-)
+from vitlab.targets import function_scores, is_function_target, is_multi_label, logits_of, resolve_target
 
 
 def _scores_fn(model, score: str, multi_label: bool, function=None, method: str = ""):
@@ -41,16 +38,10 @@ def _attribute(model, x, target, score, pixels, method, attribute):
     """Checks, eval mode, target, Captum's ``attribute(forward, inputs, target)``, pooling."""
     check_images(x, method)
     check_input_dtype(model, x, method)  # a float64 batch for a float32 model: the remedy, not a dtype clash
+    target = gradient_target(model, target, x.shape[0], score, method)
     function = target if is_function_target(target) else None
-    if function is not None:
-        check_function_target(function, score, method)
-    else:
-        require_class_head(model, method)
-        target = check_target(target, x.shape[0])
-        check_score(score)
-    require_gradients(method)
     grid = None if pixels else token_layout(model, x).grid
-    x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
+    x_in = gradient_leaf(x)
     with eval_mode(model), torch.enable_grad():
         forward = _scores_fn(model, score, is_multi_label(model), function, method)
         if function is not None:

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from vitlab.inputs import batches, check_images, check_input_dtype, require_gradients
+from vitlab.inputs import batches, check_images, check_input_dtype, gradient_leaf, require_gradients
 from vitlab.record import record
 from vitlab.record.swin import SwinCapture, scatter_windows, swin_blocks
 from vitlab.rollout import check_head_fusion, fuse_heads, residual_normalize
@@ -167,7 +167,7 @@ def _forward(model, x, *, target=None, score="logit", gradients: bool, stage: in
         raise ValueError(f"stage must be an int in {-n_stages} .. {n_stages - 1} ({n_stages} stages), got {stage!r}")
     stage %= n_stages
     with torch.enable_grad() if gradients else torch.no_grad():
-        x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(gradients)
+        x_in = gradient_leaf(x, requires_grad=gradients)
         capture = ("attention", "hidden") if gradients else ("attention",)
         with record(model, detach=not gradients, eval_mode=True, capture=capture) as rec:
             out = model(x_in)

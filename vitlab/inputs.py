@@ -7,7 +7,10 @@ budget and chunking of a batch, the inference-mode refusal, the positive-int che
   with what to do, before any forward pass;
 - :data:`MEMORY_BUDGET`, :func:`chunk_size`, :func:`in_chunks`, :func:`batches`: a batch whose
   recorded attention would exceed the budget runs in chunks of samples, with the same maps;
+- :func:`gradient_target`: a gradient method's target checks, once;
 - :func:`require_gradients`: a gradient method called inside ``torch.inference_mode()`` says so;
+  :func:`gradient_leaf`, :func:`graph_inputs`: the input a gradient starts from, also when it was made in
+  inference mode;
 - :func:`positive_int`, :func:`seed_int`, :func:`index_tensor`: the checks of a count, a seed
   and an array of indices.
 """
@@ -17,17 +20,18 @@ import torch
 
 from vitlab.layout import TokenLayout, token_layout
 from vitlab.record import attention_size, require_materialized
-from vitlab.targets import check_target, is_function_target
+from vitlab.targets import (
+    check_function_target, check_score, check_target, is_function_target, require_class_head,
+)
 
 #: Most bytes of recorded attention one forward of a map method (rollout, grad_rollout,
 #: chefer_relevance, cls_attention, raw_attention, attention_gradcam) may hold: a forward inside
 #: ``record`` keeps every block's ``B x heads x N x N`` attention (and, for the gradient methods,
 #: its gradient), about 0.5 GB per image for DINOv2-S at 518 px. A larger batch runs in chunks
-#: of samples, each through the whole method (:func:`chunk_size`): the same maps, since samples
-#: do not interact in eval mode, at a bounded peak memory. 1 GiB by default; set
+#: of samples, each through the method's computation (:func:`chunk_size`, :func:`in_chunks`): the
+#: same maps, since samples do not interact in eval mode, at a bounded peak memory. 1 GiB by default; set
 #: ``vitlab.inputs.MEMORY_BUDGET`` (in bytes) to suit the machine.
 MEMORY_BUDGET = 1 << 30
-
 
 
 #: Values of ``TokenLayout.pool`` whose output reads the CLS token (``""``: every token).
@@ -196,9 +200,6 @@ def checked_layout(model, x, method: str, cls_row: bool = True, pooled: bool = F
     return layout
 
 
-
-
-
 def chunk_size(model, x: torch.Tensor, layout: TokenLayout, gradients: bool = False) -> int:
     """How many samples of ``x`` one forward may take within :data:`MEMORY_BUDGET` (at least 1).
 
@@ -217,20 +218,39 @@ def batches(n: int, batch_size: int):
         yield slice(start, min(start + batch_size, n))
 
 
-def in_chunks(method, model, x: torch.Tensor, layout: TokenLayout, gradients: bool = False, **kwargs):
-    """``method(model, chunk, **kwargs)`` over chunks of :func:`chunk_size` samples, concatenated
-    along the batch; ``None`` when the whole batch fits in one forward (the method goes on).
-    A gradient method's ``target`` is checked against the whole batch and split with it."""
+def in_chunks(compute, model, x: torch.Tensor, layout: TokenLayout, gradients: bool = False, target=None):
+    """``compute(x)`` -- for a gradient method ``compute(x, target)`` -- over chunks of
+    :func:`chunk_size` samples, concatenated along the batch; one call on the whole batch when it
+    fits in one forward.
+
+    A method checks its input once, then hands its unchecked computation to this (the chunks are
+    slices of a batch already checked, so nothing is validated again per chunk). ``target``: the
+    gradient method's target as :func:`gradient_target` returned it (None, a ``(B,)`` tensor, or a
+    function), split with the batch."""
     size = chunk_size(model, x, layout, gradients)
     if size >= x.shape[0]:
-        return None
+        return compute(x, target) if gradients else compute(x)
     chunks = x.split(size)
-    if gradients:
-        target = kwargs.pop("target")
-        t = None if is_function_target(target) else check_target(target, x.shape[0])
-        targets = [target] * len(chunks) if t is None else t.split(size)
-        return torch.cat([method(model, c, target=tc, **kwargs) for c, tc in zip(chunks, targets)])
-    return torch.cat([method(model, c, **kwargs) for c in chunks])
+    if not gradients:
+        return torch.cat([compute(c) for c in chunks])
+    targets = target.split(size) if isinstance(target, torch.Tensor) else [target] * len(chunks)
+    return torch.cat([compute(c, t) for c, t in zip(chunks, targets)])
+
+
+def gradient_target(model, target, batch_size: int, score: str, method: str):
+    """Every check a gradient method makes of its target before the forward, once: a function target
+    (:func:`vitlab.targets.check_function_target`), else a class head
+    (:func:`vitlab.targets.require_class_head`), the classes (:func:`vitlab.targets.check_target`)
+    and ``score``; then :func:`require_gradients`. Returns the target as the computation takes it:
+    the function, None (the predicted class) or a ``(batch_size,)`` tensor."""
+    if is_function_target(target):
+        check_function_target(target, score, method)
+    else:
+        require_class_head(model, method)
+        target = check_target(target, batch_size)
+        check_score(score)
+    require_gradients(method)
+    return target
 
 
 def require_gradients(method: str) -> None:
@@ -240,6 +260,22 @@ def require_gradients(method: str) -> None:
         raise RuntimeError(
             f"{method} needs gradients, but it was called inside torch.inference_mode(), which cannot be "
             "switched off from inside: call it outside inference_mode (inside torch.no_grad() is fine)")
+
+
+def graph_inputs(inputs: dict) -> dict:
+    """``inputs`` (a model's keyword inputs) with every tensor made under ``torch.inference_mode()``
+    copied, so that a forward whose graph a gradient method differentiates can save it for the
+    backward (an inference tensor cannot be saved); other entries as they are."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) and v.is_inference() else v for k, v in inputs.items()}
+
+
+def gradient_leaf(x: torch.Tensor, requires_grad: bool = True) -> torch.Tensor:
+    """A new leaf holding ``x``'s values, requiring grad (with ``requires_grad``), that the caller's
+    graph starts from: ``x`` detached, or copied when ``x`` was made under ``torch.inference_mode()``
+    (an inference tensor cannot be made to require grad, nor saved for a backward). Call it after
+    :func:`require_gradients` (inside ``torch.inference_mode()`` no graph can start anywhere)."""
+    leaf = x.clone() if x.is_inference() else x.detach()
+    return leaf.requires_grad_(requires_grad)
 
 
 def positive_int(name: str, value):

@@ -77,20 +77,20 @@ def legrad(model, inputs, target=None, *, start_block: int = 0) -> ClipMaps:
     """
     method = "legrad"
     check_pair_target(target, method)
-    check_clip_inputs(model, inputs, method)
+    inputs, _ = check_clip_inputs(model, inputs, method)
     vision, _ = clip_towers(model, method)
     si = start_index(start_block, tower_depths(model)[0], "image", method)
-    chunked = clip_in_chunks(legrad, model, inputs, gradients=True, start_block=start_block)
-    if chunked is not None:
-        return chunked
-    f = clip_forward(model, inputs, method, grad=True, capture=("attention", "hidden"))
-    caps = f.rec.stream("image")[si:]
-    text = f.output.text_embeds.detach()  # B x P, normalised by the model
-    total = 0
-    with torch.enable_grad():
-        for k, cap in enumerate(caps):
-            pooled = model.visual_projection(vision.post_layernorm(cap.hidden.mean(dim=1)))  # B x P
-            s = (torch.nn.functional.normalize(pooled, dim=-1) * text).sum()
-            (g,) = torch.autograd.grad(s, [cap.attention], retain_graph=k < len(caps) - 1)
-            total = total + g.clamp(min=0).mean(dim=(1, 2))  # B x N: heads, then query rows
-    return ClipMaps(min_max(f.image_row(total)), None, f.cosine.detach())
+
+    def compute(inputs):
+        f = clip_forward(model, inputs, method, grad=True, capture=("attention", "hidden"))
+        caps = f.rec.stream("image")[si:]
+        text = f.output.text_embeds.detach()  # B x P, normalised by the model
+        total = 0
+        with torch.enable_grad():
+            for k, cap in enumerate(caps):
+                pooled = model.visual_projection(vision.post_layernorm(cap.hidden.mean(dim=1)))  # B x P
+                s = (torch.nn.functional.normalize(pooled, dim=-1) * text).sum()
+                (g,) = torch.autograd.grad(s, [cap.attention], retain_graph=k < len(caps) - 1)
+                total = total + g.clamp(min=0).mean(dim=(1, 2))  # B x N: heads, then query rows
+        return ClipMaps(min_max(f.image_row(total)), None, f.cosine.detach())
+    return clip_in_chunks(compute, model, inputs, gradients=True)

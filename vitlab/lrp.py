@@ -77,8 +77,9 @@ from typing import NamedTuple
 import torch
 
 from vitlab.compat import renamed_arguments
-from vitlab.inputs import check_images, check_input_dtype, checked_layout, in_chunks, require_gradients
-from vitlab.record import record
+from vitlab.inputs import check_images, check_input_dtype, gradient_leaf, in_chunks, require_cls, require_gradients
+from vitlab.layout import token_layout
+from vitlab.record import record, require_materialized
 from vitlab.record.lrp import working_copy
 from vitlab.relevance.engine import head_averaged_relevance
 from vitlab.targets import (check_score, check_target, is_multi_label, logits_of, require_class_head,
@@ -135,6 +136,7 @@ def at_precision(model, x: torch.Tensor, precision: str, method: str):
     if precision == "model":
         check_input_dtype(model, x, method)  # x in the model's dtype, or the remedy
         return model, x
+    require_materialized(model, method)  # a model without weights has nothing to copy
     dtype = next((t.dtype for t in model.parameters() if t.is_floating_point()), torch.float64)
     return (model if dtype == torch.float64 else working_copy(model, torch.float64)), x.to(torch.float64)
 
@@ -151,12 +153,26 @@ def lrp_pass(model, x: torch.Tensor, target=None, rules: str = "chefer", attenti
     ``x``'s dtype. ``score``: what is explained (:data:`vitlab.targets.SCORES`); the pass starts
     from the score's gradient x input on the logits, ``R_j = y_j ds/dy_j`` (module docstring).
     Checks the input before the forward."""
-    check_score(score)
-    run_model, run_x = at_precision(model, x, precision, method)
+    run_model, run_x, _, target = checked_pass(model, x, target, precision, score, method)
     p = _lrp_pass(run_model, run_x, target, rules, attention, plain, tokens, method, score=score)
     like = x.dtype
     return LRPPass(p.patch_relevance.to(like), p.token_relevance.to(like), [a.to(like) for a in p.attention_relevance],
                    [g.to(like) for g in p.attention_grads], p.logit.to(like), p.target, p.start.to(like))
+
+
+def checked_pass(model, x: torch.Tensor, target, precision: str, score: str, method: str):
+    """Every check of an LRP pass, once, before the forward: ``score``, the images and ``precision``
+    (:func:`at_precision`), a class token the output reads, a class head, ``target``, gradients
+    being possible. Returns ``(model, x)`` as the pass runs them, their token layout and the
+    target as :func:`vitlab.targets.check_target` returned it."""
+    check_score(score)
+    run_model, run_x = at_precision(model, x, precision, method)
+    layout = token_layout(run_model, run_x)
+    require_cls(layout, method)
+    require_class_head(model, method)
+    target = check_target(target, x.shape[0])
+    require_gradients(method)
+    return run_model, run_x, layout, target
 
 
 def score_gradient(model, logits: torch.Tensor, t: torch.Tensor, score: str) -> torch.Tensor:
@@ -177,14 +193,11 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
     """:func:`lrp_pass` at the model's own precision; ``unit``: the backward starts from relevance
     ``y_j ds/dy_j / sum_k y_k ds/dy_k``, 1 in total (for the logit: 1 on the target, the reference's
     ``relprop(one_hot)``), instead of ``y_j ds/dy_j`` (``ValueError`` where the sum is exactly 0,
-    e.g. a target logit of 0: no gradient scales it to 1)."""
-    checked_layout(model, x, method)
-    require_class_head(model, method)
-    target = check_target(target, x.shape[0])
-    require_gradients(method)
+    e.g. a target logit of 0: no gradient scales it to 1). Checks nothing: ``model``, ``x`` and
+    ``target`` as :func:`checked_pass` returned them (or a chunk of them)."""
     capture = ("attention",) if attention or plain else ()
     with torch.enable_grad():
-        x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
+        x_in = gradient_leaf(x)
         with record(model, lrp=rules, capture=capture, detach=False, eval_mode=True) as rec:
             logits = logits_of(model(x_in))
             t = resolve_target(target, logits)
@@ -222,17 +235,13 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
     return LRPPass(R_e, R_x0, R_A, plain_grads, y.detach(), t, total)
 
 
-def _grid_map(method, model, x, target, kwargs, compute, precision: str, score: str):
-    """Shared steps of the map methods: input checks, the precision (:func:`at_precision`),
-    chunking, then ``compute(model, x)`` at that precision; the map in ``x``'s dtype."""
-    check_score(score)
-    run_model, run_x = at_precision(model, x, precision, method.__name__)
-    layout = checked_layout(run_model, run_x, method.__name__)
-    chunked = in_chunks(method, run_model, run_x, layout, gradients=True, target=target, precision=precision,
-                        score=score, **kwargs)
-    if chunked is not None:  # a batch larger than vitlab.inputs.MEMORY_BUDGET allows
-        return chunked.to(x.dtype)
-    return layout.patches_to_grid(compute(run_model, run_x)).to(x.dtype)
+def _grid_map(method: str, model, x, target, compute, precision: str, score: str):
+    """Shared steps of the map methods: every check once (:func:`checked_pass`), then
+    ``compute(model, x, target)`` at that precision (``B x N`` or ``B x P``), over chunks of a batch
+    over the memory budget (:func:`vitlab.inputs.in_chunks`); the map on the grid in ``x``'s dtype."""
+    run_model, run_x, layout, target = checked_pass(model, x, target, precision, score, method)
+    return in_chunks(lambda xc, tc: layout.patches_to_grid(compute(run_model, xc, tc)), run_model, run_x, layout,
+                     gradients=True, target=target).to(x.dtype)
 
 
 def lrp(model, x: torch.Tensor, target=None, precision: str = "model", score: str = "logit") -> torch.Tensor:
@@ -256,8 +265,8 @@ def lrp(model, x: torch.Tensor, target=None, precision: str = "model", score: st
             (for the logit: ``y_t`` on the target; for the log-probability of a softmax head
             ``y_j (δ_jt - p_j)`` on every class, summing to ``y_t - sum_j p_j y_j``).
     """
-    return _grid_map(lrp, model, x, target, {}, lambda m, xx: _lrp_pass(
-        m, xx, target, "chefer", False, False, True, "lrp", score=score).patch_relevance, precision, score)
+    return _grid_map("lrp", model, x, target, lambda m, xx, t: _lrp_pass(
+        m, xx, t, "chefer", False, False, True, "lrp", score=score).patch_relevance, precision, score)
 
 
 def attn_lrp(model, x: torch.Tensor, target=None, precision: str = "model", score: str = "logit") -> torch.Tensor:
@@ -270,8 +279,8 @@ def attn_lrp(model, x: torch.Tensor, target=None, precision: str = "model", scor
 
     Args: as :func:`lrp`.
     """
-    return _grid_map(attn_lrp, model, x, target, {}, lambda m, xx: _lrp_pass(
-        m, xx, target, "attnlrp", False, False, True, "attn_lrp", score=score).patch_relevance, precision, score)
+    return _grid_map("attn_lrp", model, x, target, lambda m, xx, t: _lrp_pass(
+        m, xx, t, "attnlrp", False, False, True, "attn_lrp", score=score).patch_relevance, precision, score)
 
 
 def partial_lrp(model, x: torch.Tensor, target=None, precision: str = "model", score: str = "logit") -> torch.Tensor:
@@ -284,10 +293,10 @@ def partial_lrp(model, x: torch.Tensor, target=None, precision: str = "model", s
 
     Args: as :func:`lrp`.
     """
-    def compute(m, xx):
-        p = _lrp_pass(m, xx, target, "chefer", "last", False, False, "partial_lrp", score=score)
+    def compute(m, xx, t):
+        p = _lrp_pass(m, xx, t, "chefer", "last", False, False, "partial_lrp", score=score)
         return p.attention_relevance[-1].clamp(min=0).mean(dim=1)[:, 0, :]  # B x N
-    return _grid_map(partial_lrp, model, x, target, {}, compute, precision, score)
+    return _grid_map("partial_lrp", model, x, target, compute, precision, score)
 
 
 @renamed_arguments(start_layer="start_block")
@@ -315,8 +324,8 @@ def transformer_attribution(model, x: torch.Tensor, target=None, start_block: in
         start_block: first block in the product (0: every block, eq. 13; the reference's
             perturbation script uses 1).
     """
-    def compute(m, xx):
-        p = _lrp_pass(m, xx, target, "chefer", False, True, False, "transformer_attribution", unit=True,
+    def compute(m, xx, t):
+        p = _lrp_pass(m, xx, t, "chefer", False, True, False, "transformer_attribution", unit=True,
                       score=score)
         L = len(p.attention_relevance)
         if isinstance(start_block, bool) or not isinstance(start_block, int) or not 0 <= start_block < L:
@@ -329,8 +338,7 @@ def transformer_attribution(model, x: torch.Tensor, target=None, start_block: in
         return r
     if isinstance(start_block, bool) or not isinstance(start_block, int) or start_block < 0:
         raise ValueError(f"start_block must be a non-negative int, got {start_block!r}")
-    return _grid_map(transformer_attribution, model, x, target, {"start_block": start_block}, compute, precision,
-                     score)
+    return _grid_map("transformer_attribution", model, x, target, compute, precision, score)
 
 
 def lrp_conservation(model, x: torch.Tensor, target=None, rules: str = "chefer", precision: str = "model",
@@ -342,8 +350,7 @@ def lrp_conservation(model, x: torch.Tensor, target=None, rules: str = "chefer",
     biases, and with ``"attnlrp"`` by the softmax's bias term); ``"position and prefix"`` = tokens -
     patches. ``precision``, ``score``: as :func:`lrp_pass` (the sums are taken at that precision,
     returned in ``x``'s dtype)."""
-    check_score(score)
-    run_model, run_x = at_precision(model, x, precision, "lrp_conservation")
+    run_model, run_x, _, target = checked_pass(model, x, target, precision, score, "lrp_conservation")
     p = _lrp_pass(run_model, run_x, target, rules, False, False, True, "lrp_conservation", score=score)
     tokens, patches = p.token_relevance.sum(-1), p.patch_relevance.sum(-1)
     out = {"logit": p.logit, "start": p.start, "tokens": tokens, "patches": patches, "absorbed": p.start - tokens,

@@ -44,22 +44,22 @@ class Family:
     target: str
 
 
+_IMAGES = "a B x 3 x H x W float image batch"
+_CLASS = "a class index (one for all samples, or one per sample); None: each sample's predicted class"
+_ANSWER = "an answer index (one, or one per question); None: each question's predicted answer"
+
 #: family name (as :func:`vitlab.record.model_family` returns it) -> what it takes
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("vit", "ViT", "a B x 3 x H x W float image batch",
-           "a class index (one for all samples, or one per sample); None: each sample's predicted class"),
-    Family("lxmert", "LXMERT", "the model's input dict (input_ids, attention_mask, visual_feats, visual_pos)",
-           "an answer index (one, or one per question); None: each question's predicted answer"),
+    Family("vit", "ViT", _IMAGES, _CLASS),
+    Family("lxmert", "LXMERT", "the model's input dict (input_ids, attention_mask, visual_feats, visual_pos)", _ANSWER),
     Family("visualbert", "VisualBERT", "the model's input dict (input_ids, attention_mask, visual_embeds, ...)",
-           "an answer index (one, or one per question); None: each question's predicted answer"),
-    Family("vilt", "ViLT", "the model's input dict (input_ids, attention_mask, pixel_values, ...)",
-           "an answer index (one, or one per question); None: each question's predicted answer"),
-    Family("detr", "DETR", "a B x 3 x H x W float image batch",
+           _ANSWER),
+    Family("vilt", "ViLT", "the model's input dict (input_ids, attention_mask, pixel_values, ...)", _ANSWER),
+    Family("detr", "DETR", _IMAGES,
            "the object queries to explain (per image); None: every query detected above the threshold"),
     Family("clip", "CLIP", "the model's input dict of image-caption pairs (pixel_values, input_ids, attention_mask)",
            "none: each pair's own score is explained"),
-    Family("swin", "Swin", "a B x 3 x H x W float image batch",
-           "a class index (one for all samples, or one per sample); None: each sample's predicted class"),
+    Family("swin", "Swin", _IMAGES, _CLASS),
 )}
 
 #: family -> method name -> implementing function ("module:function", imported on first use)

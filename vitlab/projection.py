@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from vitlab.compat import renamed_arguments, replaced_names
-from vitlab.inputs import check_images, positive_int, require_gradients
+from vitlab.inputs import check_images, gradient_leaf, positive_int, require_gradients
 from vitlab.layout import TokenLayout, is_hf_model, is_timm_vit, token_layout
 from vitlab.record import blocks as record_blocks, record
 from vitlab.targets import check_target, logits_of, require_class_head, resolve_target
@@ -752,7 +752,7 @@ def projection_map(model, x: torch.Tensor, target=None) -> torch.Tensor:
     require_gradients("projection_map")
     class_head = ClassHead(norms, head)
     with torch.enable_grad():
-        x_in = (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)
+        x_in = gradient_leaf(x)
         with record(model, detach=False, eval_mode=True, capture=("attention", "hidden")) as rec:
             logits = logits_of(model(x_in))
             t = resolve_target(target, logits)

@@ -32,8 +32,8 @@ from typing import Sequence
 
 import torch
 
-from vitlab.attention import attention_gradients_for_blocks, recorded_attentions
-from vitlab.inputs import batches, checked_layout, in_chunks, readout_weights
+from vitlab.attention import recorded_attentions, recorded_gradients
+from vitlab.inputs import batches, checked_layout, gradient_target, in_chunks, readout_weights
 from vitlab.layout import TokenLayout
 
 HEAD_FUSIONS = ("mean", "min", "max")
@@ -238,12 +238,12 @@ def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: fl
     layout = checked_layout(model, x, "rollout", pooled=True)
     require_attention_flow(model, "rollout")
     discard_count(layout.num_tokens, discard_ratio)
-    chunked = in_chunks(rollout, model, x, layout, head_fusion=head_fusion, discard_ratio=discard_ratio)
-    if chunked is not None:  # a batch larger than vitlab.inputs.MEMORY_BUDGET allows
-        return chunked
-    attentions, layout = recorded_attentions(model, x)
-    fused = [discard_lowest(fuse_heads(A, head_fusion), discard_ratio) for A in attentions]  # B x N x N each
-    return _cls_readout(fused, layout)
+
+    def compute(x):
+        attentions, layout = recorded_attentions(model, x)
+        fused = [discard_lowest(fuse_heads(A, head_fusion), discard_ratio) for A in attentions]  # B x N x N each
+        return _cls_readout(fused, layout)
+    return in_chunks(compute, model, x, layout)
 
 
 def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0, score: str = "logit") -> torch.Tensor:
@@ -269,19 +269,20 @@ def grad_rollout(model, x: torch.Tensor, target=None, discard_ratio: float = 0.0
             whose head reads neither a CLS token, nor the mean of the patch tokens, nor an
             attention probe (a pooled head is explained through its row, as in :func:`rollout`).
     """
+    method = "grad_rollout"
     check_discard_ratio(discard_ratio)
-    layout = checked_layout(model, x, "grad_rollout", pooled=True)
+    layout = checked_layout(model, x, method, pooled=True)
     discard_count(layout.num_tokens, discard_ratio)
-    chunked = in_chunks(grad_rollout, model, x, layout, gradients=True, target=target,
-                         discard_ratio=discard_ratio, score=score)
-    if chunked is not None:
-        return chunked
-    ag = attention_gradients_for_blocks(model, x, target, layers=None, score=score, method="grad_rollout")
-    fused = [
-        discard_lowest(grad_fuse_heads(A, G), discard_ratio)  # B x N x N
-        for A, G in zip(ag.attentions, ag.gradients)  # layer l with its own gradient
-    ]
-    return _cls_readout(fused, ag.layout, "grad_rollout")
+    target = gradient_target(model, target, x.shape[0], score, method)
+
+    def compute(x, target):
+        ag = recorded_gradients(model, x, target, layers=None, score=score, method=method)
+        fused = [
+            discard_lowest(grad_fuse_heads(A, G), discard_ratio)  # B x N x N
+            for A, G in zip(ag.attentions, ag.gradients)  # layer l with its own gradient
+        ]
+        return _cls_readout(fused, ag.layout, method)
+    return in_chunks(compute, model, x, layout, gradients=True, target=target)
 
 
 # ---------------------------------------------------------------------------------------------

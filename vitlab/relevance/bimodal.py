@@ -57,14 +57,14 @@ def _recorded_forward(model, kwargs: dict, grad: bool, method: str, through_pixe
     mode): ``(rec, output)``; with ``grad`` the attentions stay in the autograd graph.
     ``through_pixels``: the images go in as a copy that requires grad, so that a frozen
     backbone's attention joins the graph too (relevance through the backbone)."""
-    from vitlab.inputs import require_gradients
+    from vitlab.inputs import gradient_leaf, graph_inputs, require_gradients
     from vitlab.record import record
 
-    if through_pixels:
-        x = kwargs["pixel_values"]
-        kwargs = {**kwargs, "pixel_values": (x.clone() if x.is_inference() else x.detach()).requires_grad_(True)}
     if grad:
         require_gradients(method)
+        kwargs = graph_inputs(kwargs)
+    if through_pixels:
+        kwargs = {**kwargs, "pixel_values": gradient_leaf(kwargs["pixel_values"])}
     context = torch.enable_grad() if grad else torch.no_grad()
     with context, record(model, detach=not grad, eval_mode=True, capture=("attention",)) as rec:
         out = model(**kwargs)

@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from vitlab.inputs import check_images, require_gradients
+from vitlab.inputs import check_images, graph_inputs, require_gradients
 from vitlab.record import require_materialized
 from vitlab.relevance.bimodal import _rollout, attention_matrix_gradcam
 from vitlab.relevance.engine import propagate, read_rows, self_attention_events
@@ -277,14 +277,16 @@ class ClipForward:
 
 
 def clip_forward(model, inputs, method: str, grad: bool, capture=("attention",)) -> ClipForward:
-    """:func:`check_clip_inputs`, then one forward inside :func:`vitlab.record` (both towers,
-    eval mode, the fields ``capture``); with ``grad`` the recorded tensors stay in the graph.
-    Works under a caller's ``torch.no_grad()`` (gradients are switched on inside)."""
+    """One forward inside :func:`vitlab.record` (both towers, eval mode, the fields ``capture``) of
+    ``inputs`` that passed :func:`check_clip_inputs` (the caller checks them, once); with ``grad``
+    the recorded tensors stay in the graph. Works under a caller's ``torch.no_grad()`` (gradients
+    are switched on inside)."""
     from vitlab.record import record
 
-    kwargs, _ = check_clip_inputs(model, inputs, method)
+    kwargs = dict(inputs)
     if grad:
         require_gradients(method)
+        kwargs = graph_inputs(kwargs)
     eos, keep = text_entries(model, kwargs)
     t = torch.arange(kwargs["input_ids"].shape[1], device=eos.device)
     valid = t <= eos[:, None]
@@ -364,16 +366,17 @@ def clip_chunk_size(model, inputs: dict, gradients: bool = False) -> int:
     return max(1, int(_inputs_module.MEMORY_BUDGET) // max(1, per_pair))
 
 
-def clip_in_chunks(method, model, inputs: dict, gradients: bool = False, **kwargs) -> ClipMaps | None:
-    """``method(model, chunk, **kwargs)`` over chunks of :func:`clip_chunk_size` pairs (every entry
-    of ``inputs`` split along the batch), the :class:`ClipMaps` concatenated; None when the whole
-    batch fits in one forward (the method goes on). The pairs are independent, so the maps are
-    those of one call. ``inputs`` must have passed :func:`check_clip_inputs`."""
+def clip_in_chunks(compute, model, inputs: dict, gradients: bool = False) -> ClipMaps:
+    """``compute(inputs)`` over chunks of :func:`clip_chunk_size` pairs (every entry of ``inputs``
+    split along the batch), the :class:`ClipMaps` concatenated; one call on the whole batch when it
+    fits in one forward. The pairs are independent, so the maps are those of one call. A method
+    checks ``inputs`` once (:func:`check_clip_inputs`), then hands its unchecked computation to
+    this: nothing is validated again per chunk."""
     B = int(inputs["pixel_values"].shape[0])
     size = clip_chunk_size(model, inputs, gradients)
     if size >= B:
-        return None
-    parts = [method(model, {k: v[i:i + size] for k, v in inputs.items()}, **kwargs) for i in range(0, B, size)]
+        return compute(inputs)
+    parts = [compute({k: v[i:i + size] for k, v in inputs.items()}) for i in range(0, B, size)]
     text = None if parts[0].text is None else torch.cat([p.text for p in parts])
     return ClipMaps(torch.cat([p.image for p in parts]), text, torch.cat([p.score for p in parts]))
 
@@ -424,22 +427,22 @@ def clip_relevance(model, inputs, target=None, *, start_block=0) -> ClipMaps:
     """
     method = "clip_relevance"
     check_pair_target(target, method)
-    check_clip_inputs(model, inputs, method)
+    inputs, _ = check_clip_inputs(model, inputs, method)
     si, st = start_blocks(start_block, tower_depths(model), method)
-    chunked = clip_in_chunks(clip_relevance, model, inputs, gradients=True, start_block=start_block)
-    if chunked is not None:
-        return chunked
-    f = clip_forward(model, inputs, method, grad=True)
-    image_caps, text_caps = f.rec.stream("image")[si:], f.rec.stream("text")[st:]
-    used = image_caps + text_caps
-    grads = f.gradients(f.score, [c.attention for c in used])
-    gi, gt = grads[:len(image_caps)], grads[len(image_caps):]
-    Ni, Nt = image_caps[0].attention.shape[-1], text_caps[0].attention.shape[-1]
-    Ri = propagate(self_attention_events("image", [c.attention.detach() for c in image_caps], gi), {"image": Ni})
-    Rt = propagate(self_attention_events("text", [c.attention.detach() for c in text_caps], gt), {"text": Nt})
-    image = f.image_row(Ri["image", "image"][:, 0, :])
-    text = f.text_row(read_rows(Rt["text", "text"], f.eos))
-    return ClipMaps(image, text, f.score.detach())
+
+    def compute(inputs):
+        f = clip_forward(model, inputs, method, grad=True)
+        image_caps, text_caps = f.rec.stream("image")[si:], f.rec.stream("text")[st:]
+        used = image_caps + text_caps
+        grads = f.gradients(f.score, [c.attention for c in used])
+        gi, gt = grads[:len(image_caps)], grads[len(image_caps):]
+        Ni, Nt = image_caps[0].attention.shape[-1], text_caps[0].attention.shape[-1]
+        Ri = propagate(self_attention_events("image", [c.attention.detach() for c in image_caps], gi), {"image": Ni})
+        Rt = propagate(self_attention_events("text", [c.attention.detach() for c in text_caps], gt), {"text": Nt})
+        image = f.image_row(Ri["image", "image"][:, 0, :])
+        text = f.text_row(read_rows(Rt["text", "text"], f.eos))
+        return ClipMaps(image, text, f.score.detach())
+    return clip_in_chunks(compute, model, inputs, gradients=True)
 
 
 # --- baselines ----------------------------------------------------------------------------------------------
@@ -451,13 +454,13 @@ def clip_raw_attention(model, inputs, target=None) -> ClipMaps:
     """
     method = "clip_raw_attention"
     check_pair_target(target, method)
-    check_clip_inputs(model, inputs, method)
-    chunked = clip_in_chunks(clip_raw_attention, model, inputs)
-    if chunked is not None:
-        return chunked
-    f = clip_forward(model, inputs, method, grad=False)
-    Ai, At = f.rec.stream("image")[-1].attention.mean(dim=1), f.rec.stream("text")[-1].attention.mean(dim=1)
-    return ClipMaps(f.image_row(Ai[:, 0, :]), f.text_row(read_rows(At, f.eos)), f.score)
+    inputs, _ = check_clip_inputs(model, inputs, method)
+
+    def compute(inputs):
+        f = clip_forward(model, inputs, method, grad=False)
+        Ai, At = f.rec.stream("image")[-1].attention.mean(dim=1), f.rec.stream("text")[-1].attention.mean(dim=1)
+        return ClipMaps(f.image_row(Ai[:, 0, :]), f.text_row(read_rows(At, f.eos)), f.score)
+    return clip_in_chunks(compute, model, inputs)
 
 
 def _max_normalize(rows: torch.Tensor) -> torch.Tensor:
@@ -476,18 +479,18 @@ def clip_rollout(model, inputs, target=None) -> ClipMaps:
     """
     method = "clip_rollout"
     check_pair_target(target, method)
-    check_clip_inputs(model, inputs, method)
-    chunked = clip_in_chunks(clip_rollout, model, inputs)
-    if chunked is not None:
-        return chunked
-    f = clip_forward(model, inputs, method, grad=False)
-    maps = []
-    for stream in ("image", "text"):
-        cams = [c.attention.mean(dim=1) for c in f.rec.stream(stream)]
-        maps.append(_rollout(cams, cams[0].shape[-1], cams[0]))
-    image = _max_normalize(f.image_row(maps[0][:, 0, :]))
-    text = _max_normalize(f.text_row(read_rows(maps[1], f.eos)))
-    return ClipMaps(image, text, f.score)
+    inputs, _ = check_clip_inputs(model, inputs, method)
+
+    def compute(inputs):
+        f = clip_forward(model, inputs, method, grad=False)
+        maps = []
+        for stream in ("image", "text"):
+            cams = [c.attention.mean(dim=1) for c in f.rec.stream(stream)]
+            maps.append(_rollout(cams, cams[0].shape[-1], cams[0]))
+        image = _max_normalize(f.image_row(maps[0][:, 0, :]))
+        text = _max_normalize(f.text_row(read_rows(maps[1], f.eos)))
+        return ClipMaps(image, text, f.score)
+    return clip_in_chunks(compute, model, inputs)
 
 
 def clip_gradcam(model, inputs, target=None) -> ClipMaps:
@@ -502,15 +505,15 @@ def clip_gradcam(model, inputs, target=None) -> ClipMaps:
     """
     method = "clip_gradcam"
     check_pair_target(target, method)
-    check_clip_inputs(model, inputs, method)
-    chunked = clip_in_chunks(clip_gradcam, model, inputs, gradients=True)
-    if chunked is not None:
-        return chunked
-    f = clip_forward(model, inputs, method, grad=True)
-    last_i, last_t = f.rec.stream("image")[-1], f.rec.stream("text")[-1]
-    gi, gt = f.gradients(f.score, [last_i.attention, last_t.attention])
-    image = attention_matrix_gradcam(last_i.attention.detach(), gi)
-    v = f.valid.to(gt.dtype)
-    entries = (v[:, :, None] * v[:, None, :])[:, None]  # B x 1 x T x T
-    text = attention_matrix_gradcam(last_t.attention.detach(), gt, entries)
-    return ClipMaps(f.image_row(image[:, 0, :]), f.text_row(read_rows(text, f.eos)), f.score.detach())
+    inputs, _ = check_clip_inputs(model, inputs, method)
+
+    def compute(inputs):
+        f = clip_forward(model, inputs, method, grad=True)
+        last_i, last_t = f.rec.stream("image")[-1], f.rec.stream("text")[-1]
+        gi, gt = f.gradients(f.score, [last_i.attention, last_t.attention])
+        image = attention_matrix_gradcam(last_i.attention.detach(), gi)
+        v = f.valid.to(gt.dtype)
+        entries = (v[:, :, None] * v[:, None, :])[:, None]  # B x 1 x T x T
+        text = attention_matrix_gradcam(last_t.attention.detach(), gt, entries)
+        return ClipMaps(f.image_row(image[:, 0, :]), f.text_row(read_rows(text, f.eos)), f.score.detach())
+    return clip_in_chunks(compute, model, inputs, gradients=True)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vitlab.inputs import batches, require_gradients
+from vitlab.inputs import batches, graph_inputs, require_gradients
 from vitlab.relevance.bimodal import (
     BimodalMaps, _attention_grads, _recorded_forward, _rollout, attention_matrix_gradcam,
 )
@@ -211,12 +211,13 @@ def _vilt_recorded_forward(model, kwargs: dict, grad: bool, method: str):
     from vitlab.record import record
 
     base = _vilt_base(model)
+    if grad:
+        require_gradients(method)
+        kwargs = graph_inputs(kwargs)
     pixels = kwargs.pop("pixel_values")
     mask = kwargs.pop("pixel_mask", None)
     if mask is None:
         mask = torch.ones(pixels.shape[0], *pixels.shape[-2:], dtype=torch.long, device=pixels.device)
-    if grad:
-        require_gradients(method)
     context = torch.enable_grad() if grad else torch.no_grad()
     devices = [pixels.device.index or 0] if pixels.device.type == "cuda" else []
     with context, record(model, detach=not grad, eval_mode=True, capture=("attention",)) as rec:

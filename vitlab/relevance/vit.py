@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vitlab.attention import attention_gradients, attention_gradients_for_blocks, gradcam_cls_row
-from vitlab.inputs import batches, checked_layout, in_chunks, readout_weights, require_cls
+from vitlab.attention import attention_gradients, gradcam_cls_row, recorded_gradients
+from vitlab.inputs import batches, checked_layout, gradient_target, in_chunks, readout_weights, require_cls
 from vitlab.methods import display_names
 from vitlab.relevance.engine import head_averaged_relevance, propagate, self_attention_events
 from vitlab.rollout import (
@@ -71,14 +71,16 @@ def chefer_relevance(model, x: torch.Tensor, target=None, score: str = "logit") 
             function of the output returning one score per sample (:mod:`vitlab.targets`).
         score: differentiate the target's ``"logit"`` (the paper) or its ``"log_probability"``.
     """
-    layout = checked_layout(model, x, "chefer_relevance", pooled=True)
-    chunked = in_chunks(chefer_relevance, model, x, layout, gradients=True, target=target, score=score)
-    if chunked is not None:  # a batch larger than vitlab.inputs.MEMORY_BUDGET allows
-        return chunked
-    ag = attention_gradients_for_blocks(model, x, target, layers=None, score=score, method="chefer_relevance")
-    w = readout_weights(ag.layout, "chefer_relevance", ag.attentions[0].dtype, ag.attentions[0].device)
-    row = relevance_row(ag.attentions, ag.gradients, index=w)  # R[CLS, :] (or the pooled row), B x N
-    return ag.layout.patches_to_grid(row)  # B x gh x gw
+    method = "chefer_relevance"
+    layout = checked_layout(model, x, method, pooled=True)
+    target = gradient_target(model, target, x.shape[0], score, method)
+
+    def compute(x, target):
+        ag = recorded_gradients(model, x, target, layers=None, score=score, method=method)
+        w = readout_weights(ag.layout, method, ag.attentions[0].dtype, ag.attentions[0].device)
+        row = relevance_row(ag.attentions, ag.gradients, index=w)  # R[CLS, :] (or the pooled row), B x N
+        return ag.layout.patches_to_grid(row)  # B x gh x gw
+    return in_chunks(compute, model, x, layout, gradients=True, target=target)
 
 
 def last_block_relevance(model, x: torch.Tensor, target=None, score: str = "logit") -> torch.Tensor:
@@ -106,14 +108,16 @@ def last_block_relevance(model, x: torch.Tensor, target=None, score: str = "logi
         ValueError: a bad input or target, a model without a class head, or one whose head
             does not read a CLS token -- all before the forward.
     """
-    layout = checked_layout(model, x, "last_block_relevance", pooled=True)
-    chunked = in_chunks(last_block_relevance, model, x, layout, gradients=True, target=target, score=score)
-    if chunked is not None:  # a batch larger than vitlab.inputs.MEMORY_BUDGET allows
-        return chunked
-    ag = attention_gradients_for_blocks(model, x, target, layers=[-1], score=score, method="last_block_relevance")
-    abar = head_averaged_relevance(ag.attentions[-1], ag.gradients[-1])  # B x N x N
-    w = readout_weights(ag.layout, "last_block_relevance", abar.dtype, abar.device)
-    return ag.layout.patches_to_grid(w @ abar)  # CLS (or pooled) row, patch columns: B x gh x gw
+    method = "last_block_relevance"
+    layout = checked_layout(model, x, method, pooled=True)
+    target = gradient_target(model, target, x.shape[0], score, method)
+
+    def compute(x, target):
+        ag = recorded_gradients(model, x, target, layers=[-1], score=score, method=method)
+        abar = head_averaged_relevance(ag.attentions[-1], ag.gradients[-1])  # B x N x N
+        w = readout_weights(ag.layout, method, abar.dtype, abar.device)
+        return ag.layout.patches_to_grid(w @ abar)  # CLS (or pooled) row, patch columns: B x gh x gw
+    return in_chunks(compute, model, x, layout, gradients=True, target=target)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -134,9 +134,11 @@ def _sincos_2d(grid: int, dim: int) -> torch.Tensor:
     return torch.cat([out_x.sin(), out_x.cos(), out_y.sin(), out_y.cos()], dim=1)
 
 
-def _pretrained_cfg(cfg: ShapesViTConfig) -> dict:
+def pretrained_cfg(cfg, architecture: str, classifier: str) -> dict:
+    """The timm ``pretrained_cfg`` of a shapes model (ViT or Swin) with config ``cfg``: its input size,
+    normalisation, classes and how its logits are read."""
     return {
-        "architecture": "shapes_vit_tiny",
+        "architecture": architecture,
         "input_size": (3, cfg.img_size, cfg.img_size),
         "mean": MEAN,
         "std": STD,
@@ -148,7 +150,7 @@ def _pretrained_cfg(cfg: ShapesViTConfig) -> dict:
         # How the logits are read: independent sigmoids (multi-label) or one softmax.
         "multi_label": cfg.multi_label,
         "first_conv": "patch_embed.proj",
-        "classifier": "head",
+        "classifier": classifier,
     }
 
 
@@ -175,7 +177,7 @@ def build_shapes_vit(cfg: ShapesViTConfig = DEFAULT_CONFIG) -> VisionTransformer
     with torch.no_grad():
         model.pos_embed[0, model.num_prefix_tokens :] = _sincos_2d(cfg.grid, cfg.embed_dim)
         model.pos_embed[0, : model.num_prefix_tokens] = 0.0
-    model.pretrained_cfg = _pretrained_cfg(cfg)
+    model.pretrained_cfg = pretrained_cfg(cfg, "shapes_vit_tiny", "head")
     model.default_cfg = model.pretrained_cfg
     model.shapes_config = cfg
     return model
@@ -183,9 +185,15 @@ def build_shapes_vit(cfg: ShapesViTConfig = DEFAULT_CONFIG) -> VisionTransformer
 
 def save_shapes_vit(model: VisionTransformer, path: str | Path, *, extra: dict | None = None, half: bool = True) -> None:
     """Write the weights (fp16 by default) with the architecture in the safetensors metadata."""
+    save_shapes_model(model, path, extra=extra, half=half)
+
+
+def save_shapes_model(model, path: str | Path, *, extra: dict | None = None, half: bool = True) -> None:
+    """Write a shapes model's weights (fp16 by default) with its architecture (``model.shapes_config``)
+    and the class names in the safetensors metadata, and ``extra`` (JSON values) beside them."""
     from safetensors.torch import save_file
 
-    cfg: ShapesViTConfig = model.shapes_config
+    cfg = model.shapes_config
     state = {k: (v.detach().half() if half and v.is_floating_point() else v.detach()).contiguous().cpu()
              for k, v in model.state_dict().items()}
     meta = {"format": "pt", "vitlab_config": json.dumps(asdict(cfg)), "label_names": json.dumps(list(CLASSES))}
@@ -193,6 +201,43 @@ def save_shapes_vit(model: VisionTransformer, path: str | Path, *, extra: dict |
         meta.update({k: json.dumps(v) for k, v in extra.items()})
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path), metadata=meta)
+
+
+def load_shapes_model(config_cls, default, build, pretrained: bool, weights_path, default_path: Path, arch: dict,
+                      *, name: str, train: str, duration: str, stored_defaults: dict | None = None):
+    """The shared steps of :func:`load_shapes_vit` and :func:`vitlab.shapes.swin_model.load_shapes_swin`:
+    ``arch`` checked against ``config_cls``'s fields; a random ``build(config)`` without
+    ``pretrained``; else the file's config (``stored_defaults`` filling keys older files lack),
+    ``arch`` checked against it, the weights loaded in float32. Eval mode. ``name``, ``train``
+    (the training module) and ``duration`` go into the messages."""
+    names = {f.name for f in fields(config_cls)}
+    unknown = set(arch) - names
+    if unknown:
+        raise ValueError(f"unknown architecture argument(s) {sorted(unknown)}; expected some of {sorted(names)}")
+    if not pretrained:
+        return build(config_cls(**{**asdict(default), **arch})).eval()
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(weights_path) if weights_path is not None else default_path
+    if not path.is_file():
+        raise FileNotFoundError(f"{name} weights not found at {path}; retrain them with "
+                                f"`python -m {train} --out {path}` ({duration} on 2 CPU cores)")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if "vitlab_config" not in meta:
+        raise ValueError(f"{path} has no vitlab_config metadata; it was not written by {train}")
+    cfg = config_cls(**{**(stored_defaults or {}), **json.loads(meta["vitlab_config"])})
+    clash = {k: (v, getattr(cfg, k)) for k, v in arch.items()
+             if getattr(cfg, k) != (tuple(v) if isinstance(v, list) else v)}
+    if clash:
+        raise ValueError(f"arguments contradict the weights file {path}: " + ", ".join(
+            f"{k}={a!r} but the file has {b!r}" for k, (a, b) in clash.items()))
+    model = build(cfg)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
+    model.load_state_dict(state, strict=True)
+    return model.eval()
 
 
 def load_shapes_vit(pretrained: bool = True, *, weights_path: str | Path | None = None, **arch) -> VisionTransformer:
@@ -209,36 +254,6 @@ def load_shapes_vit(pretrained: bool = True, *, weights_path: str | Path | None 
         FileNotFoundError: the weights file is missing (retrain with ``python -m vitlab.shapes.train``).
         ValueError: unknown architecture keywords, or keywords that contradict the weights file.
     """
-    names = {f.name for f in fields(ShapesViTConfig)}
-    unknown = set(arch) - names
-    if unknown:
-        raise ValueError(f"unknown architecture argument(s) {sorted(unknown)}; expected some of {sorted(names)}")
-    if not pretrained:
-        model = build_shapes_vit(ShapesViTConfig(**{**asdict(DEFAULT_CONFIG), **arch}))
-        return model.eval()
-
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    path = Path(weights_path) if weights_path is not None else WEIGHTS_PATH
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"shapes-vit-tiny weights not found at {path}; retrain them with "
-            f"`python -m vitlab.shapes.train --out {path}` (about an hour on 2 CPU cores)"
-        )
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    if "vitlab_config" not in meta:
-        raise ValueError(f"{path} has no vitlab_config metadata; it was not written by vitlab.shapes.train")
-    stored = json.loads(meta["vitlab_config"])
-    # Files written before the multi-label head existed hold softmax heads.
-    stored.setdefault("multi_label", False)
-    cfg = ShapesViTConfig(**stored)
-    clash = {k: (v, getattr(cfg, k)) for k, v in arch.items() if getattr(cfg, k) != v}
-    if clash:
-        raise ValueError(f"arguments contradict the weights file {path}: " + ", ".join(
-            f"{k}={a!r} but the file has {b!r}" for k, (a, b) in clash.items()))
-    model = build_shapes_vit(cfg)
-    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
-    model.load_state_dict(state, strict=True)
-    return model.eval()
+    return load_shapes_model(ShapesViTConfig, DEFAULT_CONFIG, build_shapes_vit, pretrained, weights_path, WEIGHTS_PATH,
+                             arch, name="shapes-vit-tiny", train="vitlab.shapes.train", duration="about an hour",
+                             stored_defaults={"multi_label": False})  # older files: softmax heads

@@ -14,17 +14,15 @@ rebuilds exactly the network that :mod:`vitlab.shapes.train_swin` wrote.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from timm.layers import PatchEmbed
 from timm.models.swin_transformer import SwinTransformer
 
 from vitlab.models import WEIGHTS_DIR
 from vitlab.shapes.data import CLASSES
-from vitlab.shapes.model import MEAN, STD, ConvStemPatchEmbed
+from vitlab.shapes.model import ConvStemPatchEmbed, load_shapes_model, pretrained_cfg, save_shapes_model
 
 __all__ = ["DEFAULT_SWIN_CONFIG", "SWIN_PATH", "SWIN_STEMS", "ShapesSwinConfig", "build_shapes_swin",
            "load_shapes_swin", "save_shapes_swin"]
@@ -73,23 +71,6 @@ class ShapesSwinConfig:
 DEFAULT_SWIN_CONFIG = ShapesSwinConfig()
 
 
-def _pretrained_cfg(cfg: ShapesSwinConfig) -> dict:
-    return {
-        "architecture": "shapes_swin",
-        "input_size": (3, cfg.img_size, cfg.img_size),
-        "mean": MEAN,
-        "std": STD,
-        "interpolation": "bilinear",
-        "crop_pct": 1.0,
-        "crop_mode": "center",
-        "num_classes": cfg.num_classes,
-        "label_names": list(CLASSES),
-        "multi_label": cfg.multi_label,
-        "first_conv": "patch_embed.proj",
-        "classifier": "head.fc",
-    }
-
-
 def build_shapes_swin(cfg: ShapesSwinConfig = DEFAULT_SWIN_CONFIG) -> SwinTransformer:
     """A randomly initialised shapes Swin transformer (train mode), with ``pretrained_cfg`` set."""
     model = SwinTransformer(
@@ -98,7 +79,7 @@ def build_shapes_swin(cfg: ShapesSwinConfig = DEFAULT_SWIN_CONFIG) -> SwinTransf
         mlp_ratio=cfg.mlp_ratio, drop_path_rate=0.0,
         embed_layer=ConvStemPatchEmbed if cfg.stem == "conv" else PatchEmbed,
     )
-    model.pretrained_cfg = _pretrained_cfg(cfg)
+    model.pretrained_cfg = pretrained_cfg(cfg, "shapes_swin", "head.fc")
     model.default_cfg = model.pretrained_cfg
     model.shapes_config = cfg
     return model
@@ -109,16 +90,7 @@ def save_shapes_swin(model: SwinTransformer, path: str | Path, *, arch: dict | N
     """Write the weights (fp16 by default) with the architecture in the safetensors metadata
     (``arch`` is accepted for :func:`vitlab.shapes.train_loop.fit`'s ``save`` and ignored: the
     architecture is the model's own ``shapes_config``)."""
-    from safetensors.torch import save_file
-
-    cfg: ShapesSwinConfig = model.shapes_config
-    state = {k: (v.detach().half() if half and v.is_floating_point() else v.detach()).contiguous().cpu()
-             for k, v in model.state_dict().items()}
-    meta = {"format": "pt", "vitlab_config": json.dumps(asdict(cfg)), "label_names": json.dumps(list(CLASSES))}
-    if extra:
-        meta.update({k: json.dumps(v) for k, v in extra.items()})
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path), metadata=meta)
+    save_shapes_model(model, path, extra=extra, half=half)
 
 
 def load_shapes_swin(pretrained: bool = True, *, weights_path: str | Path | None = None, **arch) -> SwinTransformer:
@@ -135,31 +107,6 @@ def load_shapes_swin(pretrained: bool = True, *, weights_path: str | Path | None
         FileNotFoundError: the weights file is missing (retrain with ``python -m vitlab.shapes.train_swin``).
         ValueError: unknown architecture keywords, or keywords that contradict the weights file.
     """
-    names = {f.name for f in fields(ShapesSwinConfig)}
-    unknown = set(arch) - names
-    if unknown:
-        raise ValueError(f"unknown architecture argument(s) {sorted(unknown)}; expected some of {sorted(names)}")
-    if not pretrained:
-        return build_shapes_swin(ShapesSwinConfig(**{**asdict(DEFAULT_SWIN_CONFIG), **arch})).eval()
-
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    path = Path(weights_path) if weights_path is not None else SWIN_PATH
-    if not path.is_file():
-        raise FileNotFoundError(f"shapes-swin weights not found at {path}; retrain them with "
-                                f"`python -m vitlab.shapes.train_swin --out {path}` (about 25 minutes on 2 CPU cores)")
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-    if "vitlab_config" not in meta:
-        raise ValueError(f"{path} has no vitlab_config metadata; it was not written by vitlab.shapes.train_swin")
-    cfg = ShapesSwinConfig(**json.loads(meta["vitlab_config"]))
-    clash = {k: (v, getattr(cfg, k)) for k, v in arch.items()
-             if getattr(cfg, k) != (tuple(v) if isinstance(v, list) else v)}
-    if clash:
-        raise ValueError(f"arguments contradict the weights file {path}: " + ", ".join(
-            f"{k}={a!r} but the file has {b!r}" for k, (a, b) in clash.items()))
-    model = build_shapes_swin(cfg)
-    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
-    model.load_state_dict(state, strict=True)
-    return model.eval()
+    return load_shapes_model(ShapesSwinConfig, DEFAULT_SWIN_CONFIG, build_shapes_swin, pretrained, weights_path,
+                             SWIN_PATH, arch, name="shapes-swin", train="vitlab.shapes.train_swin",
+                             duration="about 25 minutes")
