@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from matplotlib import colors as mcolors
 from matplotlib.cm import ScalarMappable
+from matplotlib.ticker import MaxNLocator
 
 SEQUENTIAL_CMAP = "inferno"   # maps of one sign: dark = low, bright = high, uniform in lightness
 DIVERGING_CMAP = "RdBu_r"     # signed maps: blue < 0 < red, white at 0
@@ -199,6 +200,8 @@ def _add_colorbar(fig, ms: MapScale, ax, label: str | None = None, location: str
                         extend=ms.extend, **kwargs)
     cbar.set_label(ms.colorbar_label(label), fontsize=8)
     cbar.ax.tick_params(labelsize=7)
+    if location in ("bottom", "top") and not isinstance(ms.norm, mcolors.LogNorm):
+        cbar.ax.xaxis.set_major_locator(MaxNLocator(nbins=3))   # a bar under one panel: few ticks, so labels never touch
     return cbar
 
 
