@@ -384,6 +384,44 @@ def test_line_plot_shades_each_band_in_its_curve_colour():
     plt.close("all")
 
 
+def test_family_styles_gives_every_curve_its_own_style():
+    names = ["relevance (every block)", "relevance (last block)", "raw attention", "rollout", "GradCAM",
+             "Grad-ECLIP (every block)", "Grad-ECLIP (last block)", "LeGrad (every block)",
+             "LeGrad (last two blocks)", "decomposition", "random map"]
+    st = plot.family_styles(names)
+    key = lambda d: (matplotlib.colors.to_hex(d["color"]), d["linestyle"], d["marker"])
+    assert len({key(st[n]) for n in names}) == len(names)                      # 11 curves, 11 styles
+    assert st["LeGrad (every block)"]["color"] == st["LeGrad (last two blocks)"]["color"]     # one colour a method
+    assert st["LeGrad (every block)"]["linestyle"] != st["LeGrad (last two blocks)"]["linestyle"]
+    colours = [matplotlib.colors.to_hex(st[n]["color"]) for n in names if "(last" not in n]
+    assert len(set(colours)) == len(colours)                                   # methods differ in colour
+    assert matplotlib.colors.to_hex(st["random map"]["color"]) == "#737373" and st["random map"]["linestyle"] == ":"
+    many = plot.family_styles([f"m{i} (a)" for i in range(20)] + [f"m0 (s{k})" for k in range(6)])
+    assert len({key(d) for d in many.values()}) == 26                          # past the colours and the dashes
+    with pytest.raises(ValueError, match="distinct names"):
+        plot.family_styles(["a", "a"])
+
+
+def test_line_plot_draws_the_styles_it_is_given():
+    series = {n: [3.0 - i, 2.0, 1.0] for i, n in enumerate(["a (x)", "a (y)", "b", "random map"])}
+    ax = plot.line_plot(series, styles="families", legend="outside")
+    st = plot.family_styles(list(series))
+    for line, n in zip(ax.lines, series):
+        assert line.get_label() == n and line.get_linestyle() == {"-": "-", "--": "--", ":": ":", "-.": "-."}[st[n]["linestyle"]]
+        assert matplotlib.colors.to_hex(line.get_color()) == matplotlib.colors.to_hex(st[n]["color"])
+    assert ax.lines[0].get_linestyle() != ax.lines[1].get_linestyle()
+    assert ax.get_legend().get_bbox_to_anchor().x0 > ax.get_window_extent().x1 - 1      # right of the Axes
+    ax = plot.line_plot({"a": [1, 2]}, styles={"a": dict(color="red", linestyle="--")})
+    assert matplotlib.colors.to_hex(ax.lines[0].get_color()) == "#ff0000" and ax.lines[0].get_linestyle() == "--"
+    with pytest.raises(ValueError, match=r"styles names curves that are not in series: \['c'\]"):
+        plot.line_plot({"a": [1, 2]}, styles={"c": {}})
+    with pytest.raises(ValueError, match="'families'"):
+        plot.line_plot({"a": [1, 2]}, styles="rainbow")
+    with pytest.raises(ValueError, match="legend must be"):
+        plot.line_plot({"a": [1, 2]}, legend="below")
+    plt.close("all")
+
+
 def test_attention_matrix_frames_the_cls_row():
     A = torch.softmax(torch.randn(5, 5, generator=torch.Generator().manual_seed(0)), -1)
     ax = plot.attention_matrix(A, num_prefix=1, title="block 0")

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from matplotlib import colors as mcolors
 from matplotlib.cm import ScalarMappable
+from matplotlib.ticker import MaxNLocator
 
 SEQUENTIAL_CMAP = "inferno"   # maps of one sign: dark = low, bright = high, uniform in lightness
 DIVERGING_CMAP = "RdBu_r"     # signed maps: blue < 0 < red, white at 0
@@ -199,6 +200,8 @@ def _add_colorbar(fig, ms: MapScale, ax, label: str | None = None, location: str
                         extend=ms.extend, **kwargs)
     cbar.set_label(ms.colorbar_label(label), fontsize=8)
     cbar.ax.tick_params(labelsize=7)
+    if location in ("bottom", "top") and not isinstance(ms.norm, mcolors.LogNorm):
+        cbar.ax.xaxis.set_major_locator(MaxNLocator(nbins=3))   # a bar under one panel: few ticks, so labels never touch
     return cbar
 
 
@@ -695,22 +698,72 @@ def image_grid(images: Sequence, titles: Sequence[str] | None = None, ncols: int
     return fig
 
 
+FAMILY_COLOURS = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]   # tab10 without its grey
+FAMILY_DASHES = ("-", "--", ":", "-.")
+FAMILY_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def family_styles(names: Sequence[str], neutral: str = "random") -> dict[str, dict]:
+    """A distinct, readable style for each curve name, for plots with more curves than a colour
+    cycle has colours. Names of one family (the text before ``" ("``: "LeGrad (every block)" and
+    "LeGrad (last two blocks)") share a colour and differ in line style (solid, dashed, dotted,
+    dash-dot); each family gets its own colour (tab10 without grey; past nine families, or four
+    members of a family, the marker changes too). Names containing ``neutral`` (a random
+    baseline) are grey and dotted. Returns ``{name: dict(color=..., linestyle=..., marker=...)}``
+    for :func:`line_plot`'s ``styles``; no two names get the same style."""
+    names = list(names)
+    if len(set(names)) != len(names):
+        raise ValueError(f"family_styles needs distinct names, got {names}")
+    is_neutral = lambda n: bool(neutral) and neutral in n
+    families = list(dict.fromkeys(n.split(" (")[0] for n in names if not is_neutral(n)))
+    groups = -(-len(families) // len(FAMILY_COLOURS))            # how many times the colours go round
+    styles, members = {}, {}
+    for name in names:
+        if is_neutral(name):
+            k = members[None] = members.get(None, -1) + 1
+            style = dict(color="0.45", linestyle=":", marker=k)
+        else:
+            fam = families.index(name.split(" (")[0])
+            k = members[fam] = members.get(fam, -1) + 1
+            style = dict(color=FAMILY_COLOURS[fam % len(FAMILY_COLOURS)], linestyle=FAMILY_DASHES[k % len(FAMILY_DASHES)],
+                         marker=fam // len(FAMILY_COLOURS) + (k // len(FAMILY_DASHES)) * groups)
+        if style["marker"] >= len(FAMILY_MARKERS):
+            raise ValueError(f"family_styles has {len(FAMILY_MARKERS)} markers for {len(names)} curves in "
+                             f"{len(families)} families: too many to tell apart; plot fewer curves per Axes")
+        style["marker"] = FAMILY_MARKERS[style["marker"]]
+        styles[name] = style
+    return styles
+
+
 def line_plot(series: dict, x=None, xlabel: str = "", ylabel: str = "", title: str | None = None, ax=None,
-              bands: dict | None = None):
+              bands: dict | None = None, styles: dict | str | None = None, legend: str = "inside"):
     """Several named curves on one Axes (e.g. a measure per layer). ``bands`` maps a curve's
     name to ``(low, high)`` sequences, e.g. 95% intervals, drawn as a shaded band in the curve's
-    colour. Returns the Axes."""
+    colour. ``styles`` maps a curve's name to keyword arguments of ``Axes.plot`` (``color``,
+    ``linestyle``, ``marker``), or is ``"families"`` for :func:`family_styles` (one colour per
+    method, one line style per setting: for more curves than the colour cycle holds).
+    ``legend="outside"`` puts the legend to the right of the Axes, for many curves. Returns the Axes."""
     if ax is None:
         _, ax = plt.subplots(figsize=(5, 3))
+    if legend not in ("inside", "outside"):
+        raise ValueError(f"legend must be 'inside' or 'outside', got {legend!r}")
     bands = dict(bands or {})
     unknown = sorted(set(bands) - set(series))
     if unknown:
         raise ValueError(f"bands names curves that are not in series: {unknown}")
+    if isinstance(styles, str):
+        if styles != "families":
+            raise ValueError(f"styles must be a dict of per-curve styles or 'families', got {styles!r}")
+        styles = family_styles(list(series))
+    styles = dict(styles or {})
+    unknown = sorted(set(styles) - set(series))
+    if unknown:
+        raise ValueError(f"styles names curves that are not in series: {unknown}")
     as_array = lambda v: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v, dtype=float)
     for label, ys in series.items():
         ys = as_array(ys)
         xs = np.arange(len(ys)) if x is None else x
-        (line,) = ax.plot(xs, ys, marker="o", ms=3, label=label)
+        (line,) = ax.plot(xs, ys, **{"marker": "o", "ms": 3, **styles.get(label, {})}, label=label)
         if label in bands:
             low, high = (as_array(v) for v in bands[label])
             if low.shape != ys.shape or high.shape != ys.shape:
@@ -722,7 +775,10 @@ def line_plot(series: dict, x=None, xlabel: str = "", ylabel: str = "", title: s
     if title:
         ax.set_title(title)
     if len(series) > 1:
-        ax.legend(fontsize=8)
+        if legend == "outside":
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), handlelength=3)
+        else:
+            ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return ax
 
