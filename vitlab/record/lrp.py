@@ -182,8 +182,8 @@ class _HalfMatmul(Function):
         a, b = ctx.saved_tensors
         need_a, need_b = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         half_out = not ctx.state.plain and grad.numel() <= a.numel() * need_a + b.numel() * need_b
-        if half_out:
-            grad = grad * 0.5
+        if half_out:  # halved into a contiguous tensor: the batched matmuls below then copy nothing
+            grad = torch.mul(grad, 0.5, out=torch.empty_like(grad, memory_format=torch.contiguous_format))
         ga = torch.matmul(grad, b.transpose(-2, -1)) if need_a else None
         gb = torch.matmul(a.transpose(-2, -1), grad) if need_b else None
         if not ctx.state.plain and not half_out:
@@ -307,10 +307,14 @@ def alpha1_beta0_rule(weight: torch.Tensor, bias: torch.Tensor | None = None):
     for ``f > 1e-4``). Rows of ``gbar_y`` that are all 0 (the last block, where only the CLS
     token carries relevance) are skipped: they give 0."""
     def dense(grad, out, x):
-        z = F.linear(x.abs(), weight.abs(), None if bias is None else -bias).add_(out)  # 2 sum_i (x_i w_ji)^+ >= 0
+        w_abs = weight.abs()
+        z = F.linear(x.abs(), w_abs, None if bias is None else -bias).add_(out)  # 2 sum_i (x_i w_ji)^+ >= 0
         s = (out * grad).div_(z).masked_fill_(z <= 0, 0.0)  # S / 2; the inf / nan of z <= 0 replaced by 0
-        g = torch.where(x > 0, s @ (2 * weight).clamp_(min=0), s @ (2 * weight).clamp_(max=0))
-        return g.masked_fill_(x == 0, 0.0)
+        # 2 W^+ = |W| + W and 2 W^- = W - |W|, both exact; the product for x's sign picked by float masks
+        # (1 where x > 0, resp. x < 0, else 0: x == 0 gets 0), a multiply-add instead of a select
+        sign = x.sign()
+        g = (s @ (w_abs + weight)).mul_(sign.clamp(min=0))
+        return g.addcmul_(s @ (weight - w_abs), sign.clamp_(max=0), value=-1)
 
     def rule(grad, out, x):
         index = _live_rows(grad)
@@ -498,6 +502,8 @@ class _LRPMode(TorchFunctionMode):
             raise TypeError("vitlab's LRP rules cover non-causal ViT attention only (is_causal and enable_gqa are not "
                             "ViT attention); use chefer_relevance for other transformers")
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        # k and v contiguous once: the batched matmuls of the forward and the backward then copy neither
+        k, v = k.contiguous(), v.contiguous()
         scores = self.matmul(torch.matmul, q * scale, k.transpose(-2, -1))
         if attn_mask is not None:
             scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
