@@ -87,6 +87,8 @@ def main() -> None:
     for name, fn in lrp_methods.items():
         methods[name] = (lambda fn=fn: fn(model, x))
         methods[f"  {name}, per image"] = per_image(fn)
+    # what precision="float64" costs (a float64 copy of the model per call, float64 arithmetic)
+    methods["lrp, precision=float64"] = lambda: lrp(model, x, precision="float64")
     methods["chefer_relevance (2021, no LRP)"] = lambda: chefer_relevance(model, x)
     methods[f"integrated_gradients ({args.ig_steps} steps)"] = lambda: integrated_gradients(
         model, x, steps=args.ig_steps)
