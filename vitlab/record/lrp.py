@@ -297,8 +297,9 @@ def alpha1_beta0_rule(weight: torch.Tensor, bias: torch.Tensor | None = None):
     The denominator with one matmul instead of two: ``(x_i w_ji)^+ = (|x_i| |w_ji| + x_i w_ji) / 2``,
     so ``Z = |x| |W|^T + (y - b)`` (the forward's ``y`` reused) is twice it and ``S = 2 R_y / Z``
     (0 where ``Z <= 0``: no positive contribution, nothing to share). The two products ``S W^+``
-    and ``S W^-`` (made from ``W`` in the backward, not kept) are picked by the sign of x, and
-    ``gbar_x = 0`` where x = 0, which holds no relevance to pass on: an input's share of a unit is
+    and ``S W^-`` (with ``2 W^+ = |W| + W`` and ``2 W^- = W - |W|``, both exact, made in the
+    backward, not kept) are picked by the sign of x (multiplied by 0/1 masks from ``sign(x)``,
+    the same values as a select at a third of its cost), and ``gbar_x = 0`` where x = 0, which holds no relevance to pass on: an input's share of a unit is
     its own positive contribution, exactly 0 where it has none, so no rounding (as of ``S W``
     against ``S |W|``) hands a unit's relevance to inputs that did not contribute to it. What
     rounding leaves: ``Z`` carries an absolute error of about ``u sum_i |x_i w_ji|`` (``u`` the
