@@ -238,8 +238,9 @@ def product_from_terms(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> t
     a3 = a.expand(*batch, n, k).reshape(-1, n, k)
     b3 = b.expand(*batch, k, m).reshape(-1, k, m)
     o3 = out.reshape(-1, n, m)
-    bound = a3.norm(dim=-1).unsqueeze(-1) * b3.norm(dim=-2).unsqueeze(-2)  # >= sum_l |a_il b_lj|
-    which, i, j = (o3.abs() < EXACT_BELOW * bound).nonzero(as_tuple=True)
+    # EXACT_BELOW |a_i| |b_j| (>= EXACT_BELOW sum_l |a_il b_lj|), the power of 2 put on the short factor
+    small = (a3.norm(dim=-1) * EXACT_BELOW).unsqueeze(-1) * b3.norm(dim=-2).unsqueeze(-2)
+    which, i, j = torch.lt(o3.abs(), small).nonzero(as_tuple=True)
     if which.numel() == 0:
         return out
     terms = a3[which, i, :].double() * b3[which, :, j].double()
