@@ -20,10 +20,11 @@ Transformer attribution at >= 0.73 x 5 = 3.7x before attention, GELU and the ele
 steps are counted.
 
 Measured with this script (``--threads 1 --clock cpu``, batch 16, the shared 2-core machine, plain
-forward 355 ms), after the rules' element-wise steps were thinned (alpha-beta picks ``S W^+`` /
-``S W^-`` by 0/1 masks instead of a select, no contiguous copies in the attention matmuls; the
-maps bit for bit the same): full LRP 5.62x (per image 7.39x), Transformer attribution 7.20x
-(9.38x), partial LRP 1.48x (2.59x), AttnLRP 3.03x (4.35x), full LRP with ``precision="float64"``
+forward 346 ms before, 355 ms after), before -> after the rules' element-wise steps were thinned
+(alpha-beta picks ``S W^+`` / ``S W^-`` by 0/1 masks instead of a select, no contiguous copies in
+the attention matmuls; the maps bit for bit the same): full LRP 6.52x -> 5.62x (per image 8.30x ->
+7.39x), Transformer attribution 8.04x -> 7.20x (10.65x -> 9.38x), partial LRP 1.48x -> 1.48x
+(2.61x -> 2.59x), AttnLRP 3.04x -> 3.03x (4.53x -> 4.35x); full LRP with ``precision="float64"``
 10.43x; every method batched below per image; the goals for full LRP, Transformer attribution
 and (by 0.03x) AttnLRP are missed. torch.profiler (1 thread, batch 16) on full LRP then: matmuls (addmm, mm, bmm) 45% of
 the pass, the rest element-wise rule steps (each a memory-bound pass over an activation: the
