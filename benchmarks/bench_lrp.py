@@ -10,22 +10,27 @@ time (the reference code's protocol: hila-chefer/Transformer-Explainability expl
 Goals (:data:`GOALS`): partial LRP and AttnLRP <= 3x a plain forward; full LRP <= 3.8x and
 Transformer attribution <= 4.8x, 1.3x the floor that the exact alpha-beta rule they use (Chefer et
 al.'s relprop rules) sets whatever the implementation, as the matmul count shows; every method
-batched below the same images one at a time. Profiled (torch.profiler,
-1 thread): the plain forward spends ~73% in its 48 linear layers, ~17% in fused attention, ~6%
-in GELU. Per linear layer the forward does 1 matmul; alpha = 1, beta = 0 needs 3 more in the
-backward (``|x| |W|^T`` for the denominator, ``S W`` and ``S |W|`` for the two signs of x:
-``z^+ = (x W^T + |x| |W|^T) / 2`` already saves the fourth), and Transformer attribution's
-ordinary gradient (eq. 13's ``grad A``) 1 more. The attention matmuls cost 2 in the forward
-and 4 per backward. So the linear layers alone put full LRP at >= 0.73 x 4 = 2.9x and
-Transformer attribution at >= 0.73 x 5 = 3.7x before attention, GELU and the element-wise
-rule steps (about a sixth of the LRP pass after the changes below) are counted. Measured on
-the shared 2-core machine (1 thread, CPU clock, load 1-7 before / 5-7 after), this script
-before -> after the rules were made cheaper: full LRP 4.70x -> 4.23x, Transformer attribution
-7.03x -> 5.66x, partial LRP 1.37x -> 1.24x, AttnLRP 2.77x -> 2.65x (no recomputation in the
-plain backward, the forward's output reused, rows without gradient skipped, fewer
-element-wise passes). After them full LRP's pass spends ~79% in matmuls (the 4 per linear
-layer above, 6 per attention matmul), so what is left above the floor is the eager attention
-(the plain forward's is fused) and the element-wise steps of the rules.
+batched below the same images one at a time. Per linear layer the forward does 1 matmul; alpha = 1,
+beta = 0 needs 3 more in the backward (``|x| |W|^T`` for the denominator, ``S W^+`` and ``S W^-``
+for the two signs of x: ``z^+ = (x W^T + |x| |W|^T) / 2`` already saves the fourth), and
+Transformer attribution's ordinary gradient (eq. 13's ``grad A``) 1 more. The attention matmuls
+cost 2 in the forward and 4 per backward. The plain forward spends ~73% in its 48 linear layers
+(torch.profiler, 1 thread), so the linear layers alone put full LRP at >= 0.73 x 4 = 2.9x and
+Transformer attribution at >= 0.73 x 5 = 3.7x before attention, GELU and the element-wise rule
+steps are counted.
+
+Measured with this script (``--threads 1 --clock cpu``, batch 16, the shared 2-core machine, plain
+forward 346 ms before, 355 ms after), before -> after the rules' element-wise steps were thinned
+(alpha-beta picks ``S W^+`` / ``S W^-`` by 0/1 masks instead of a select, no contiguous copies in
+the attention matmuls; the maps bit for bit the same): full LRP 6.52x -> 5.62x (per image 8.30x ->
+7.39x), Transformer attribution 8.04x -> 7.20x (10.65x -> 9.38x), partial LRP 1.48x -> 1.48x
+(2.61x -> 2.59x), AttnLRP 3.04x -> 3.03x (4.53x -> 4.35x); full LRP with ``precision="float64"``
+10.43x; every method batched below per image; the goals for full LRP, Transformer attribution
+and (by 0.03x) AttnLRP are missed. torch.profiler (1 thread, batch 16) on full LRP then: matmuls (addmm, mm, bmm) 45% of
+the pass, the rest element-wise rule steps (each a memory-bound pass over an activation: the
+products, divisions and masks of the rules, the bias broadcast of ``addmm``, GELU, softmax) and
+autograd's overhead. Those steps are what the rules compute, one pass each; nearer the floor needs
+several of them fused into one pass (a compiled kernel), which this package does not do.
 
     python benchmarks/bench_lrp.py [--batch 16] [--rounds 3] [--threads N] [--clock wall|cpu]
 
@@ -87,6 +92,8 @@ def main() -> None:
     for name, fn in lrp_methods.items():
         methods[name] = (lambda fn=fn: fn(model, x))
         methods[f"  {name}, per image"] = per_image(fn)
+    # what precision="float64" costs (a float64 copy of the model per call, float64 arithmetic)
+    methods["lrp, precision=float64"] = lambda: lrp(model, x, precision="float64")
     methods["chefer_relevance (2021, no LRP)"] = lambda: chefer_relevance(model, x)
     methods[f"integrated_gradients ({args.ig_steps} steps)"] = lambda: integrated_gradients(
         model, x, steps=args.ig_steps)

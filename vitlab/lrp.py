@@ -41,8 +41,10 @@ their bound.
 ``precision="float64"`` runs a float64 copy of a model in another dtype (made per call by
 :func:`vitlab.record.lrp.working_copy`; the model itself is not touched) and returns the maps in
 ``x``'s dtype: the float64 network's values, the same on every machine to float32 rounding, for
-the copy (the parameters twice), activations of twice the size and float64 arithmetic (about
-twice a float32 pass on a CPU; 2x to 64x on a GPU, by model). AttnLRP's rules divide by no sum
+the copy (the parameters twice), activations of twice the size and float64 arithmetic: on a CPU
+about twice the float32 pass (``benchmarks/bench_lrp.py`` times both; its docstring gives the
+figures measured for this package), on a GPU as much more as the card's float64 throughput is
+below its float32 one (1/2 to 1/64, by card). AttnLRP's rules divide by no sum
 of the forward (the plain gradient at linear layers and the softmax, the LayerNorm rule holds
 sigma constant, GELU's ``gelu(x) / x`` is bounded): its float32 maps are the float64 ones to a
 few roundings.
@@ -118,8 +120,8 @@ class LRPPass(NamedTuple):
 #: is taken from its terms, see :mod:`vitlab.record.lrp`). ``"float64"`` runs a float64 copy of a
 #: model in another dtype (:func:`vitlab.record.lrp.working_copy`, made per call): the rules' value
 #: for the float64 network, at the price of the copy (twice the parameter memory), activations of
-#: twice the size and float64 arithmetic (about 2x a float32 pass on a CPU; on most GPUs float64
-#: runs at 1/2 to 1/64 of float32). The maps of the two are the rules' values for two networks that
+#: twice the size and float64 arithmetic (on a CPU about 2x the float32 pass, as
+#: ``benchmarks/bench_lrp.py`` measures; on a GPU float64 runs at 1/2 to 1/64 of float32, by card). The maps of the two are the rules' values for two networks that
 #: differ by float32 rounding; where Chefer's rules pass relevance through a pole (module docstring)
 #: those values differ, and neither is the "true" one.
 PRECISIONS = ("model", "float64")
