@@ -79,16 +79,22 @@ def _check(maps: torch.Tensor, masks: torch.Tensor) -> None:
         raise ValueError(f"mask size {H} x {W} is not a multiple of the patch grid {gh} x {gw}")
 
 
-def mask_to_grid(masks, grid: tuple[int, int]) -> torch.Tensor:
-    """``B x H x W`` boolean masks -> ``B x gh x gw`` fraction of each patch on the object."""
-    m = as_cpu_tensor(masks)
-    if m.ndim != 3:
-        raise ValueError(f"masks must be B x H x W, got shape {tuple(m.shape)}")
-    H, W = m.shape[1:]
+def patch_size(masks: torch.Tensor, grid: tuple[int, int]) -> tuple[int, int]:
+    """The pixel size ``(ph, pw)`` of one patch of the ``gh x gw`` grid over ``B x H x W`` masks;
+    refuses masks of another rank or a size the grid does not divide."""
+    if masks.ndim != 3:
+        raise ValueError(f"masks must be B x H x W, got shape {tuple(masks.shape)}")
+    H, W = masks.shape[1:]
     gh, gw = grid
     if H % gh or W % gw:
         raise ValueError(f"mask size {H} x {W} is not a multiple of the patch grid {gh} x {gw}")
-    return F.avg_pool2d(m[:, None], kernel_size=(H // gh, W // gw))[:, 0]
+    return H // gh, W // gw
+
+
+def mask_to_grid(masks, grid: tuple[int, int]) -> torch.Tensor:
+    """``B x H x W`` boolean masks -> ``B x gh x gw`` fraction of each patch on the object."""
+    m = as_cpu_tensor(masks)
+    return F.avg_pool2d(m[:, None], kernel_size=patch_size(m, grid))[:, 0]
 
 
 def pointing_game(maps, masks, min_coverage: float = 0.5) -> torch.Tensor:
@@ -411,13 +417,8 @@ def best_patch_mask(masks, grid: tuple[int, int]) -> torch.Tensor:
     ``sum a / (|object| + k A - sum a)``, highest for the ``k`` patches of largest ``a_p``; the
     best ``k`` is then taken (ties: the fewest patches). An empty object gives an empty mask."""
     m = as_cpu_tensor(masks, torch.float64)
-    if m.ndim != 3:
-        raise ValueError(f"masks must be B x H x W, got shape {tuple(m.shape)}")
-    H, W = m.shape[1:]
+    ph, pw = patch_size(m, grid)
     gh, gw = grid
-    if H % gh or W % gw:
-        raise ValueError(f"mask size {H} x {W} is not a multiple of the patch grid {gh} x {gw}")
-    ph, pw = H // gh, W // gw
     a = F.avg_pool2d(m[:, None], kernel_size=(ph, pw))[:, 0].flatten(1) * (ph * pw)   # B x P pixels
     order = a.argsort(dim=1, descending=True, stable=True)
     cum = a.gather(1, order).cumsum(1)
