@@ -397,6 +397,20 @@ def test_roll_moves_by_multiples_of_step():
         T.roll(8, step=0)
 
 
+def test_largest_shift_finds_the_largest_roll_drawn():
+    for k, step in ((8, 1), (8, 4), (0, 1)):
+        # 400 draws of 2 * (2k / step + 1) values each: every roll size is drawn, so the probe finds k
+        assert T.largest_shift(T.roll(k, step=step), 32, n=400) == k
+    assert T.largest_shift(T.standard(16, step=1), (64, 48), n=400) == 32      # two patches, colour jitter on
+    # rolls past half the image are the short way round: a roll by up to 7 of a 10-px image moves <= 5
+    assert T.largest_shift(T.roll(7), 10, n=400) == 5
+    assert T.largest_shift(T.compose([]), 16, n=3) == 0
+    with pytest.raises(ValueError, match="size"):
+        T.largest_shift(T.roll(2), (0, 8))
+    with pytest.raises(ValueError, match="n must be"):
+        T.largest_shift(T.roll(2), 8, n=0)
+
+
 def test_geometric_and_colour_transforms():
     x = torch.rand(3, 3, 16, 16)
     g = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ from vitlab.grad_eclip import grad_eclip
 from vitlab.legrad import legrad
 from vitlab.relevance import ClipMaps, clip_gradcam, clip_raw_attention, clip_relevance, clip_rollout
 
-from conftest import assert_model_unchanged, f64_tol, model_snapshot
+from conftest import assert_model_unchanged, f32_tol_deep, f64_tol, model_snapshot, module_depth
 from tiny_models import EOS, captions, pairs, tiny_clip
 from references import CLIP_DEPTH, clip_close, clip_reference
 
@@ -514,3 +514,35 @@ def test_the_decomposition_refuses_bad_inputs_and_leaves_the_model_as_it_was():
     assert calls[0] == 0
     with pytest.raises(TypeError, match="CLIPModel"):
         decompose_image(model.vision_model, x)
+
+
+# ----------------------------------------------------------------------------- the real architecture
+@pytest.mark.slow
+def test_every_method_runs_on_openai_clip_vit_b16s_architecture():
+    """Chapter 11's *A real CLIP*, offline: OpenAI's ViT-B/16 CLIP (12 + 12 blocks, 14 x 14 patches,
+    the 49,408-id vocabulary) with random weights. Every method gives a finite 14 x 14 map per pair
+    (and a text map over the caption's tokens), the model comes back as it was, and the
+    decomposition's terms add up to the model's own image embedding."""
+    import vitlab
+
+    model = vitlab.load_model("openai/clip-vit-base-patch16", pretrained=False)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[49406, 320, 1929, 49407, 49407], [49406, 320, 1125, 539, 49407]])  # 2nd: one word longer
+    inputs = dict(pixel_values=torch.randn(2, 3, 224, 224, generator=g), input_ids=ids,
+                  attention_mask=torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]))
+    before = model_snapshot(model)
+    for name, method in METHODS.items():
+        out = method(model, inputs)
+        assert out.image.shape == (2, 14, 14) and torch.isfinite(out.image).all(), name
+        assert out.image.flatten(1).std(1).gt(0).all(), name            # a map, not a constant
+        if out.text is not None:
+            assert out.text.shape == (2, 5) and torch.isfinite(out.text).all(), name
+            assert (out.text[0, 3:] == 0).all() and (out.text[:, 0] == 0).all(), name   # <end>, padding, <start>
+    t = text_embeddings(model, inputs["input_ids"], inputs["attention_mask"])
+    heads = head_maps(model, inputs["pixel_values"], t)
+    assert heads.shape == (2, 12, 12, 14, 14) and torch.isfinite(heads).all()
+    dec = decompose_image(model, inputs["pixel_values"])
+    with torch.no_grad():
+        direct = model(**inputs).image_embeds               # the forward's embedding, unit length
+    torch.testing.assert_close(torch.nn.functional.normalize(dec.total(), dim=-1), direct, **f32_tol_deep(direct, module_depth(model.vision_model)))
+    assert_model_unchanged(model, before)

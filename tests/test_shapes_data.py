@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import f32_tol
-from vitlab.shapes import CLASSES, make_scenes, scenes_to_tensor
+from vitlab.shapes import CLASSES, centres_per_patch, make_scenes, scenes_to_tensor
 from vitlab.shapes.data import MIN_CONTRAST, _render_scenes, _shape_inside, remove_objects
 
 LUMA = np.array([0.299, 0.587, 0.114])
@@ -209,3 +209,28 @@ def test_remove_objects_bad_index():
         remove_objects(3, 1, 2, remove=2)
     with pytest.raises(ValueError, match="object indices"):
         remove_objects(3, 1, 1, remove=[0, 1, 0])
+
+
+def test_centres_per_patch_counts_each_object_in_the_patch_of_its_centre():
+    masks = np.zeros((4, 12, 12), bool)
+    masks[0, 0:2, 0:2] = True          # centre (0.5, 0.5): patch (0, 0)
+    masks[1, 5:8, 9:12] = True         # centre (6, 10): patch (1, 2)
+    masks[2, 8:12, 0:4] = True         # centre (9.5, 1.5): patch (2, 0)
+    masks[3, 3, 3] = masks[3, 3, 4] = masks[3, 5, 3] = masks[3, 5, 4] = True   # centre (4, 3.5): patch (1, 0)
+    expected = np.zeros((3, 3), int)
+    expected[0, 0] = expected[1, 2] = expected[2, 0] = expected[1, 0] = 1
+    np.testing.assert_array_equal(centres_per_patch(masks, (3, 3)), expected)
+    # a ring's centre is its hole: the mask's mean, not a pixel of the mask
+    ring = np.zeros((1, 12, 12), bool)
+    ring[0, 5:9, 5:9] = True           # centre (6.5, 6.5), in the hole
+    ring[0, 6:8, 6:8] = False
+    assert centres_per_patch(ring, (2, 2))[1, 1] == 1
+    sc = make_scenes(20, seed=3, n_objects=2)
+    counts = centres_per_patch(sc.masks.reshape(-1, *sc.masks.shape[2:]), (7, 7))
+    assert counts.shape == (7, 7) and counts.sum() == 40
+    with pytest.raises(ValueError, match="whole patches"):
+        centres_per_patch(masks, (5, 5))
+    with pytest.raises(ValueError, match="empty"):
+        centres_per_patch(np.zeros((1, 12, 12), bool), (3, 3))
+    with pytest.raises(ValueError, match="objects x H x W"):
+        centres_per_patch(masks[0], (3, 3))

@@ -11,6 +11,7 @@ per batch item, so runs are reproducible on any device. :func:`compose` chains t
   reflected borders).
 - :func:`colour_jitter` — per-image, per-channel ``x * (1 + a) + b`` (Ghiasi's colour shift
   and scale).
+- :func:`largest_shift` — how far a transform moved a pixel over many draws (a probe).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Transform", "compose", "roll", "scale", "rotate", "colour_jitter", "standard"]
+__all__ = ["Transform", "compose", "roll", "scale", "rotate", "colour_jitter", "standard", "largest_shift"]
 
 Transform = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
@@ -131,3 +132,29 @@ def standard(patch_size: int, max_shift: int | None = None, step: int | None = N
     if shift or colour_scale:
         ts.append(colour_jitter(shift, colour_scale))
     return compose(ts)
+
+
+def largest_shift(transform: Transform, size: int | tuple[int, int], n: int = 500, seed: int = 0) -> int:
+    """The largest distance, in pixels along either axis, that ``transform`` moved a pixel over
+    ``n`` draws: a probe, not a parameter read back.
+
+    A black ``size`` image with one white pixel in its top-left corner is transformed ``n`` times
+    (one seeded generator); in each copy the brightest pixel is where that pixel went, and a shift
+    is counted the short way round the edges (a roll by ``-k`` and by ``H - k`` are the same
+    shift). For rolls and colour jitter (which keeps the brightest pixel the brightest) this is
+    the largest roll drawn; zoom and rotation move the corner pixel too.
+
+    Raises:
+        ValueError: if ``size`` is not one or two positive ints or ``n`` is not a positive int.
+    """
+    h, w = (size, size) if isinstance(size, int) and not isinstance(size, bool) else tuple(size)
+    if any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in (h, w)):
+        raise ValueError(f"size must be a positive int or an (H, W) pair of them, got {size!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"n must be a positive int (the number of draws), got {n!r}")
+    probe = torch.zeros(n, 3, h, w)
+    probe[:, :, 0, 0] = 1.0
+    moved = transform(probe, torch.Generator().manual_seed(seed))
+    where = moved.mean(1).flatten(1).argmax(1)                   # each copy's brightest pixel
+    dy, dx = where // w, where % w
+    return int(torch.maximum(torch.minimum(dy, h - dy), torch.minimum(dx, w - dx)).max())

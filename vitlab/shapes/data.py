@@ -27,7 +27,10 @@ from numbers import Integral
 
 import numpy as np
 
-__all__ = ["CLASSES", "DEFAULT_SIZE", "MIN_CONTRAST", "Scenes", "make_scenes", "remove_objects", "scenes_to_tensor"]
+__all__ = [
+    "CLASSES", "DEFAULT_SIZE", "MIN_CONTRAST", "Scenes", "centres_per_patch", "make_scenes", "remove_objects",
+    "scenes_to_tensor",
+]
 
 #: Object classes, in label order. Chosen to differ in outline under any rotation and scale.
 CLASSES: list[str] = ["circle", "square", "triangle", "star", "cross", "ring", "crescent", "heart"]
@@ -159,6 +162,35 @@ def scenes_to_tensor(images: np.ndarray, input_size: tuple[int, int, int], mean,
     mean_t = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
     std_t = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
     return (x - mean_t) / std_t
+
+
+def centres_per_patch(masks: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+    """How many objects have their centre in each patch of a ``gh x gw`` grid laid over the image.
+
+    ``masks`` is ``objects x H x W`` (boolean, one mask per object, e.g. ``make_scenes(...).masks``
+    flattened over its first two axes); an object's centre is the mean of its pixels' row and
+    column coordinates, and it is counted in the patch that holds that point (patches of
+    ``H / gh x W / gw`` pixels). Returns a ``gh x gw`` integer array that sums to the number of
+    objects.
+
+    Raises:
+        ValueError: if ``masks`` is not ``objects x H x W``, an object's mask is empty, or the grid
+            does not divide the image.
+    """
+    masks = np.asarray(masks, dtype=bool)
+    if masks.ndim != 3 or masks.shape[0] == 0:
+        raise ValueError(f"masks must be objects x H x W with at least one object, got shape {masks.shape}")
+    gh, gw = grid
+    h, w = masks.shape[1:]
+    if gh <= 0 or gw <= 0 or h % gh or w % gw:
+        raise ValueError(f"a {gh} x {gw} grid does not divide a {h} x {w} image into whole patches")
+    area = masks.sum(axis=(1, 2))
+    if (area == 0).any():
+        raise ValueError(f"object {int(np.argmin(area))}'s mask is empty: it has no centre")
+    cy = (masks.sum(axis=2) * np.arange(h)).sum(axis=1) / area
+    cx = (masks.sum(axis=1) * np.arange(w)).sum(axis=1) / area
+    cell = (cy // (h // gh)).astype(int) * gw + (cx // (w // gw)).astype(int)
+    return np.bincount(cell, minlength=gh * gw).reshape(gh, gw)
 
 
 # ---------------------------------------------------------------------------------------------
