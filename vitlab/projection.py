@@ -89,6 +89,12 @@ def _head_parts(model: nn.Module, layout: TokenLayout, method: str) -> tuple[lis
             f"{method}: this model is CaiT: its class token joins the patch tokens only in the class-attention "
             "blocks, so the states of the self-attention blocks have no class token to project"
         )
+    if layout.pool == "token_avg":
+        raise ValueError(
+            f"{method}: {type(model).__name__}'s classifier reads the class token next to the mean of the patches "
+            "(the two concatenated), so no single token's projection is its output; the projection needs a linear "
+            "head on one token (a ViT or DeiT classifier reading its class token)"
+        )
     if layout.pool != "token":
         raise ValueError(
             f"{method}: this model's head does not read the class token: it pools the patch tokens "
@@ -1097,6 +1103,11 @@ def output_similarity(model, x: torch.Tensor) -> torch.Tensor:
     layout = token_layout(model, x)
     if not layout.has_class_token:
         raise ValueError("output_similarity: this model has no class token to compare the tokens with")
+    if layout.pool in ("token_distillation", "token_avg"):
+        raise ValueError("output_similarity: this model's output reads the class token together with "
+                         + ("the distillation token (a distilled DeiT's two heads)" if layout.pool == "token_distillation"
+                            else "the mean of the patch tokens (Dinov2's classifier)")
+                         + "; there is no one state its output reads")
     if is_timm_vit(model) and layout.pool != "token":
         raise ValueError(f"output_similarity: this model's output pools the patch tokens (global_pool="
                          f"{layout.pool!r}), not the class token; there is no one state its output reads")
