@@ -142,7 +142,10 @@ def readout_weights(layout: TokenLayout, method: str, dtype=torch.float32, devic
     ``sum_i w_i h_i``, a fixed linear combination of the last block's tokens, so its row of the
     propagated matrix is the same combination of their rows (each row says what one output
     token is made of; the combination's is the combination of theirs). The prefix tokens'
-    rows get weight 0 when the head averages the patches only. ``ValueError`` (naming what is
+    rows get weight 0 when the head averages the patches only. A head on two tokens reads them
+    through two linear maps, not as one pooled token: its row is the mean of the two tokens'
+    rows (the definition, :meth:`vitlab.layout.TokenLayout.readout`), and a gradient-weighted
+    method's class-specific weighting reaches both tokens through the gradients. ``ValueError`` (naming what is
     missing) for any other head; called before the forward.
     """
     w = layout.readout(dtype=dtype, device=device)
