@@ -402,6 +402,68 @@ def test_hugging_face_vit_at_another_image_size(models):
     assert np.allclose(chefer_relevance(model, x, 2).numpy(), expected, **tol(expected))
 
 
+def resized(model, name, size):
+    """The same model built for ``size`` px images, its position embedding the model's own resampling
+    of its embedding to that grid (Hugging Face: interpolate_pos_encoding; timm dynamic_img_size:
+    resample_abs_pos_embed): what the model computes at that size, as a model made for it."""
+    import copy
+
+    import timm
+    import transformers
+    from timm.layers import resample_abs_pos_embed
+
+    if name == "HF ViT":
+        config = copy.deepcopy(model.config)
+        config.image_size = size
+        big = transformers.ViTForImageClassification(config).double().eval()
+        state = dict(model.state_dict())
+        grid = (size // config.patch_size) ** 2
+        with torch.no_grad():
+            state["vit.embeddings.position_embeddings"] = model.vit.embeddings.interpolate_pos_encoding(
+                torch.zeros(1, grid + 1, config.hidden_size, dtype=torch.float64), size, size)
+        big.load_state_dict(state)
+        return big
+    big = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=fam.CLASSES, img_size=size,
+                            **fam._SMALL).double().eval()
+    state = dict(model.state_dict())
+    with torch.no_grad():
+        state["pos_embed"] = resample_abs_pos_embed(model.pos_embed, (size // 8, size // 8),
+                                                    model.patch_embed.grid_size, num_prefix_tokens=1)
+    big.load_state_dict(state)
+    return big
+
+
+@pytest.mark.parametrize("name", ["HF ViT", "timm ViT, dynamic_img_size"])
+def test_lrp_and_projection_at_another_image_size(models, name):
+    """A Hugging Face ViT (interpolate_pos_encoding) and a timm ViT built with dynamic_img_size (whose patch
+    embedding keeps the grid, B x gh x gw x D) at 48 px: the LRP family, the projection and its map equal
+    those of the same model built for 48 px with the resampled position embedding."""
+    import timm
+
+    from conftest import LRP_AMPLIFICATION
+    from vitlab import lrp as L, projection as P
+
+    if name == "HF ViT":
+        model = model_of(models, "HF ViT")
+    else:
+        model = fam._randomize(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=fam.SIZE,
+                                                 num_classes=fam.CLASSES, dynamic_img_size=True, **fam._SMALL),
+                               2).double().eval()
+    x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    big = resized(model, name, 48)
+    want = fam.output_tensor(big(x))
+    got = fam.output_tensor(vitlab.attention.run_images(model, x))
+    assert torch.allclose(got, want, **tol(want))                     # the reference is the model at 48 px
+    for method in (L.lrp, L.attn_lrp, L.partial_lrp, L.transformer_attribution):
+        expected = method(big, x, 2)
+        assert expected.shape == (2, 6, 6)
+        assert torch.allclose(method(model, x, 2), expected, **f64_tol(expected, DEPTH * LRP_AMPLIFICATION))
+    expected = P.projection_map(big, x, 2)
+    assert torch.allclose(P.projection_map(model, x, 2), expected, **tol(expected))
+    expected = P.project(big, x).residual
+    assert torch.allclose(P.project(model, x).residual, expected, **tol(expected))
+
+
 def test_import_vitlab_then_lrp():
     import vitlab as v
 

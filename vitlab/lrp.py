@@ -79,6 +79,7 @@ from typing import NamedTuple
 import torch
 
 from vitlab.compat import renamed_arguments
+from vitlab.attention import run_images
 from vitlab.inputs import (
     check_images, check_input_dtype, gradient_leaf, in_chunks, readout_weights, require_gradients, require_logit_start,
 )
@@ -203,7 +204,7 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
     with torch.enable_grad():
         x_in = gradient_leaf(x)
         with record(model, lrp=rules, capture=capture, detach=False, eval_mode=True) as rec:
-            logits = logits_of(model(x_in))
+            logits = logits_of(run_images(model, x_in))  # interpolate_pos_encoding where a HF ViT needs it
             t = resolve_target(target, logits)
             y = logits.gather(1, t[:, None])[:, 0]
             g = score_gradient(model, logits, t, score)  # ds/dy, B x C
