@@ -294,10 +294,12 @@ def vit_forward(model, x: torch.Tensor):
     """A timm ViT's forward written out block by block with the model's own weights (the operations
     of its modules): ``(e, x0, saved, h)``, the patch embeddings, the first block's input, per block a
     dict of every intermediate (``h n1 qkv qs k v S A O P mid n2 f1 g f2``) and the last block's
-    output, before the final norm. Runs under the caller's grad mode."""
+    output, before the final norm. A distilled DeiT's distillation token follows the class token.
+    Runs under the caller's grad mode."""
     B = x.shape[0]
     e = model.patch_embed.proj(x).flatten(2).transpose(1, 2)
-    x0 = torch.cat([model.cls_token.expand(B, -1, -1), e], 1) + model.pos_embed
+    prefix = [model.cls_token] + ([model.dist_token] if getattr(model, "dist_token", None) is not None else [])
+    x0 = torch.cat([t.expand(B, -1, -1) for t in prefix] + [e], 1) + model.pos_embed
     h, saved = x0, []
     for blk in model.blocks:
         at = blk.attn

@@ -245,7 +245,17 @@ def test_unknown_score_is_a_value_error(vit, x, method):
 
 
 # --- class-token attention and the raw-attention / GradCAM baselines ----------------------------
-@pytest.mark.parametrize("make, prefix", [(tiny_vit, 1), (tiny_distilled, 2),
+def test_class_token_row_methods_refuse_a_distilled_deit():
+    """A distilled DeiT's logits average a head on the class token and one on the distillation token:
+    the class token's own row would explain part of what the output reads, so the methods reading it
+    refuse, naming the head and the methods that read both rows."""
+    model, x = tiny_distilled(), torch.randn(2, 3, 32, 32)
+    for method in (cls_attention, lambda m, x: attention_gradcam(m, x, 1)):
+        with pytest.raises(ValueError, match="distilled DeiT: its logits average two heads.*chefer_relevance"):
+            method(model, x)
+
+
+@pytest.mark.parametrize("make, prefix", [(tiny_vit, 1), (lambda: tiny_vit(3, reg_tokens=1), 2),
                                           (lambda: tiny_vit(3, reg_tokens=2, img_size=(32, 48)), 3)])
 def test_cls_attention_is_the_cls_row_over_patches_on_the_grid(make, prefix):
     model = make()

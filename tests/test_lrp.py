@@ -134,7 +134,9 @@ def scratch(model, x, rules, target=None, unit=False, score="logit", multi_label
     same copy. The relevance starts on the logits as ``y_j ds/dy_j`` (``unit``: that over its sum,
     relevance 1 in all), with
     ``ds/dy`` written out: one-hot for the logit; for the log-probability ``onehot - softmax(y)``,
-    or ``onehot (1 - sigmoid(y_t))`` for a ``multi_label`` head."""
+    or ``onehot (1 - sigmoid(y_t))`` for a ``multi_label`` head. A distilled DeiT's logits are
+    ``(head(h_CLS) + head_dist(h_dist)) / 2``: the z-rule splits each logit's relevance over the two
+    terms, then each head's rule passes its share to its token."""
     m = copy.deepcopy(model).double()
     x = x.double()
     B = x.shape[0]
@@ -143,7 +145,11 @@ def scratch(model, x, rules, target=None, unit=False, score="logit", multi_label
         for block in saved:
             block["A"].retain_grad()
         nf = ln(h, m.norm)
+        distilled = getattr(m, "dist_token", None) is not None
         logits = F.linear(nf[:, 0], m.head.weight, m.head.bias)
+        if distilled:
+            halves = (logits / 2, F.linear(nf[:, 1], m.head_dist.weight, m.head_dist.bias) / 2)
+            logits = halves[0] + halves[1]
         t = logits.argmax(-1) if target is None else torch.as_tensor(target).expand(B)
         y = logits.gather(1, t[:, None])[:, 0]
         onehot = torch.zeros_like(logits).scatter(1, t[:, None], 1.0)
@@ -163,9 +169,12 @@ def scratch(model, x, rules, target=None, unit=False, score="logit", multi_label
         # for the logit, as the reference's relprop starts)
         R = logits.detach() * ds
         R = R / R.sum(-1, keepdim=True) if unit else R
-        R_cls = linear_relprop(nf[:, 0], m.head.weight, m.head.bias, R, rules, absorbed)
         R_nf = torch.zeros_like(nf)
-        R_nf[:, 0] = R_cls
+        if distilled:  # the z-rule at the mean of the two heads, then each head's rule
+            for i, (head, half) in enumerate(zip((m.head, m.head_dist), halves)):
+                R_nf[:, i] = linear_relprop(nf[:, i], head.weight, head.bias, half / logits * R, rules, absorbed)
+        else:
+            R_nf[:, 0] = linear_relprop(nf[:, 0], m.head.weight, m.head.bias, R, rules, absorbed)
         R_h = ln_relprop(h, m.norm, R_nf, rules, absorbed)
         R_attn = [None] * len(saved)
         for l in reversed(range(len(saved))):
@@ -190,7 +199,8 @@ def scratch(model, x, rules, target=None, unit=False, score="logit", multi_label
             R_qkv = torch.stack([R_q, R_kT.transpose(-2, -1), R_v]).permute(1, 3, 0, 2, 4).reshape(B, N, 3 * D)
             R_n1 = linear_relprop(s["n1"], blk.attn.qkv.weight, blk.attn.qkv.bias, R_qkv, rules, absorbed)
             R_h = R_hin + ln_relprop(s["h"], blk.norm1, R_n1, rules, absorbed)
-        R_e = e / x0[:, 1:] * R_h[:, 1:]  # z-rule at the position embedding's addition
+        P = 1 + int(distilled)
+        R_e = e / x0[:, P:] * R_h[:, P:]  # z-rule at the position embedding's addition
     return dict(tokens=R_h.sum(-1), patches=R_e.sum(-1), attention=R_attn, grads=grads, logit=y.detach(),
                 absorbed=absorbed, start=R.sum(-1))
 
@@ -304,6 +314,38 @@ def test_log_probability_score_equals_scratch(vit, vit64, x, multi_label):
 
 
 METHODS = [L.lrp, L.attn_lrp, L.partial_lrp, L.transformer_attribution]
+
+
+def test_distilled_deit_is_explained_through_both_heads(x):
+    """A distilled DeiT's logits average a head on the class token and one on the distillation token:
+    LRP and AttnLRP pass the relevance back through both heads (the from-scratch propagation above,
+    with the z-rule at the mean of the two heads), and partial LRP and Transformer attribution read
+    the mean of the two tokens' rows (as Chefer relevance does, vitlab.inputs.readout_weights); the
+    class token's row alone is another map. Chefer's rules still conserve the logit to the tokens."""
+    from timm.models.deit import VisionTransformerDistilled
+
+    model = randomize(VisionTransformerDistilled(**TINY), 3)
+    m64, x64 = copy.deepcopy(model).double(), x.double()
+    grid = (3, 4, 4)
+    ch, at = scratch(model, x, "chefer"), scratch(model, x, "attnlrp")
+    torch.testing.assert_close(L.lrp(m64, x64), ch["patches"].reshape(grid), **tol64(ch["patches"]))
+    torch.testing.assert_close(L.attn_lrp(m64, x64), at["patches"].reshape(grid), **tol64(at["patches"], "attnlrp"))
+    c = L.lrp_conservation(m64, x64)
+    torch.testing.assert_close(c["tokens"], c["logit"], **tol64(c["logit"]))
+    heads = ch["attention"][-1].clamp(min=0).mean(1)
+    partial = ((heads[:, 0] + heads[:, 1]) / 2)[:, 2:]
+    got = L.partial_lrp(m64, x64)
+    torch.testing.assert_close(got, partial.reshape(grid), **tol64(partial))
+    assert (got - heads[:, 0, 2:].reshape(grid)).abs().max() > 1e3 * tol64(partial)["atol"]  # not the CLS row
+    ch = scratch(model, x, "chefer", unit=True)
+    N = ch["attention"][0].shape[-1]
+    joint = torch.eye(N, dtype=torch.float64).expand(3, N, N)
+    for R_A, G in zip(ch["attention"], ch["grads"]):
+        joint = (torch.eye(N, dtype=torch.float64) + (G * R_A).clamp(min=0).mean(1)) @ joint
+    want = ((joint[:, 0] + joint[:, 1]) / 2)[:, 2:]
+    got = L.transformer_attribution(m64, x64)
+    torch.testing.assert_close(got, want.reshape(grid), **tol64(want))
+    assert (got - joint[:, 0, 2:].reshape(grid)).abs().max() > 1e3 * tol64(want)["atol"]
 
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda f: f.__name__)

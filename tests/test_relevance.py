@@ -40,8 +40,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MAP_DEPTH = TINY_GRAD_DEPTH + 3 * (3 + 17)
 
 
-def np_relevance(attentions, gradients, prefix, grid):
-    """Eq. 5-6 with explicit loops over samples, heads and blocks: R[CLS, patches] on the grid."""
+def np_relevance(attentions, gradients, prefix, grid, rows=(0,)):
+    """Eq. 5-6 with explicit loops over samples, heads and blocks: R[CLS, patches] on the grid (the
+    mean of the given rows: a distilled DeiT's two heads read rows 0 and 1)."""
     A = [a.double().numpy() for a in attentions]
     G = [g.double().numpy() for g in gradients]
     B, H, N, _ = A[0].shape
@@ -53,7 +54,7 @@ def np_relevance(attentions, gradients, prefix, grid):
             for h in range(H):
                 Abar += np.maximum(G[l][b, h] * A[l][b, h], 0) / H
             R = R + Abar @ R
-        maps.append(R[0, prefix:].reshape(grid))
+        maps.append((sum(R[i, prefix:] for i in rows) / len(rows)).reshape(grid))
     return np.stack(maps)
 
 
@@ -128,7 +129,8 @@ def test_chefer_relevance_reads_prefix_and_grid_from_the_model():
     ag = attention_gradients(model, x, 2)
     out = chefer_relevance(model, x, 2)
     assert out.shape == (2, 6, 4)
-    expected = np_relevance(ag.attentions, ag.gradients, 2, (6, 4))
+    # its logits average a head on the CLS token and one on the distillation token: both rows, halved
+    expected = np_relevance(ag.attentions, ag.gradients, 2, (6, 4), rows=(0, 1))
     assert np.allclose(out.numpy(), expected, **f32_tol(expected, module_depth(model, tokens=26, grad=True) + 3 * (3 + 26)))
 
 

@@ -63,8 +63,9 @@ def np_discard(A, ratio):
     return A
 
 
-def np_rollout(layers_fused, prefix, grid, discard_ratio):
-    """Full R = a_L ... a_1 from fused B x N x N layer matrices; CLS row / max."""
+def np_rollout(layers_fused, prefix, grid, discard_ratio, rows=(0,)):
+    """Full R = a_L ... a_1 from fused B x N x N layer matrices; the mean of the given rows (the CLS
+    row; a distilled DeiT's two heads: the CLS and distillation rows) / max."""
     B, N, _ = layers_fused[0].shape
     R = np.stack([np.eye(N)] * B)
     for A in layers_fused:
@@ -72,7 +73,7 @@ def np_rollout(layers_fused, prefix, grid, discard_ratio):
         a = (A + np.eye(N)) / 2
         a = a / a.sum(axis=-1, keepdims=True)
         R = a @ R
-    maps = R[:, 0, prefix:].reshape(B, *grid)
+    maps = sum(R[:, i, prefix:] for i in rows).reshape(B, *grid) / len(rows)
     return maps / maps.reshape(B, -1).max(axis=1)[:, None, None]
 
 
@@ -180,7 +181,8 @@ def test_rollout_equals_the_formula(vit64, x64, head_fusion, discard_ratio):
 def test_rollout_reads_prefix_and_grid_from_the_model():
     distilled = _randomize(VisionTransformerDistilled(**{**TINY, "img_size": (32, 48)}), 4)  # CLS + dist, 4 x 6
     x = torch.randn(2, 3, 32, 48)
-    expected = np_rollout([A.mean(axis=1) for A in recorded_attentions(distilled, x)], 2, (4, 6), 0.0)
+    # its logits average a head on the CLS token and one on the distillation token: both rows, halved
+    expected = np_rollout([A.mean(axis=1) for A in recorded_attentions(distilled, x)], 2, (4, 6), 0.0, rows=(0, 1))
     out = rollout(distilled, x)
     assert out.shape == (2, 4, 6)
     # no discard: float32 maps (<= 1) of the same recording, products over 26 tokens

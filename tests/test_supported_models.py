@@ -7,7 +7,9 @@ internal function. scripts/supported_models.py prints the README's table from th
 
 Then the definitions that make the table's "exact" mean exact: a mean-pooled head's rollout and
 Chefer relevance are the mean of the patch tokens' rows, against loops over the model's own eager
-attentions (timm global_pool='avg', Hugging Face BEiT); a model without a head explained for a
+attentions (timm global_pool='avg', Hugging Face BEiT); a head on two tokens (a distilled DeiT's two
+heads, Hugging Face Dinov2's classifier over the CLS token and the patch mean) is explained through
+both tokens' rows in equal shares, against the same loops; a model without a head explained for a
 function of its output, against the gradient computed from scratch; a Hugging Face ViT at another
 image size.
 """
@@ -20,11 +22,11 @@ import torch.nn.functional as F
 
 import vitlab
 from vitlab.gradients import input_x_gradient
-from vitlab.relevance import chefer_relevance
-from vitlab.rollout import rollout
+from vitlab.relevance import chefer_relevance, last_block_relevance
+from vitlab.rollout import grad_rollout, rollout
 
 import families as fam
-from conftest import f32_tol, f64_tol
+from conftest import assert_model_unchanged, f32_tol, f64_tol, model_snapshot
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,7 +51,7 @@ EXPECTED_LAYOUT = {
     "timm ViT": (1, "token"),
     "timm ViT, mean-pooled (global_pool='avg')": (1, "avg"),
     "timm ViT, attention-pooled (global_pool='map')": (1, "map"),
-    "timm DeiT distilled": (2, "token"),
+    "timm DeiT distilled": (2, "token_distillation"),
     "timm DeiT-3": (1, "token"),
     "timm DINOv2": (1, "token"),
     "timm DINOv2 + registers": (5, "token"),
@@ -61,9 +63,10 @@ EXPECTED_LAYOUT = {
     "timm CaiT": (1, "class_attention"),
     "timm Swin": "Swin",
     "HF ViT": (1, "token"),
-    "HF DeiT distilled": (2, "token"),
+    "HF DeiT distilled": (2, "token_distillation"),
     "HF BEiT (mean pooling)": (1, "avg"),
-    "HF Dinov2ForImageClassification": (1, "token"),
+    "HF Dinov2ForImageClassification": (1, "token_avg"),
+    "HF Dinov2WithRegistersForImageClassification": (3, "token_avg"),
     "HF Dinov2Model (no head)": (1, "token"),
     "HF SigLIP vision model (attention-pool head)": (0, "map"),
     "HF SigLIP classifier": (0, "avg"),
@@ -83,6 +86,9 @@ ROW_METHODS = ("raw attention (last block)", "rollout", "rollout (max, discard 0
 #: methods defined on the class token itself (its attention, its projection) or refusing a pooled head
 CLS_ONLY = ("CLS attention (mean of blocks)", "attention GradCAM", "class-embedding map", "LRP", "partial LRP",
             "Transformer attribution", "AttnLRP")
+
+#: methods that start from the logits and pass them back through the model's own head to every token
+FROM_LOGITS = ("LRP", "partial LRP", "Transformer attribution", "AttnLRP", "input x gradient", "integrated gradients")
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +123,12 @@ def test_token_layout_is_truthful(models, name):
         assert torch.equal(w, torch.cat([torch.zeros(layout.num_prefix), torch.full((layout.num_patches,), 1.0 / layout.num_patches)]).double())
     elif layout.pool in ("token", "class_attention"):
         assert w[0] == 1 and w.sum() == 1
+    elif layout.pool == "token_distillation":  # the mean of a head on the CLS and one on the distillation token
+        assert torch.equal(w, torch.cat([torch.tensor([0.5, 0.5]), torch.zeros(layout.num_patches)]).double())
+    elif layout.pool == "token_avg":  # CLS next to the mean of the patch tokens (registers left out), halves
+        want = torch.zeros(layout.num_tokens, dtype=torch.float64)
+        want[0], want[layout.num_prefix:] = 0.5, 0.5 / layout.num_patches
+        assert torch.equal(w, want)
     else:
         assert w is None
 
@@ -189,6 +201,12 @@ def test_each_method_is_exact_or_refused(models, name, method):
         assert status == "refused"                      # the CLS token's own attention / projection: not the head's
     elif layout[1] == "avg" and method in ROW_METHODS:
         assert status == "exact"                        # the pooled token's row (tests below: its definition)
+    elif layout[1] in ("token_distillation", "token_avg"):
+        # two tokens the head reads: the rows of both, or the logits' backward through the head; what reads
+        # the class token alone (its attention, GradCAM on its row, its projection) refuses, naming the head
+        assert status == ("exact" if method in ROW_METHODS + FROM_LOGITS else "refused"), (status, detail)
+        if status == "refused":
+            assert ("distilled DeiT" if layout[1] == "token_distillation" else "mean of the patch") in detail, detail
 
 
 def test_clip_model_is_refused_by_the_vit_methods(models):
@@ -199,27 +217,33 @@ def test_clip_model_is_refused_by_the_vit_methods(models):
 
 
 # --- what "exact" means for a mean-pooled head ----------------------------------------------------
-def np_rows(attentions, gradients, prefix, grid, pooled):
-    """Loops over samples, heads and blocks: Chefer's R (eq. 5-6) and rollout's product (mean heads,
-    (A + I) / 2 row-normalised), full N x N; their row of the token the head reads -- the mean of the
-    patch tokens' rows (``pooled``) or the CLS row -- over the patch columns."""
+def np_rows(attentions, gradients, prefix, grid, pooled=False, read=None, rule=None):
+    """Loops over samples, heads and blocks: Chefer's R (eq. 5-6; ``rule="relevance"``, the default with
+    gradients), rollout's product (mean heads, (A + I) / 2 row-normalised; the default without) or
+    gradient rollout's (``rule="grad_rollout"``: mean_h (G * A) clamped at 0, then as rollout), full
+    N x N; their row of the token the head reads -- ``read(R)`` when given, else the mean of the patch
+    tokens' rows (``pooled``) or the CLS row -- over the patch columns; the rollouts over their max."""
     A = [a.detach().double().numpy() for a in attentions]
     G = None if gradients is None else [g.detach().double().numpy() for g in gradients]
+    rule = rule or ("rollout" if G is None else "relevance")
     B, H, N, _ = A[0].shape
+    if read is None:
+        read = (lambda R: R[prefix:].mean(0)) if pooled else (lambda R: R[0])
     out = []
     for b in range(B):
         R = np.eye(N)
         for l in range(len(A)):
-            if G is None:
-                a = (A[l][b].mean(0) + np.eye(N)) / 2
-                R = (a / a.sum(1, keepdims=True)) @ R
-            else:
+            if rule == "relevance":
                 Abar = sum(np.maximum(G[l][b, h] * A[l][b, h], 0) for h in range(H)) / H
                 R = R + Abar @ R
-        row = R[prefix:].mean(0) if pooled else R[0]
-        out.append(row[prefix:].reshape(grid))
+                continue
+            fused = A[l][b].mean(0) if rule == "rollout" else np.maximum(sum(G[l][b, h] * A[l][b, h]
+                                                                             for h in range(H)) / H, 0)
+            a = (fused + np.eye(N)) / 2
+            R = (a / a.sum(1, keepdims=True)) @ R
+        out.append(read(R)[prefix:].reshape(grid))
     out = np.stack(out)
-    return out if G is not None else out / out.reshape(B, -1).max(1)[:, None, None]
+    return out if rule == "relevance" else out / out.reshape(B, -1).max(1)[:, None, None]
 
 
 @pytest.mark.parametrize("name", ["timm ViT, mean-pooled (global_pool='avg')", "HF BEiT (mean pooling)",
@@ -243,6 +267,70 @@ def test_mean_pooled_head_is_explained_through_the_mean_of_the_patch_rows(models
     raw = vitlab.raw_attention(model, x).numpy()
     last = attentions[-1].detach().mean(1)[:, layout.num_prefix:, layout.num_prefix:].mean(1).numpy()
     assert np.allclose(raw, last.reshape(raw.shape), **tol(last))
+
+
+# --- what "exact" means for a head on two tokens ---------------------------------------------------
+TWO_TOKEN_HEADS = ["timm DeiT distilled", "HF DeiT distilled", "HF Dinov2ForImageClassification",
+                   "HF Dinov2WithRegistersForImageClassification"]
+
+
+def both_rows(layout):
+    """From scratch, what the head reads as a row of a matrix over the tokens: a distilled DeiT's logits
+    are (head(h_CLS) + head_dist(h_dist)) / 2, so the mean of rows 0 and 1; Dinov2's classifier reads
+    [h_CLS, mean of the patch tokens] (registers left out), its two halves in equal shares."""
+    if layout.pool == "token_distillation":
+        return lambda R: (R[0] + R[1]) / 2
+    return lambda R: (R[0] + R[layout.num_prefix:].mean(0)) / 2
+
+
+@pytest.mark.parametrize("name", TWO_TOKEN_HEADS)
+def test_two_token_head_is_explained_through_both_rows(models, name):
+    """Rollout, gradient rollout, Chefer relevance, raw attention and the last block's relevance of a
+    head on two tokens, against loops over the model's own eager attentions and their gradients; the
+    class token's row alone is another map (the test would catch a CLS readout); the model is left as
+    it was."""
+    model, x = model_of(models, name), fam.images(3, seed=4, family=name)
+    tol = tol_for(name)
+    layout = vitlab.token_layout(model, x)
+    prefix, grid, read = layout.num_prefix, layout.grid, both_rows(layout)
+    before = model_snapshot(model)
+    attentions, out = fam.eager_attentions(model, x, with_output=True)
+    target = [1, 3, 4]
+    grads = torch.autograd.grad(fam.output_tensor(out)[torch.arange(3), target].sum(), attentions)
+    got = {"relevance": chefer_relevance(model, x, target), "grad_rollout": grad_rollout(model, x, target),
+           "rollout": rollout(model, x)}
+    for rule, maps in got.items():
+        g = None if rule == "rollout" else grads
+        expected = np_rows(attentions, g, prefix, grid, read=read, rule=rule)
+        assert np.allclose(maps.numpy(), expected, **tol(expected)), rule
+        cls = np_rows(attentions, g, prefix, grid, read=lambda R: R[0], rule=rule)
+        assert not np.allclose(cls, expected, **tol(expected)), rule
+    last = attentions[-1].detach().double()
+    raw = read(last.mean(1).transpose(0, 1))[:, prefix:].reshape(3, *grid)      # rows: tokens first
+    assert torch.allclose(vitlab.raw_attention(model, x), raw, **tol(raw))
+    abar = (grads[-1].double() * last).clamp(min=0).mean(1)
+    want = read(abar.transpose(0, 1))[:, prefix:].reshape(3, *grid)
+    assert torch.allclose(last_block_relevance(model, x, target), want, **tol(want))
+    assert_model_unchanged(model, before)
+
+
+def test_distilled_training_mode_gives_the_eval_maps_and_stays(models):
+    """timm's distilled DeiT returns the two heads' logits as a tuple in train mode with
+    distilled_training on: the methods run it in eval mode (the mean of the two), give the eval maps
+    and leave it in train mode with distilled_training on."""
+    import copy
+
+    model, x = copy.deepcopy(model_of(models, "timm DeiT distilled")), fam.images(2, seed=2)
+    want = {"relevance": chefer_relevance(model, x, 2), "rollout": rollout(model, x)}
+    model.set_distilled_training(True)
+    model.train()
+    assert isinstance(model(x), tuple)
+    before = model_snapshot(model)
+    got = {"relevance": chefer_relevance(model, x, 2), "rollout": rollout(model, x)}
+    assert_model_unchanged(model, before)
+    assert model.training and model.distilled_training
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
 
 
 def test_cait_class_token_enters_in_its_class_attention_blocks(models):
@@ -312,6 +400,68 @@ def test_hugging_face_vit_at_another_image_size(models):
     grads = torch.autograd.grad(out.logits[:, 2].sum(), attentions)
     expected = np_rows(attentions, grads, 1, (6, 6), pooled=False)
     assert np.allclose(chefer_relevance(model, x, 2).numpy(), expected, **tol(expected))
+
+
+def resized(model, name, size):
+    """The same model built for ``size`` px images, its position embedding the model's own resampling
+    of its embedding to that grid (Hugging Face: interpolate_pos_encoding; timm dynamic_img_size:
+    resample_abs_pos_embed): what the model computes at that size, as a model made for it."""
+    import copy
+
+    import timm
+    import transformers
+    from timm.layers import resample_abs_pos_embed
+
+    if name == "HF ViT":
+        config = copy.deepcopy(model.config)
+        config.image_size = size
+        big = transformers.ViTForImageClassification(config).double().eval()
+        state = dict(model.state_dict())
+        grid = (size // config.patch_size) ** 2
+        with torch.no_grad():
+            state["vit.embeddings.position_embeddings"] = model.vit.embeddings.interpolate_pos_encoding(
+                torch.zeros(1, grid + 1, config.hidden_size, dtype=torch.float64), size, size)
+        big.load_state_dict(state)
+        return big
+    big = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=fam.CLASSES, img_size=size,
+                            **fam._SMALL).double().eval()
+    state = dict(model.state_dict())
+    with torch.no_grad():
+        state["pos_embed"] = resample_abs_pos_embed(model.pos_embed, (size // 8, size // 8),
+                                                    model.patch_embed.grid_size, num_prefix_tokens=1)
+    big.load_state_dict(state)
+    return big
+
+
+@pytest.mark.parametrize("name", ["HF ViT", "timm ViT, dynamic_img_size"])
+def test_lrp_and_projection_at_another_image_size(models, name):
+    """A Hugging Face ViT (interpolate_pos_encoding) and a timm ViT built with dynamic_img_size (whose patch
+    embedding keeps the grid, B x gh x gw x D) at 48 px: the LRP family, the projection and its map equal
+    those of the same model built for 48 px with the resampled position embedding."""
+    import timm
+
+    from conftest import LRP_AMPLIFICATION
+    from vitlab import lrp as L, projection as P
+
+    if name == "HF ViT":
+        model = model_of(models, "HF ViT")
+    else:
+        model = fam._randomize(timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=fam.SIZE,
+                                                 num_classes=fam.CLASSES, dynamic_img_size=True, **fam._SMALL),
+                               2).double().eval()
+    x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    big = resized(model, name, 48)
+    want = fam.output_tensor(big(x))
+    got = fam.output_tensor(vitlab.attention.run_images(model, x))
+    assert torch.allclose(got, want, **tol(want))                     # the reference is the model at 48 px
+    for method in (L.lrp, L.attn_lrp, L.partial_lrp, L.transformer_attribution):
+        expected = method(big, x, 2)
+        assert expected.shape == (2, 6, 6)
+        assert torch.allclose(method(model, x, 2), expected, **f64_tol(expected, DEPTH * LRP_AMPLIFICATION))
+    expected = P.projection_map(big, x, 2)
+    assert torch.allclose(P.projection_map(model, x, 2), expected, **tol(expected))
+    expected = P.project(big, x).residual
+    assert torch.allclose(P.project(model, x).residual, expected, **tol(expected))
 
 
 def test_import_vitlab_then_lrp():

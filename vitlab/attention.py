@@ -274,7 +274,8 @@ def raw_attention(model, x: torch.Tensor) -> torch.Tensor:
     Returns ``B x gh x gw``: ``mean_h A_L[h, CLS, patches]``. For a mean-pooled head (timm
     ``global_pool="avg"``, BEiT, EVA-02) the row of the pooled token instead: ``w · mean_h A_L``
     with ``w`` = 1/P on the patch tokens (:func:`vitlab.inputs.readout_weights`), the mean of the
-    patch tokens' rows; for an attention-pool head, its probe's attention (:func:`probe_sequence`).
+    patch tokens' rows; for an attention-pool head, its probe's attention (:func:`probe_sequence`);
+    for a head on two tokens (a distilled DeiT, Hugging Face Dinov2's classifier) the mean of their rows.
     """
     def compute(x):
         attentions, layout = recorded_attentions(model, x)

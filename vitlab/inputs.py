@@ -2,8 +2,9 @@
 budget and chunking of a batch, the inference-mode refusal, the positive-int check.
 
 - :func:`check_images`, :func:`check_batch_values`, :func:`check_input_dtype`,
-  :func:`checked_layout`, :func:`require_cls` (with :data:`CLS_POOLS`), :func:`readout_weights`
-  (the token a model's output reads, a mean-pooled head's included): a wrong input is named,
+  :func:`checked_layout`, :func:`require_cls` (with :data:`CLS_POOLS`), :func:`require_logit_start`
+  (with :data:`TWO_TOKEN_POOLS`), :func:`readout_weights` (the tokens a model's output reads, a
+  mean-pooled or two-token head's included): a wrong input is named,
   with what to do, before any forward pass;
 - :data:`MEMORY_BUDGET`, :func:`chunk_size`, :func:`in_chunks`, :func:`batches`: a batch whose
   recorded attention would exceed the budget runs in chunks of samples, with the same maps;
@@ -36,6 +37,21 @@ MEMORY_BUDGET = 1 << 30
 
 #: Values of ``TokenLayout.pool`` whose output reads the CLS token (``""``: every token).
 CLS_POOLS = ("token", "")
+
+#: Values of ``TokenLayout.pool`` whose output reads the CLS token and one more token through two
+#: linear maps: a distilled DeiT's two heads (``"token_distillation"``), Hugging Face Dinov2's
+#: classifier over the CLS token and the patch mean (``"token_avg"``). A method that reads the
+#: class token's own row refuses them (:func:`require_cls`); the row methods read both
+#: (:meth:`vitlab.layout.TokenLayout.readout`); LRP starts from the logits and passes both.
+TWO_TOKEN_POOLS = ("token_distillation", "token_avg")
+
+#: What the output of each of :data:`TWO_TOKEN_POOLS` reads, for the refusals.
+_TWO_TOKEN_WHY = {
+    "token_distillation": ("is a distilled DeiT: its logits average two heads, one on the class token and one on the "
+                           "distillation token"),
+    "token_avg": ("has a classifier that reads the class token next to the mean of the patch tokens (the two "
+                  "concatenated, as Hugging Face's Dinov2ForImageClassification does)"),
+}
 
 
 _POOL_WHY = {
@@ -93,21 +109,43 @@ def require_cls(layout: TokenLayout, method: str) -> None:
             "the patch tokens (global_pool='avg' / use_mean_pooling), so a CLS-row map would explain a token the "
             f"output ignores. Methods that read the pooled output's row do explain it: {pooled_methods}"
         )
+    if layout.pool in TWO_TOKEN_POOLS:
+        raise ValueError(
+            f"{method} reads the class token's own row of the attention, but this model "
+            f"{_TWO_TOKEN_WHY[layout.pool]}, so a map of the class token alone would explain part of what the "
+            f"output reads. Methods that read the rows of the tokens the output reads do explain it: {pooled_methods}; and the LRP "
+            "family (lrp, attn_lrp, partial_lrp, transformer_attribution) and the input gradients, which start "
+            "from the logits"
+        )
     raise _pool_refusal(layout, method, "the class-token (CLS) row of the attention")
+
+
+def require_logit_start(layout: TokenLayout, method: str) -> None:
+    """The check of a method that starts from the logits and passes the relevance back through the
+    model's own head (the LRP family): :func:`require_cls`, except for :data:`TWO_TOKEN_POOLS`, whose
+    heads the backward passes to both tokens (the rows such a method reads are then
+    :func:`readout_weights`'s)."""
+    if layout.pool not in TWO_TOKEN_POOLS or not layout.has_class_token:
+        require_cls(layout, method)
 
 
 def readout_weights(layout: TokenLayout, method: str, dtype=torch.float32, device=None) -> torch.Tensor:
     """The weights ``w`` (``N``) of the token the model's output reads, as a combination of the last
     block's tokens (:meth:`vitlab.layout.TokenLayout.readout`): ``e_CLS`` for a head reading the
     class token, ``1 / P`` on each of the ``P`` patch tokens for a mean-pooled head (timm
-    ``global_pool="avg"``, BEiT, EVA-02, SigLIP's classifier).
+    ``global_pool="avg"``, BEiT, EVA-02, SigLIP's classifier), ``(e_CLS + e_dist) / 2`` for a
+    distilled DeiT's two heads, ``e_CLS / 2 + 1 / (2P)`` on each patch for Hugging Face Dinov2's
+    classifier over the CLS token and the patch mean.
 
     A map defined as row CLS of a matrix ``M`` over the tokens (rollout, Chefer relevance, the
     last block's attention) becomes ``w M`` for the pooled token: the pooled output is
     ``sum_i w_i h_i``, a fixed linear combination of the last block's tokens, so its row of the
     propagated matrix is the same combination of their rows (each row says what one output
     token is made of; the combination's is the combination of theirs). The prefix tokens'
-    rows get weight 0 when the head averages the patches only. ``ValueError`` (naming what is
+    rows get weight 0 when the head averages the patches only. A head on two tokens reads them
+    through two linear maps, not as one pooled token: its row is the mean of the two tokens'
+    rows (the definition, :meth:`vitlab.layout.TokenLayout.readout`), and a gradient-weighted
+    method's class-specific weighting reaches both tokens through the gradients. ``ValueError`` (naming what is
     missing) for any other head; called before the forward.
     """
     w = layout.readout(dtype=dtype, device=device)

@@ -8,14 +8,17 @@ from the input), never assumed: no 197, 196 or 14 x 14 anywhere in vitlab.
 
 The layout also says which tokens the model's output reads (``pool``, :data:`POOLS`): the CLS
 token (``"token"``: timm's ``global_pool="token"``; Hugging Face ViT, DeiT, CLIP's vision
-tower and Dinov2, whose Dinov2 classifier reads the CLS token next to the patch mean), the
-mean of the patch tokens (``"avg"``: timm's ``"avg"`` -- BEiT and EVA-02 by default --, Hugging
+tower, ``Dinov2Model``), the CLS and the distillation token (``"token_distillation"``: a
+distilled DeiT, timm's or Hugging Face's ``...WithTeacher``, whose logits are the mean of a head
+on each), the CLS token next to the mean of the patch tokens (``"token_avg"``: Hugging Face's
+``Dinov2ForImageClassification`` and ``Dinov2WithRegistersForImageClassification``, whose
+classifier reads the two concatenated), the mean of the patch tokens (``"avg"``: timm's ``"avg"`` -- BEiT and EVA-02 by default --, Hugging
 Face BEiT with ``use_mean_pooling``, SigLIP's classifier), another pooling of them (timm's
 ``"max"``, ``"avgmax"``), an attention probe over the tokens (``"map"``: timm's attention
 pooling, SigLIP's pooling head), CaiT's class-attention blocks (``"class_attention"``: its
 class token joins the patches only there), or nothing (``""``: every token, unpooled). Maps
 read from the CLS row explain the CLS token, which only the first kind's output reads; a
-mean-pooled output is explained through its own row (:meth:`TokenLayout.readout`).
+mean-pooled or two-token output is explained through its own row (:meth:`TokenLayout.readout`).
 
 Hierarchical ViTs with windowed attention (Swin) have no single patch grid and no CLS token:
 :func:`token_layout` refuses them (:func:`windowed_refusal`).
@@ -43,6 +46,9 @@ class TokenLayout:
         num_registers: register tokens among the prefix.
         has_distillation: whether the prefix holds a distillation token.
         pool: what the model's output reads (:data:`POOLS`): ``"token"`` (the CLS token),
+            ``"token_distillation"`` (a distilled DeiT: the mean of a head on the CLS token and
+            a head on the distillation token), ``"token_avg"`` (the CLS token concatenated with
+            the mean of the patch tokens: Hugging Face's Dinov2 classifiers),
             ``"avg"`` (the mean of the patch tokens, prefix tokens left out), timm's name of
             another pooling over the patch tokens (``"max"``, ``"avgmax"``, ``"prr"``),
             ``"map"`` (an attention probe over the tokens), ``"class_attention"`` (CaiT: the
@@ -64,18 +70,34 @@ class TokenLayout:
 
     def readout(self, dtype=torch.float32, device=None) -> torch.Tensor | None:
         """Weights ``w`` over the ``N`` tokens with ``pooled = sum_i w_i h_i``: the token the output
-        reads, as a combination of the last block's tokens. ``"token"`` / ``""`` with a CLS
-        token: ``e_0``; ``"avg"``: ``1 / num_patches`` on every patch token, 0 on the prefix
-        (what timm and Hugging Face average); CaiT (``"class_attention"``): ``e_0``, its class
-        token after the class-attention blocks (:func:`vitlab.attention.full_sequence`). None
-        where the output is not such a weighted sum of tokens (max pooling, an attention probe,
-        no CLS token)."""
+        reads, as a combination of the last block's tokens; the weights sum to 1. ``"token"`` /
+        ``""`` with a CLS token: ``e_0``; ``"avg"``: ``1 / num_patches`` on every patch token, 0
+        on the prefix (what timm and Hugging Face average); CaiT (``"class_attention"``): ``e_0``,
+        its class token after the class-attention blocks (:func:`vitlab.attention.full_sequence`).
+
+        Two tokens read by two linear maps: ``"token_distillation"`` (``logits = (head(h_0) +
+        head_dist(h_1)) / 2``): ``(e_0 + e_1) / 2``, the shares in which the logits read the CLS
+        and the distillation token; ``"token_avg"`` (``logits = W [h_0, mean_p h_p]``, two halves of
+        equal width): ``e_0 / 2 + 1 / (2 num_patches)`` on every patch token (registers left out,
+        as Hugging Face's mean leaves them out), each half's own row -- the CLS row, the mean of
+        the patch rows -- in equal shares. A row of a matrix over the tokens (rollout, Chefer
+        relevance) is linear in ``w``, so the map of such a head is the mean of its two tokens'
+        maps; the class-specific weighting of the two halves comes from the gradients, which reach
+        both tokens. None where the output is not such a combination of tokens (max pooling, an
+        attention probe, no CLS token)."""
         w = torch.zeros(self.num_tokens, dtype=dtype, device=device)
         if self.pool in ("token", "", "class_attention") and self.has_class_token:
             w[0] = 1
             return w
         if self.pool == "avg":
             w[self.num_prefix:] = 1.0 / self.num_patches
+            return w
+        if self.pool == "token_distillation" and self.has_class_token and self.has_distillation:
+            w[:2] = 0.5  # the CLS token, then the distillation token (timm and Hugging Face order)
+            return w
+        if self.pool == "token_avg" and self.has_class_token:
+            w[0] = 0.5
+            w[self.num_prefix:] = 0.5 / self.num_patches
             return w
         return None
 
@@ -101,7 +123,7 @@ class TokenLayout:
 
 
 #: What ``TokenLayout.pool`` can say (timm's own pooling names kept: ``"avgmax"``, ``"prr"``).
-POOLS = ("token", "avg", "max", "avgmax", "prr", "map", "class_attention", "")
+POOLS = ("token", "token_distillation", "token_avg", "avg", "max", "avgmax", "prr", "map", "class_attention", "")
 
 
 def windowed_refusal(model: nn.Module) -> str | None:
@@ -178,6 +200,10 @@ def _timm_layout(model: nn.Module, hw) -> TokenLayout:
         pool = str(getattr(pool, "pool_type", "token"))
     if getattr(model, "attn_pool", None) is not None:
         pool = "map"
+    if has_dist and isinstance(getattr(model, "head_dist", None), nn.Module):
+        # timm's VisionTransformerDistilled (global_pool must be "token"): forward_head returns
+        # (head(x[:, 0]) + head_dist(x[:, 1])) / 2 in eval mode, the mean of two heads on two tokens
+        pool = "token_distillation"
     if getattr(model, "blocks_token_only", None) is not None and pool == "token":
         # CaiT: the class token is not in the self-attention blocks' sequence; it joins the
         # patches in the class-attention blocks, whose output the head reads
@@ -206,6 +232,14 @@ def _hf_layout(model: nn.Module, hw) -> TokenLayout:
         pool = "avg" if hasattr(model, "classifier") else ("map" if getattr(vision, "vision_use_head", True) else "")
     elif model_type.startswith("beit") and getattr(vision, "use_mean_pooling", False):
         pool = "avg"  # BeitPooler: the mean of the patch tokens (the CLS token left out)
+    elif has_dist and has_cls and isinstance(getattr(model, "distillation_classifier", None), nn.Module):
+        # DeiTForImageClassificationWithTeacher: (cls_classifier(h[:, 0]) + distillation_classifier(h[:, 1])) / 2;
+        # DeiTModel and DeiTForImageClassification read the CLS token alone
+        pool = "token_distillation"
+    elif model_type.startswith("dinov2") and has_cls and isinstance(getattr(model, "classifier", None), nn.Module):
+        # Dinov2(WithRegisters)ForImageClassification: classifier(cat[h[:, 0], mean of the patch tokens]),
+        # the registers left out of the mean; Dinov2Model's pooler_output is the CLS token alone
+        pool = "token_avg"
     return TokenLayout(int(has_cls) + int(has_dist) + num_reg, grid, num_reg, has_dist, pool)
 
 

@@ -79,7 +79,10 @@ from typing import NamedTuple
 import torch
 
 from vitlab.compat import renamed_arguments
-from vitlab.inputs import check_images, check_input_dtype, gradient_leaf, in_chunks, require_cls, require_gradients
+from vitlab.attention import run_images
+from vitlab.inputs import (
+    check_images, check_input_dtype, gradient_leaf, in_chunks, readout_weights, require_gradients, require_logit_start,
+)
 from vitlab.layout import token_layout
 from vitlab.record import record, require_materialized
 from vitlab.record.lrp import working_copy
@@ -164,13 +167,13 @@ def lrp_pass(model, x: torch.Tensor, target=None, rules: str = "chefer", attenti
 
 def checked_pass(model, x: torch.Tensor, target, precision: str, score: str, method: str):
     """Every check of an LRP pass, once, before the forward: ``score``, the images and ``precision``
-    (:func:`at_precision`), a class token the output reads, a class head, ``target``, gradients
-    being possible. Returns ``(model, x)`` as the pass runs them, their token layout and the
+    (:func:`at_precision`), a class token the output reads (alone, or with a second token:
+    :func:`vitlab.inputs.require_logit_start`), a class head, ``target``, gradients being possible. Returns ``(model, x)`` as the pass runs them, their token layout and the
     target as :func:`vitlab.targets.check_target` returned it."""
     check_score(score)
     run_model, run_x = at_precision(model, x, precision, method)
     layout = token_layout(run_model, run_x)
-    require_cls(layout, method)
+    require_logit_start(layout, method)
     require_class_head(model, method)
     target = check_target(target, x.shape[0])
     require_gradients(method)
@@ -201,7 +204,7 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
     with torch.enable_grad():
         x_in = gradient_leaf(x)
         with record(model, lrp=rules, capture=capture, detach=False, eval_mode=True) as rec:
-            logits = logits_of(model(x_in))
+            logits = logits_of(run_images(model, x_in))  # interpolate_pos_encoding where a HF ViT needs it
             t = resolve_target(target, logits)
             y = logits.gather(1, t[:, None])[:, 0]
             g = score_gradient(model, logits, t, score)  # ds/dy, B x C
@@ -291,13 +294,17 @@ def partial_lrp(model, x: torch.Tensor, target=None, precision: str = "model", s
     the LRP relevance of the last block's attention maps, ``R^A = A ⊙ gbar_A``, clamped at 0
     per head and averaged over heads, CLS row, patch columns (the reference's
     ``method="last_layer"``). A head whose output carries more of the score's relevance
-    contributes more: that is the weighting by head relevance. ``B x gh x gw``.
+    contributes more: that is the weighting by head relevance. ``B x gh x gw``. For a head on two
+    tokens (a distilled DeiT, Hugging Face Dinov2's classifier) the row of the tokens it reads,
+    ``w R^A`` (:func:`vitlab.inputs.readout_weights`), as :func:`vitlab.relevance.last_block_relevance`.
 
     Args: as :func:`lrp`.
     """
     def compute(m, xx, t):
         p = _lrp_pass(m, xx, t, "chefer", "last", False, False, "partial_lrp", score=score)
-        return p.attention_relevance[-1].clamp(min=0).mean(dim=1)[:, 0, :]  # B x N
+        heads = p.attention_relevance[-1].clamp(min=0).mean(dim=1)  # B x N x N
+        w = readout_weights(token_layout(m, xx), "partial_lrp", heads.dtype, heads.device)  # e_CLS, or two tokens
+        return w @ heads  # B x N
     return _grid_map("partial_lrp", model, x, target, compute, precision, score)
 
 
@@ -311,7 +318,9 @@ def transformer_attribution(model, x: torch.Tensor, target=None, start_block: in
     reference does from relevance 1 (on the target class for the logit; not from the logit's
     value: eq. 13's product is not invariant to that scale); then
     ``C = (I + Abar_1) · ... · (I + Abar_B)`` (eq. 13's product, no row normalisation, as in
-    ``ViT_LRP.compute_rollout_attention``), map = ``C[CLS, patches]``. ``B x gh x gw``.
+    ``ViT_LRP.compute_rollout_attention``), map = ``C[CLS, patches]``. ``B x gh x gw``. For a head
+    on two tokens (a distilled DeiT, Hugging Face Dinov2's classifier) the row ``w C`` of the tokens
+    it reads (:func:`vitlab.inputs.readout_weights`), as :func:`vitlab.relevance.chefer_relevance`.
     With ``score="log_probability"`` the LRP pass starts from the score's gradient x input on the
     logits scaled to 1 in total, ``y_j ds/dy_j / sum_k y_k ds/dy_k`` (the one-hot of the logit
     generalised; ``ds/dy_j`` alone sums to 0 for a softmax head, and Chefer's residual rule would
@@ -333,8 +342,8 @@ def transformer_attribution(model, x: torch.Tensor, target=None, start_block: in
         if isinstance(start_block, bool) or not isinstance(start_block, int) or not 0 <= start_block < L:
             raise ValueError(f"start_block must be an int in [0, {L}), got {start_block!r}")
         R_A, G = p.attention_relevance, p.attention_grads
-        r = torch.zeros(R_A[0].shape[0], R_A[0].shape[-1], dtype=R_A[0].dtype, device=R_A[0].device)
-        r[:, 0] = 1  # e_CLS (I + Abar_B) ... (I + Abar_start), from the last block down
+        w = readout_weights(token_layout(m, xx), "transformer_attribution", R_A[0].dtype, R_A[0].device)
+        r = w.expand(R_A[0].shape[0], -1)  # e_CLS (or two tokens) (I + Abar_B) ... (I + Abar_start), last block first
         for b in range(L - 1, start_block - 1, -1):
             r = r + (r.unsqueeze(1) @ head_averaged_relevance(R_A[b], G[b])).squeeze(1)
         return r

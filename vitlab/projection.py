@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from vitlab.compat import renamed_arguments, replaced_names
+from vitlab.attention import run_images
 from vitlab.inputs import check_images, gradient_leaf, positive_int, require_gradients
 from vitlab.layout import TokenLayout, is_hf_model, is_timm_vit, token_layout
 from vitlab.record import blocks as record_blocks, record
@@ -88,6 +89,12 @@ def _head_parts(model: nn.Module, layout: TokenLayout, method: str) -> tuple[lis
         raise ValueError(
             f"{method}: this model is CaiT: its class token joins the patch tokens only in the class-attention "
             "blocks, so the states of the self-attention blocks have no class token to project"
+        )
+    if layout.pool == "token_avg":
+        raise ValueError(
+            f"{method}: {type(model).__name__}'s classifier reads the class token next to the mean of the patches "
+            "(the two concatenated), so no single token's projection is its output; the projection needs a linear "
+            "head on one token (a ViT or DeiT classifier reading its class token)"
         )
     if layout.pool != "token":
         raise ValueError(
@@ -375,7 +382,7 @@ def _project(model, x: torch.Tensor, method: str, attention_edit: Callable | Non
     # fused attention path (unless attention_edit edits it)
     with torch.no_grad(), record(model, eval_mode=True, residual=True, attention_edit=attention_edit,
                                  capture=("hidden",)) as rec:
-        logits = logits_of(model(x))
+        logits = logits_of(run_images(model, x))
         class_head = ClassHead(norms, head)
         _check_head_agrees(class_head(rec.hidden_states[-1][:, 0]), logits, model, method)
         if len(rec.hidden_states) != L or len(rec.block_inputs) != L or len(rec.mid_states) != L:
@@ -679,7 +686,7 @@ def attention_coefficients(model, x: torch.Tensor, block: int) -> torch.Tensor:
     check_images(x, "attention_coefficients")
     index = record_blocks(model).index(_block(model, block))
     with torch.no_grad(), record(model, eval_mode=True, capture=("attention", "value")) as rec:
-        model(x)
+        run_images(model, x)
     return _coefficients(rec.attentions[index], rec.values[index])
 
 
@@ -715,11 +722,11 @@ def memory_agreement(model, x: torch.Tensor, block: int | None, target=None, k: 
     tops = [unit_top_classes(model, b, 1, mode, sublayer)[:, 0] for b in chosen]  # memories, per block
     if sublayer == "mlp":
         with torch.no_grad(), record(model, eval_mode=True, mlp=True, capture=()) as rec:
-            logits = logits_of(model(x))
+            logits = logits_of(run_images(model, x))
         acts = [rec.mlp_activations[b] for b in chosen]  # B x N x hidden
     else:
         with torch.no_grad(), record(model, eval_mode=True, capture=("attention", "value")) as rec:
-            logits = logits_of(model(x))
+            logits = logits_of(run_images(model, x))
         acts = [_coefficients(rec.attentions[b], rec.values[b]) for b in chosen]  # B x N x D
     t = _target_for(target, logits)
     units = [a.topk(min(k, a.shape[-1]), dim=-1).indices for a in acts]  # B x N x k
@@ -754,7 +761,7 @@ def projection_map(model, x: torch.Tensor, target=None) -> torch.Tensor:
     with torch.enable_grad():
         x_in = gradient_leaf(x)
         with record(model, detach=False, eval_mode=True, capture=("attention", "hidden")) as rec:
-            logits = logits_of(model(x_in))
+            logits = logits_of(run_images(model, x_in))
             t = resolve_target(target, logits)
             cls_states = torch.stack([h[:, 0] for h in rec.hidden_states], dim=1)  # B x L x D
             projected = class_head(cls_states)  # B x L x C
@@ -1056,9 +1063,9 @@ def _remove_tokens(model, x: torch.Tensor, removed: torch.Tensor, t, layout: Tok
     with torch.no_grad():
         if t is None:
             with record(model, eval_mode=True, capture=()):
-                t = logits_of(model(x)).argmax(-1)
+                t = logits_of(run_images(model, x)).argmax(-1)
         with record(model, eval_mode=True, capture=(), attention_edit=lambda layer, num_tokens: allowed):
-            logits = logits_of(model(x))
+            logits = logits_of(run_images(model, x))
     t = resolve_target(t, logits)
     predicted = logits.argmax(-1)
     return TokenRemoval(logits=logits, predicted=predicted, target=t, correct=predicted == t,
@@ -1097,12 +1104,17 @@ def output_similarity(model, x: torch.Tensor) -> torch.Tensor:
     layout = token_layout(model, x)
     if not layout.has_class_token:
         raise ValueError("output_similarity: this model has no class token to compare the tokens with")
+    if layout.pool in ("token_distillation", "token_avg"):
+        raise ValueError("output_similarity: this model's output reads the class token together with "
+                         + ("the distillation token (a distilled DeiT's two heads)" if layout.pool == "token_distillation"
+                            else "the mean of the patch tokens (Dinov2's classifier)")
+                         + "; there is no one state its output reads")
     if is_timm_vit(model) and layout.pool != "token":
         raise ValueError(f"output_similarity: this model's output pools the patch tokens (global_pool="
                          f"{layout.pool!r}), not the class token; there is no one state its output reads")
     norms = _final_norms(model, "output_similarity")
     with torch.no_grad(), record(model, eval_mode=True, capture=("hidden",)) as rec:
-        model(x)
+        run_images(model, x)
         h = torch.stack(list(rec.hidden_states), dim=1)                   # B x L x N x D
         for norm in norms:
             h = norm(h)
@@ -1189,7 +1201,7 @@ def removal_curve(model, x: torch.Tensor, ranking: torch.Tensor, target=None, re
         raise ValueError(f"remove must be one of {REMOVE}, got {remove!r}")
     if t is None:
         with torch.no_grad(), record(model, eval_mode=True, capture=()):
-            t = logits_of(model(x)).argmax(-1).cpu()
+            t = logits_of(run_images(model, x)).argmax(-1).cpu()
     runs = [token_removal(model, x, ranking, float(v), t, remove=remove) for v in f.tolist()]
     correct = torch.stack([r.correct.cpu() for r in runs], dim=1)
     return RemovalCurve(fractions=f, correct=correct, target=runs[0].target.cpu(), remove=remove)
@@ -1252,7 +1264,7 @@ def removal_test(model, x: torch.Tensor, rankings: dict, target=None, fractions=
     t = check_target(target, x.shape[0])
     if t is None:
         with torch.no_grad(), record(model, eval_mode=True, capture=()):
-            t = logits_of(model(x)).argmax(-1).cpu()
+            t = logits_of(run_images(model, x)).argmax(-1).cpu()
     num_patches = token_layout(model, x).num_patches
     g = torch.Generator().manual_seed(seed)
     positive = {n: removal_curve(model, x, r, t, "highest", fractions) for n, r in rankings.items()}

@@ -219,7 +219,9 @@ def rollout(model, x: torch.Tensor, head_fusion: str = "mean", discard_ratio: fl
     (timm ``global_pool="avg"``, BEiT, EVA-02) the row of the pooled token ``(1/P) sum_p h_p``:
     ``(1/P) sum_p R[p, patches]``, the mean of the patch tokens' rows
     (:func:`vitlab.inputs.readout_weights`); for an attention-pool head, its probe's row
-    (:func:`vitlab.attention.probe_sequence`).
+    (:func:`vitlab.attention.probe_sequence`); for a head on two tokens (a distilled DeiT's two
+    heads, Hugging Face Dinov2's classifier over the CLS token and the patch mean) the mean of
+    their two rows.
 
     Args:
         model: a timm or Hugging Face ViT (run in eval mode, its mode put back).

@@ -629,9 +629,17 @@ def _attach_vit_stream(model: nn.Module, session, state: LRPState, blocks) -> No
 
     def keep_tokens(mod, args, out):
         tokens = out[0] if isinstance(out, tuple) else out
-        if tokens.ndim == 4:  # B x D x gh x gw (a patch embedding that does not flatten)
-            tokens = tokens.flatten(2).transpose(1, 2)
-        rec.patch_tokens.append(tokens)
+        if tokens.ndim != 4:
+            rec.patch_tokens.append(tokens)
+            return None
+        # a patch embedding that does not flatten (timm's dynamic_img_size: B x gh x gw x D; else B x D x gh x
+        # gw): the tokens kept are B x P x D, and the model goes on with the same values viewed back from
+        # them, so the pass's gradient reaches the tensor kept
+        channels_last = str(getattr(mod, "output_fmt", "NCHW")).endswith("NHWC")
+        flat = tokens.flatten(1, 2) if channels_last else tokens.flatten(2).transpose(1, 2)
+        rec.patch_tokens.append(flat)
+        back = flat.unflatten(1, tokens.shape[1:3]) if channels_last else flat.transpose(1, 2).unflatten(2, tokens.shape[2:])
+        return (back, *out[1:]) if isinstance(out, tuple) else back
 
     session.hook(embed, keep_tokens)
     for m in model.modules():

@@ -62,7 +62,9 @@ def chefer_relevance(model, x: torch.Tensor, target=None, score: str = "logit") 
     :data:`vitlab.inputs.MEMORY_BUDGET`). For a mean-pooled head (timm ``global_pool="avg"``,
     BEiT, EVA-02, SigLIP's classifier) the row of the pooled token ``(1/P) sum_p h_p``:
     ``(1/P) sum_p R[p, patches]`` (:func:`relevance_row` with weights); for an attention-pool
-    head, its probe's row; for CaiT, its class token through the class-attention blocks.
+    head, its probe's row; for CaiT, its class token through the class-attention blocks; for a head
+    on two tokens (a distilled DeiT's two heads, Hugging Face Dinov2's classifier over the CLS token
+    and the patch mean) the mean of their two rows (:meth:`vitlab.layout.TokenLayout.readout`).
 
     Args:
         model: a timm or Hugging Face ViT classifier (run in eval mode, its mode put back).
