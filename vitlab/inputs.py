@@ -61,8 +61,8 @@ _POOL_WHY = {
             "raw_attention read the probe's row)"),
     "class_attention": ("is CaiT's: its class token joins the patch tokens only in the class-attention blocks "
                         "after the self-attention blocks, and this method reads the class token in every block "
-                        "(rollout, grad_rollout, chefer_relevance, last_block_relevance and raw_attention carry it "
-                        "through CaiT's blocks)"),
+                        "(grad_rollout, chefer_relevance, last_block_relevance and raw_attention carry it through "
+                        "CaiT's blocks, and rollout too where the blocks' attention has no talking heads)"),
     "max": "max-pools the patch tokens, which is not a weighted sum of tokens that a row could stand for",
     "avgmax": "pools the patch tokens with avg + max, and the max is not a weighted sum of tokens",
 }
