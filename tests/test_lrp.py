@@ -192,7 +192,7 @@ def scratch(model, x, rules, target=None, unit=False, score="logit", multi_label
             R_h = R_hin + ln_relprop(s["h"], blk.norm1, R_n1, rules, absorbed)
         R_e = e / x0[:, 1:] * R_h[:, 1:]  # z-rule at the position embedding's addition
     return dict(tokens=R_h.sum(-1), patches=R_e.sum(-1), attention=R_attn, grads=grads, logit=y.detach(),
-                absorbed=absorbed, start=R.sum(-1))
+                absorbed=absorbed, start=R.sum(-1), entries=(e.detach(), x0.detach(), R_h.detach()))
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +219,31 @@ def test_pass_equals_scratch(vit, vit64, x, rules):
         torch.testing.assert_close(got, ref, **tol64(ref, rules))
     loose = L.lrp_pass(vit, x, rules=rules)  # float32 input: the same up to its rounding
     torch.testing.assert_close(loose.patch_relevance.double(), want["patches"], **f32_tol(want["patches"], LRP_DEPTH))
+
+
+@pytest.mark.parametrize("rules", ["chefer", "attnlrp"])
+def test_conservation_split_at_the_position_sum(vit, vit64, x, rules):
+    """cancel=: the entries where e and p nearly cancel and the relevance x0's z-rule split hands each
+    of them there, against the from-scratch pass's entries (a float64 forward of the same weights)."""
+    c = L.lrp_conservation(vit64, x.double(), rules=rules, cancel=0.3)
+    e, x0, R_x0 = scratch(vit, x, rules)["entries"]
+    x0, R_x0 = x0[:, 1:], R_x0[:, 1:]                        # the patch tokens (one class token)
+    p = x0 - e
+    keep = (x0.abs() < 0.3 * (e.abs() + p.abs())).double()
+    assert 0 < float(keep.mean()) < 1                        # some entries cancel, not all
+    torch.testing.assert_close(c["cancelling"], keep.mean((1, 2)))
+    want = {"x0 cancelling": (R_x0 * keep).sum((1, 2)), "patches cancelling": (e / x0 * R_x0 * keep).sum((1, 2)),
+            "position cancelling": (p / x0 * R_x0 * keep).sum((1, 2))}
+    for k, v in want.items():
+        torch.testing.assert_close(c[k], v, **tol64(v, rules))
+    torch.testing.assert_close(c["patches cancelling"] + c["position cancelling"], c["x0 cancelling"])
+    plain = L.lrp_conservation(vit64, x.double(), rules=rules)   # the other keys do not change
+    assert all(torch.equal(plain[k], c[k]) for k in plain) and "cancelling" not in plain
+    one = L.lrp_conservation(vit64, x[:1].double(), rules=rules, cancel=0.3)   # batch == items
+    torch.testing.assert_close(one["patches cancelling"], c["patches cancelling"][:1], **tol64(v, rules))
+    for bad in (0, 1, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match="cancel must be a number in"):
+            L.lrp_conservation(vit64, x.double(), cancel=bad)
 
 
 def test_conservation(vit, vit64, x):
