@@ -425,3 +425,15 @@ def test_bad_input_refused(vit, x):
         L.lrp(vit, x)
     with pytest.raises(ValueError, match="defined for ViTs"), record(tiny_detr(), lrp="chefer"):
         pass
+
+
+def test_conservation_split_refuses_a_norm_before_the_blocks(x):
+    """With a LayerNorm between the position sum and the first block (timm's pre_norm, as CLIP),
+    x0 is not e + p: cancel= has nothing to split and says so; without it the pass runs."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    from conftest import TINY, randomize
+    pre = randomize(VisionTransformer(**TINY, pre_norm=True), 0)
+    with pytest.raises(ValueError, match="no position sum to split"):
+        L.lrp_conservation(pre, x, cancel=0.1)
+    assert torch.isfinite(L.lrp_conservation(pre, x)["patches"]).all()
