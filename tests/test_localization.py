@@ -5,7 +5,7 @@ import torch
 
 from conftest import TINY_GRAD_DEPTH, f32_tol, f64_tol
 from vitlab.footprints import patch_centres, token_centres
-from vitlab import localization as loc
+from vitlab import localization as loc, stats
 
 
 def square_mask(H=8, W=8, rows=slice(0, 4), cols=slice(0, 4)):
@@ -405,3 +405,41 @@ def test_map_to_mask_mean_rule_is_the_benchmarks_min_max_and_mean_cut():
         assert loc.map_to_mask(one, (4, 4), upsample="nearest", rule=rule).nonzero().tolist() == [[0, 1, 2]]
     with pytest.raises(ValueError, match="rule must be one of"):
         loc.map_to_mask(m, (7, 7), rule="median")
+
+
+def test_asked_hits_and_rates_by_hand():
+    # two scenes, two objects each: object 0 top-left quarter, object 1 bottom-right quarter (8 x 8, 2 x 2 grid)
+    tl, br = square_mask(), square_mask(rows=slice(4, 8), cols=slice(4, 8))
+    masks = np.stack([np.stack([tl, br]), np.stack([br, tl])])          # scene 1 lists them the other way round
+    top = lambda r, c: torch.zeros(2, 2).index_put_((torch.tensor(r), torch.tensor(c)), torch.tensor(1.0))
+    maps = torch.stack([torch.stack([top(0, 0), top(1, 1)]),            # scene 0: both asks hit their own object
+                        torch.stack([top(0, 0), top(0, 1)])])           # scene 1: ask 0 on the other, ask 1 on none
+    hits = loc.asked_hits({"m": maps}, masks)["m"]
+    assert hits.dtype == torch.bool and hits.tolist() == [[True, True, False], [True, True, False],
+                                                          [False, False, True], [False, False, False]]
+    for k in range(2):                                                   # each column is pointing_game per ask
+        own = torch.as_tensor(masks[:, k])
+        assert hits.view(2, 2, 3)[:, k, 0].tolist() == loc.pointing_game(maps[:, k], own).tolist()
+    row, = loc.asked_rates({"m": hits})
+    assert (row["method"], row["n"]) == ("m", "4 / 2")
+    assert [row[c].value for c in ("asked", "asked_touch", "other", "all_asks")] == [0.5, 0.5, 0.25, 0.5]
+    assert row["asked"] == stats.rate([1, 1, 0, 0]) and row["all_asks"] == stats.rate([1, 0])
+    with pytest.raises(ValueError, match="K >= 2"):
+        loc.asked_hits({"m": maps[:, :1]}, masks[:, :1])
+    with pytest.raises(ValueError, match="matching masks"):
+        loc.asked_hits({"m": maps[:1]}, masks)
+    with pytest.raises(ValueError, match="need asked_hits"):
+        loc.asked_rates({"m": hits[:3]})
+
+
+def test_asked_hits_agree_with_grade_asked():
+    rng = np.random.default_rng(0)
+    masks = rng.random((5, 3, 8, 8)) > 0.6                              # three overlapping random objects
+    maps = {"a": torch.as_tensor(rng.random((5, 3, 4, 4))), "b": torch.as_tensor(rng.random((5, 3, 4, 4)))}
+    hits = loc.asked_hits(maps, masks)
+    for row in loc.grade_asked(maps, masks):
+        h = hits[row["method"]].double()
+        # grade_asked takes its means in float32: 15 zeros and ones, exact to a float32 rounding
+        assert [float(h[:, j].mean()) for j in range(3)] == pytest.approx(
+            [row["asked"], row["asked_touch"], row["other"]], abs=1e-7)
+        assert float(h[:, 0].view(5, 3).min(1).values.mean()) == pytest.approx(row["all_asks"], abs=1e-7)

@@ -202,7 +202,7 @@ def scratch(model, x, rules, target=None, unit=False, score="logit", multi_label
         P = 1 + int(distilled)
         R_e = e / x0[:, P:] * R_h[:, P:]  # z-rule at the position embedding's addition
     return dict(tokens=R_h.sum(-1), patches=R_e.sum(-1), attention=R_attn, grads=grads, logit=y.detach(),
-                absorbed=absorbed, start=R.sum(-1))
+                absorbed=absorbed, start=R.sum(-1), entries=(e.detach(), x0.detach(), R_h.detach()))
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +229,31 @@ def test_pass_equals_scratch(vit, vit64, x, rules):
         torch.testing.assert_close(got, ref, **tol64(ref, rules))
     loose = L.lrp_pass(vit, x, rules=rules)  # float32 input: the same up to its rounding
     torch.testing.assert_close(loose.patch_relevance.double(), want["patches"], **f32_tol(want["patches"], LRP_DEPTH))
+
+
+@pytest.mark.parametrize("rules", ["chefer", "attnlrp"])
+def test_conservation_split_at_the_position_sum(vit, vit64, x, rules):
+    """cancel=: the entries where e and p nearly cancel and the relevance x0's z-rule split hands each
+    of them there, against the from-scratch pass's entries (a float64 forward of the same weights)."""
+    c = L.lrp_conservation(vit64, x.double(), rules=rules, cancel=0.3)
+    e, x0, R_x0 = scratch(vit, x, rules)["entries"]
+    x0, R_x0 = x0[:, 1:], R_x0[:, 1:]                        # the patch tokens (one class token)
+    p = x0 - e
+    keep = (x0.abs() < 0.3 * (e.abs() + p.abs())).double()
+    assert 0 < float(keep.mean()) < 1                        # some entries cancel, not all
+    torch.testing.assert_close(c["cancelling"], keep.mean((1, 2)))
+    want = {"x0 cancelling": (R_x0 * keep).sum((1, 2)), "patches cancelling": (e / x0 * R_x0 * keep).sum((1, 2)),
+            "position cancelling": (p / x0 * R_x0 * keep).sum((1, 2))}
+    for k, v in want.items():
+        torch.testing.assert_close(c[k], v, **tol64(v, rules))
+    torch.testing.assert_close(c["patches cancelling"] + c["position cancelling"], c["x0 cancelling"])
+    plain = L.lrp_conservation(vit64, x.double(), rules=rules)   # the other keys do not change
+    assert all(torch.equal(plain[k], c[k]) for k in plain) and "cancelling" not in plain
+    one = L.lrp_conservation(vit64, x[:1].double(), rules=rules, cancel=0.3)   # batch == items
+    torch.testing.assert_close(one["patches cancelling"], c["patches cancelling"][:1], **tol64(v, rules))
+    for bad in (0, 1, 1.5, True, "0.1"):
+        with pytest.raises(ValueError, match="cancel must be a number in"):
+            L.lrp_conservation(vit64, x.double(), cancel=bad)
 
 
 def test_conservation(vit, vit64, x):
@@ -442,3 +467,15 @@ def test_bad_input_refused(vit, x):
         L.lrp(vit, x)
     with pytest.raises(ValueError, match="defined for ViTs"), record(tiny_detr(), lrp="chefer"):
         pass
+
+
+def test_conservation_split_refuses_a_norm_before_the_blocks(x):
+    """With a LayerNorm between the position sum and the first block (timm's pre_norm, as CLIP),
+    x0 is not e + p: cancel= has nothing to split and says so; without it the pass runs."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    from conftest import TINY, randomize
+    pre = randomize(VisionTransformer(**TINY, pre_norm=True), 0)
+    with pytest.raises(ValueError, match="no position sum to split"):
+        L.lrp_conservation(pre, x, cancel=0.1)
+    assert torch.isfinite(L.lrp_conservation(pre, x)["patches"]).all()

@@ -12,7 +12,9 @@ pixel mask, so a map over the patch grid can be graded, not just looked at:
 - :func:`mass_on_object` — the share of the map's (non-negative) mass on object patches,
   with the object's area share as the chance level;
 - :func:`grade_maps`, :func:`grade_asked` — those measures over many maps, one object or
-  each object of a scene asked for in turn;
+  each object of a scene asked for in turn; :func:`asked_hits` and :func:`asked_rates` — the
+  pointing game per ask (on the asked object, touching it, on another one) and each rate with its
+  Wilson interval;
 - :func:`grow_masks` — masks grown by a margin, to grade a map by what its tokens read
   (a token reads more than its patch: :func:`vitlab.footprints.token_footprints`);
   :func:`shift_masks` — masks moved by whole pixels (a stem that moves token centres,
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vitlab import stats
 from vitlab.compat import moved_names
 
 
@@ -232,6 +235,61 @@ def grade_asked(maps: dict, masks, min_coverage: float = 0.5) -> list[dict]:
             row["other"] = float(pointing_game(flat_maps, rest.reshape(B * K, *masks.shape[2:]), min_coverage).float().mean())
             row["all_asks"] = float(hit.all(1).float().mean())
         row["n"] = B
+        rows.append(row)
+    return rows
+
+
+#: The columns of :func:`asked_hits`, in order.
+ASKED_COLUMNS = ("asked", "asked_touch", "other")
+
+
+def asked_hits(maps: dict, masks, min_coverage: float = 0.5) -> dict:
+    """The pointing game per ask: ``maps`` as :func:`grade_asked` takes them (method -> ``B x K x
+    gh x gw``, ask k of scene i asking for object k), ``masks`` ``B x K x H x W`` with ``K >= 2``.
+
+    Returns method -> a ``(B K) x 3`` bool tensor, one row per ask, scene by scene (scene 0's K
+    asks, then scene 1's, ...), columns :data:`ASKED_COLUMNS`: the top patch on the asked object
+    (:func:`pointing_game` at ``min_coverage``), touching it (:data:`TOUCH`: it holds any of its
+    pixels), on another object of the scene (their union, at ``min_coverage``). The hits of each
+    ask, for rates with intervals (:func:`asked_rates`) and paired differences between methods
+    (:func:`vitlab.stats.paired_difference`) on the same asks."""
+    masks = as_cpu_tensor(masks)
+    if masks.ndim != 4 or masks.shape[1] < 2:
+        raise ValueError(f"asked_hits needs masks B x K x H x W with K >= 2 objects per scene (an 'other' "
+                         f"object to miss), got {tuple(masks.shape)}; for one object use pointing_game")
+    B, K = masks.shape[:2]
+    own = masks.reshape(B * K, *masks.shape[2:])
+    rest = torch.stack([masks[:, [j for j in range(K) if j != k]].amax(1) for k in range(K)], 1)
+    rest = rest.reshape(B * K, *masks.shape[2:])
+    out = {}
+    for name, m in maps.items():
+        m = as_cpu_tensor(m)
+        if m.ndim != 4 or m.shape[:2] != masks.shape[:2]:
+            raise ValueError(f"{name}: need maps B x K x gh x gw matching masks {tuple(masks.shape[:2])}, "
+                             f"got {tuple(m.shape)}")
+        flat = m.reshape(B * K, *m.shape[2:])
+        out[name] = torch.stack([pointing_game(flat, own, min_coverage), pointing_game(flat, own, TOUCH),
+                                 pointing_game(flat, rest, min_coverage)], 1)
+    return out
+
+
+def asked_rates(hits: dict, asks_per_scene: int = 2, level: float = 0.95) -> list[dict]:
+    """One row per method of :func:`asked_hits`: ``method``; ``asked``, ``asked_touch``, ``other``
+    (each a :class:`vitlab.stats.Estimate`: the share of asks with its Wilson interval,
+    :func:`vitlab.stats.rate`); ``all_asks`` (the share of scenes where every ask hits its own
+    object, with its Wilson interval: a class-agnostic map, the same for every ask, cannot do
+    this for disjoint objects); ``n`` (``"asks / scenes"``). Rows print with
+    :func:`vitlab.plot.table`."""
+    rows = []
+    for name, h in hits.items():
+        h = torch.as_tensor(h)
+        if h.ndim != 2 or h.shape[1] != len(ASKED_COLUMNS) or h.shape[0] % asks_per_scene:
+            raise ValueError(f"{name}: need asked_hits' (scenes x {asks_per_scene}) x {len(ASKED_COLUMNS)} "
+                             f"hits, got {tuple(h.shape)}")
+        h = h.bool()
+        row = {"method": name, **{c: stats.rate(h[:, j], level) for j, c in enumerate(ASKED_COLUMNS)}}
+        row["all_asks"] = stats.rate(h[:, 0].reshape(-1, asks_per_scene).all(1), level)
+        row["n"] = f"{len(h)} / {len(h) // asks_per_scene}"
         rows.append(row)
     return rows
 

@@ -107,6 +107,9 @@ class LRPPass(NamedTuple):
         start: ``(B,)`` the relevance the pass started with, summed over the logits: the score's
             gradient x input ``sum_j y_j ds/dy_j`` (``y_t`` for ``score="logit"``); 1 with the unit
             start of Transformer attribution.
+        entries: with ``entries=True`` (internal), ``(e, x0, gbar_e, gbar_x0)`` per entry
+            (``B x P x D`` and ``B x N x D``): the patch tokens, the tokens entering the first block
+            and their changed gradients; else empty.
     """
 
     patch_relevance: torch.Tensor
@@ -116,6 +119,7 @@ class LRPPass(NamedTuple):
     logit: torch.Tensor
     target: torch.Tensor
     start: torch.Tensor
+    entries: tuple = ()
 
 
 #: What ``precision=`` takes. ``"model"`` (the default) runs the model as it is, in its own dtype:
@@ -194,12 +198,13 @@ def score_gradient(model, logits: torch.Tensor, t: torch.Tensor, score: str) -> 
 
 
 def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool, tokens: bool, method: str,
-              unit: bool = False, score: str = "logit") -> LRPPass:
+              unit: bool = False, score: str = "logit", entries: bool = False) -> LRPPass:
     """:func:`lrp_pass` at the model's own precision; ``unit``: the backward starts from relevance
     ``y_j ds/dy_j / sum_k y_k ds/dy_k``, 1 in total (for the logit: 1 on the target, the reference's
     ``relprop(one_hot)``), instead of ``y_j ds/dy_j`` (``ValueError`` where the sum is exactly 0,
     e.g. a target logit of 0: no gradient scales it to 1). Checks nothing: ``model``, ``x`` and
-    ``target`` as :func:`checked_pass` returned them (or a chunk of them)."""
+    ``target`` as :func:`checked_pass` returned them (or a chunk of them). ``entries`` (with
+    ``tokens``): also keep the token entries and their changed gradients (:class:`LRPPass`)."""
     capture = ("attention",) if attention or plain else ()
     with torch.enable_grad():
         x_in = gradient_leaf(x)
@@ -231,13 +236,17 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
             if plain:
                 with rec.plain_gradients():
                     plain_grads = [d.detach() for d in torch.autograd.grad(logits, attn, grad_outputs=g)]
+    kept = ()
     if tokens:
-        R_e = (e.detach() * grads.pop(0)).sum(-1)  # B x P
-        R_x0 = (x0.detach() * grads.pop(0)).sum(-1)  # B x N
+        g_e, g_x0 = grads.pop(0), grads.pop(0)
+        R_e = (e.detach() * g_e).sum(-1)  # B x P
+        R_x0 = (x0.detach() * g_x0).sum(-1)  # B x N
+        if entries:
+            kept = (e.detach(), x0.detach(), g_e, g_x0)
     else:
         R_e = R_x0 = torch.empty(x.shape[0], 0, dtype=y.dtype, device=y.device)
     R_A = [a.detach() * d for a, d in zip(attn, grads)]
-    return LRPPass(R_e, R_x0, R_A, plain_grads, y.detach(), t, total)
+    return LRPPass(R_e, R_x0, R_A, plain_grads, y.detach(), t, total, kept)
 
 
 def _grid_map(method: str, model, x, target, compute, precision: str, score: str):
@@ -353,17 +362,45 @@ def transformer_attribution(model, x: torch.Tensor, target=None, start_block: in
 
 
 def lrp_conservation(model, x: torch.Tensor, target=None, rules: str = "chefer", precision: str = "model",
-                     score: str = "logit") -> dict[str, torch.Tensor]:
+                     score: str = "logit", cancel: float | None = None) -> dict[str, torch.Tensor]:
     """Where the relevance started on the logits ends up, per sample (each ``(B,)``): ``"logit"``
     (the target's); ``"start"`` (the relevance started: the score's gradient x input summed over
     the logits, ``y_t`` for ``score="logit"``); ``"tokens"`` (every token entering the first
     block); ``"patches"`` (the patch tokens of the map); ``"absorbed"`` = start - tokens (kept by
     biases, and with ``"attnlrp"`` by the softmax's bias term); ``"position and prefix"`` = tokens -
     patches. ``precision``, ``score``: as :func:`lrp_pass` (the sums are taken at that precision,
-    returned in ``x``'s dtype)."""
-    run_model, run_x, _, target = checked_pass(model, x, target, precision, score, "lrp_conservation")
-    p = _lrp_pass(run_model, run_x, target, rules, False, False, True, "lrp_conservation", score=score)
+    returned in ``x``'s dtype).
+
+    ``cancel`` (a number in (0, 1)): also where the patch tokens' share comes from. At the patch
+    tokens the first block's input is the sum ``x0 = e + p`` of the patch embedding and the position
+    embedding, and both rule sets split an entry's relevance ``R`` over it by the z-rule, ``e R / x0``
+    to the patch and ``p R / x0`` to the position: shares whose size is ``|e| / |x0|`` and
+    ``|p| / |x0|`` times ``R``, large where ``e`` and ``p`` nearly cancel. The entries (token,
+    channel) of the patch tokens where ``|e + p| < cancel (|e| + |p|)`` are the *cancelling* ones;
+    the keys: ``"cancelling"`` (their fraction of the patch tokens' entries), ``"x0 cancelling"``
+    (the relevance of ``x0`` on them), ``"patches cancelling"`` and ``"position cancelling"`` (its
+    z-rule shares to ``e`` and to ``p`` there; they add up to ``"x0 cancelling"``). The patches'
+    share on the other entries is ``"patches"`` - ``"patches cancelling"``."""
+    if cancel is not None and (isinstance(cancel, bool) or not isinstance(cancel, (int, float))
+                               or not 0 < cancel < 1):
+        raise ValueError(f"lrp_conservation: cancel must be a number in (0, 1) (the share |e + p| / (|e| + |p|) "
+                         f"below which an entry counts as cancelling) or None, got {cancel!r}")
+    run_model, run_x, layout, target = checked_pass(model, x, target, precision, score, "lrp_conservation")
+    p = _lrp_pass(run_model, run_x, target, rules, False, False, True, "lrp_conservation", score=score,
+                  entries=cancel is not None)
     tokens, patches = p.token_relevance.sum(-1), p.patch_relevance.sum(-1)
     out = {"logit": p.logit, "start": p.start, "tokens": tokens, "patches": patches, "absorbed": p.start - tokens,
            "position and prefix": tokens - patches}
+    if cancel is not None:
+        e, x0, g_e, g_x0 = p.entries
+        x0, g_x0 = x0[:, layout.num_prefix:], g_x0[:, layout.num_prefix:]  # the patch tokens' x0 = e + p
+        if x0.shape != e.shape or not torch.equal(g_e, g_x0):  # an addition passes its gradient on as it is
+            raise ValueError("lrp_conservation: this model's first block does not take the patch embedding plus a "
+                             "position embedding (a layer lies between them, e.g. a norm before the blocks), so "
+                             "there is no position sum to split: leave cancel=None")
+        pos = x0 - e
+        cancelling = (x0.abs() < cancel * (e.abs() + pos.abs())).to(x0.dtype)
+        R_e, R_x0 = e * g_e * cancelling, x0 * g_x0 * cancelling
+        out |= {"cancelling": cancelling.mean((1, 2)), "x0 cancelling": R_x0.sum((1, 2)),
+                "patches cancelling": R_e.sum((1, 2)), "position cancelling": (R_x0 - R_e).sum((1, 2))}
     return {k: v.to(x.dtype) for k, v in out.items()}
