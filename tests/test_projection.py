@@ -857,3 +857,38 @@ def test_permutation_test_against_exact_enumeration():
         P.permutation_test([], [1.0])
     with pytest.raises(ValueError, match="finite"):
         P.permutation_test([1.0, float("nan")], [1.0])
+
+
+def test_removal_curves_leave_removed_tokens_out_as_the_mask_does(vit, x):
+    """The removal test runs a timm ViT that reads its class token on the kept tokens only
+    (nothing reads a removed one): the logits are the masked forward's, at every fraction, for
+    every order, a (sample, removed set) shared by several curves runs once, and the model is
+    left as it was. Models where a removed token still counts (an average-pooled output) keep
+    the masked forward."""
+    before = model_snapshot(vit)
+    layout = P.token_layout(vit, x)
+    assert P._drops_removed_tokens(vit, layout)
+    ranking = torch.randn(3, 16, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    for f in (0.0, 0.25, 0.5, 15 / 16, 1.0):
+        for remove in ("highest", "lowest"):
+            gone = P._removed_by_rank(ranking.float(), f, remove)
+            want = P.remove_tokens(vit, x, gone, target=0).logits
+            got = P._kept_token_logits(vit, x, torch.arange(3), gone, layout)
+            close(got.double(), want)
+            # the rows in another order, each sample's twice: the same logits
+            rows = torch.tensor([2, 0, 1, 2])
+            close(P._kept_token_logits(vit, x, rows, gone[rows], layout).double(), want[rows])
+    fractions = (0.0, 0.25, 0.5, 1.0)
+    t, curves = P._removal_curves(vit, x, torch.tensor([0, 3, 1]), layout,
+                                  [(ranking.float(), "highest"), (ranking.float(), "highest"), (-ranking.float(), "lowest")],
+                                  torch.tensor(fractions, dtype=torch.float64))
+    assert torch.equal(curves[0], curves[1]) and torch.equal(curves[0], curves[2]) and torch.equal(t, torch.tensor([0, 3, 1]))
+    for i, f in enumerate(fractions):
+        assert torch.equal(curves[0][:, i], P.token_removal(vit, x, ranking, f, [0, 3, 1]).correct)
+    assert_model_unchanged(vit, before)
+
+    pooled = randomize(VisionTransformer(**TINY, global_pool="avg"), 0).double()
+    assert not P._drops_removed_tokens(pooled, P.token_layout(pooled, x))
+    curve = P.removal_curve(pooled, x, ranking, None, "highest", fractions)
+    for i, f in enumerate(fractions):
+        assert torch.equal(curve.correct[:, i], P.token_removal(pooled, x, ranking, f).correct)

@@ -234,3 +234,19 @@ def test_centres_per_patch_counts_each_object_in_the_patch_of_its_centre():
         centres_per_patch(np.zeros((1, 12, 12), bool), (3, 3))
     with pytest.raises(ValueError, match="objects x H x W"):
         centres_per_patch(masks[0], (3, 3))
+
+
+def test_repeated_calls_give_the_same_scenes_as_independent_copies():
+    """make_scenes keeps recent scene sets: a repeated call gives the scenes a fresh draw gives,
+    byte for byte, and changing what one call returned changes nothing another call returns."""
+    from vitlab.shapes.data import _draw_scenes
+
+    first = make_scenes(6, seed=123, n_objects=2)
+    fresh = _draw_scenes(6, 123, 2, difficulty=1.0, size=first.images.shape[1], with_objects=True)
+    first.images[:] = 0
+    first.masks[:] = False
+    again = make_scenes(6, seed=123, n_objects=2)
+    for name in ("images", "labels", "masks"):
+        assert np.array_equal(getattr(again, name), getattr(fresh, name)), name
+    assert again.images is not make_scenes(6, seed=123, n_objects=2).images
+    assert np.array_equal(remove_objects(6, 123, 2, remove=0), remove_objects(6, 123, 2, remove=0))

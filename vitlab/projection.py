@@ -1016,18 +1016,31 @@ def token_removal(model, x: torch.Tensor, ranking: torch.Tensor, fraction: float
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
         raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
     layout = token_layout(model, x)
-    B, Pn = x.shape[0], layout.num_patches
+    scores = _ranking_scores(ranking, x.shape[0], layout)
+    return _remove_tokens(model, x, _removed_by_rank(scores, fraction, remove), t, layout, "token_removal")
+
+
+def _ranking_scores(ranking, B: int, layout: TokenLayout) -> torch.Tensor:
+    """``ranking`` checked (``B x num_patches`` or ``B x gh x gw``, finite) -> ``B x num_patches`` float."""
+    Pn = layout.num_patches
     if not isinstance(ranking, torch.Tensor) or ranking.shape not in ((B, Pn), (B, *layout.grid)):
         raise ValueError(f"ranking must be a B x num_patches ({B} x {Pn}) or B x gh x gw ({B} x {layout.grid[0]} x "
                          f"{layout.grid[1]}) tensor of scores, got {getattr(ranking, 'shape', type(ranking))}")
     scores = ranking.detach().reshape(B, Pn).float()
     if not bool(torch.isfinite(scores).all()):
         raise ValueError("ranking must be finite (no NaN or inf)")
+    return scores
+
+
+def _removed_by_rank(scores: torch.Tensor, fraction: float, remove: str) -> torch.Tensor:
+    """``B x num_patches`` bool (CPU): per sample the ``round(fraction * num_patches)`` tokens
+    with the highest (``remove="highest"``) or lowest scores, ties to the earlier token."""
+    B, Pn = scores.shape
     k = int(fraction * Pn + 0.5)
     order = scores.argsort(dim=-1, descending=remove == "highest", stable=True)[:, :k].cpu()
     removed = torch.zeros(B, Pn, dtype=torch.bool)
     removed.scatter_(1, order, True)
-    return _remove_tokens(model, x, removed, t, layout, "token_removal")
+    return removed
 
 
 def remove_tokens(model, x: torch.Tensor, removed: torch.Tensor, target=None) -> TokenRemoval:
@@ -1188,9 +1201,10 @@ def removal_curve(model, x: torch.Tensor, ranking: torch.Tensor, target=None, re
     """The model's accuracy as a growing share of each image's tokens is removed in the order
     of ``ranking`` (Vilas et al. 2023, RQ3 and RQ4: their positive / negative perturbation).
 
-    One :func:`token_removal` per fraction (one forward each): the ``round(f * num_patches)``
+    At each fraction, what :func:`token_removal` computes: the ``round(f * num_patches)``
     image tokens ranked highest (``remove="highest"``, positive perturbation) or lowest
-    (``"lowest"``, negative) are masked out as keys in every block. ``ranking``: ``B x
+    (``"lowest"``, negative) are removed from every block (nothing attends to them; one forward
+    per fraction, the nothing-removed one shared). ``ranking``: ``B x
     num_patches`` or ``B x gh x gw`` scores; ``target``: int, one per sample, or None (the
     model's prediction with nothing removed). ``fractions``: increasing, in [0, 1]. The
     model is unchanged."""
@@ -1199,12 +1213,10 @@ def removal_curve(model, x: torch.Tensor, ranking: torch.Tensor, target=None, re
     f = _check_fractions(fractions)
     if remove not in REMOVE:
         raise ValueError(f"remove must be one of {REMOVE}, got {remove!r}")
-    if t is None:
-        with torch.no_grad(), record(model, eval_mode=True, capture=()):
-            t = logits_of(run_images(model, x)).argmax(-1).cpu()
-    runs = [token_removal(model, x, ranking, float(v), t, remove=remove) for v in f.tolist()]
-    correct = torch.stack([r.correct.cpu() for r in runs], dim=1)
-    return RemovalCurve(fractions=f, correct=correct, target=runs[0].target.cpu(), remove=remove)
+    layout = token_layout(model, x)
+    scores = _ranking_scores(ranking, x.shape[0], layout)
+    t, (correct,) = _removal_curves(model, x, t, layout, [(scores, remove)], f)
+    return RemovalCurve(fractions=f, correct=correct, target=t, remove=remove)
 
 
 class RemovalTest(NamedTuple):
@@ -1255,23 +1267,103 @@ def removal_test(model, x: torch.Tensor, rankings: dict, target=None, fractions=
     (negative), and ``n_random`` curves removing tokens in random order (a fresh permutation
     per sample and repeat, from a generator seeded with ``seed``; the paper's code draws 10
     permutations shared by all images). ``target``: int, one per sample, or None
-    (predicted). ``(2 * len(rankings) + n_random) * len(fractions)`` forwards. Read the
+    (predicted). Each curve is what :func:`removal_curve` computes; a (sample, removed set) that
+    several curves share (every curve's first point, with nothing removed) runs once. Read the
     result with :meth:`RemovalTest.table`."""
     check_images(x, "removal_test")
     if not isinstance(rankings, dict) or not rankings:
         raise ValueError("rankings must be a non-empty dict {name: B x num_patches scores}")
     positive_int("n_random", n_random)
     t = check_target(target, x.shape[0])
-    if t is None:
-        with torch.no_grad(), record(model, eval_mode=True, capture=()):
-            t = logits_of(run_images(model, x)).argmax(-1).cpu()
-    num_patches = token_layout(model, x).num_patches
+    f = _check_fractions(fractions)
+    layout = token_layout(model, x)
+    scores = {n: _ranking_scores(r, x.shape[0], layout) for n, r in rankings.items()}
     g = torch.Generator().manual_seed(seed)
-    positive = {n: removal_curve(model, x, r, t, "highest", fractions) for n, r in rankings.items()}
-    negative = {n: removal_curve(model, x, r, t, "lowest", fractions) for n, r in rankings.items()}
-    random = [removal_curve(model, x, torch.rand(x.shape[0], num_patches, generator=g), t, "highest", fractions)
-              for _ in range(n_random)]
-    return RemovalTest(positive=positive, negative=negative, random=random)
+    shuffles = [torch.rand(x.shape[0], layout.num_patches, generator=g) for _ in range(n_random)]
+    orders = ([(s, "highest") for s in scores.values()] + [(s, "lowest") for s in scores.values()]
+              + [(s, "highest") for s in shuffles])
+    t, correct = _removal_curves(model, x, t, layout, orders, f)
+    curves = [RemovalCurve(fractions=f, correct=c, target=t, remove=r) for c, (_, r) in zip(correct, orders)]
+    R = len(scores)
+    return RemovalTest(positive=dict(zip(scores, curves[:R])), negative=dict(zip(scores, curves[R:2 * R])),
+                       random=curves[2 * R:])
+
+
+def _removal_curves(model, x: torch.Tensor, t, layout: TokenLayout, orders: list, fractions: torch.Tensor):
+    """For each ``(scores, remove)`` in ``orders``: ``B x F`` bool, whether each sample is still
+    predicted as its target with ``fractions[i]`` of its tokens removed in that order (what
+    :func:`token_removal` computes, fraction by fraction). Returns ``(target, [B x F, ...])``.
+
+    Every (sample, removed set) is run once, however many orders and fractions share it (with
+    nothing removed, every order does). Where removing a token cannot change anything but what
+    attends to it (:func:`_drops_removed_tokens`), the removed tokens are left out of the
+    sequence instead of masked: the model then computes the kept tokens only, from a patch
+    embedding computed once per sample. Both ways nothing reads a removed token."""
+    B, Pn = x.shape[0], layout.num_patches
+    removed = torch.stack([torch.stack([_removed_by_rank(s, float(v), r) for v in fractions.tolist()])
+                           for s, r in orders])                                  # orders x F x B x Pn
+    rows = torch.cat([torch.arange(B).expand(*removed.shape[:3])[..., None], removed.long()], -1)
+    unique, inverse = torch.unique(rows.reshape(-1, Pn + 1), dim=0, return_inverse=True)
+    scene, gone = unique[:, 0], unique[:, 1:].bool()
+    with torch.no_grad():
+        if t is None:
+            with record(model, eval_mode=True, capture=()):
+                t = logits_of(run_images(model, x)).argmax(-1)
+        t = t.cpu()
+        if _drops_removed_tokens(model, layout):
+            logits = _kept_token_logits(model, x, scene, gone, layout)
+        else:
+            logits = torch.cat([_remove_tokens(model, x[scene[i:i + B]], gone[i:i + B], t[scene[i:i + B]], layout,
+                                               "removal_curve").logits.cpu() for i in range(0, len(scene), B)])
+    t = resolve_target(t, logits[:B]).cpu()
+    correct = (logits.argmax(-1) == t[scene])[inverse].reshape(removed.shape[:3])   # orders x F x B
+    return t, list(correct.transpose(1, 2))
+
+
+def _drops_removed_tokens(model, layout: TokenLayout) -> bool:
+    """Whether removing image tokens from attention is the same as leaving them out of the
+    sequence: a timm ``VisionTransformer`` of plain ``Block`` / ``ResPostBlock`` blocks (their
+    tokens meet only in self-attention), whose output reads the class token alone (``global_pool
+    = "token"``, no attention pool), all with timm's own forward. A removed token then only
+    computes states that nothing reads."""
+    try:
+        from timm.layers import Attention
+        from timm.models.vision_transformer import Block, ResPostBlock, VisionTransformer
+    except ImportError:  # pragma: no cover - timm is a dependency
+        return False
+    V = VisionTransformer
+    return (isinstance(model, V) and layout.num_prefix > 0 and model.num_prefix_tokens == layout.num_prefix
+            and all(getattr(type(model), name, None) is getattr(V, name, None)
+                    for name in ("forward_features", "forward_head", "pool", "_pos_embed", "forward"))
+            and getattr(model, "global_pool", None) == "token" and getattr(model, "attn_pool", None) is None
+            and all(type(b) in (Block, ResPostBlock) and type(b.attn) is Attention for b in model.blocks))
+
+
+def _kept_token_logits(model, x: torch.Tensor, scene: torch.Tensor, gone: torch.Tensor, layout: TokenLayout,
+                       max_tokens: int = 32768) -> torch.Tensor:
+    """Logits of ``model`` (see :func:`_drops_removed_tokens`) on ``x[scene[i]]`` with the image
+    tokens ``gone[i]`` left out, for every row i (rows with as many tokens removed run together,
+    at most ``max_tokens`` tokens a forward). The attention is computed eagerly, as under a mask."""
+    P = layout.num_prefix
+    out = None
+    with torch.no_grad(), record(model, eval_mode=True, capture=(), attention_edit=lambda layer, num_tokens: None):
+        tokens = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))   # B x N x D, once
+        counts = gone.sum(1)
+        for k in counts.unique().tolist():
+            rows = torch.nonzero(counts == k)[:, 0]
+            kept = torch.nonzero(~gone[rows])[:, 1].view(len(rows), gone.shape[1] - k) + P   # ascending
+            index = torch.cat([torch.arange(P).expand(len(rows), P), kept], 1)
+            step = max(1, max_tokens // index.shape[1])
+            for i in range(0, len(rows), step):
+                r = rows[i:i + step]
+                h = tokens[scene[r].to(tokens.device)[:, None], index[i:i + step].to(tokens.device)]
+                for blk in model.blocks:
+                    h = blk(h)
+                logits = model.forward_head(model.norm(h)).cpu()
+                if out is None:
+                    out = logits.new_empty(len(scene), logits.shape[-1])
+                out[r] = logits
+    return out
 
 
 # --------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ All rendering is vectorised over scenes with numpy: 1,000 scenes take 1-3 s of o
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from numbers import Integral
 
@@ -327,10 +329,40 @@ def _paint(img: np.ndarray, idx: np.ndarray, mask: np.ndarray, colour: np.ndarra
     img[idx[i], y, x] = colour[i]
 
 
+#: Recently rendered scene sets, newest last, up to _CACHE_BYTES in all: the same arguments give
+#: the same scenes byte for byte, and a chapter asks for the same held-out scenes several times
+#: (with and without their objects). Every caller gets its own copy.
+_CACHE: "OrderedDict[tuple, Scenes]" = OrderedDict()
+_CACHE_BYTES = 256 * 2**20
+_CACHE_LOCK = threading.Lock()
+
+
+def _copy(s: Scenes) -> Scenes:
+    return Scenes(images=s.images.copy(), labels=s.labels.copy(), masks=s.masks.copy(),
+                  classes=list(s.classes), difficulty=s.difficulty)
+
+
 def _render_scenes(n, seed, n_objects, *, difficulty, size, with_objects) -> Scenes:
+    """:func:`_draw_scenes`, kept for repeated calls (a copy each time)."""
+    _check_args(n, seed, n_objects, difficulty, size)
+    key = (int(n), int(seed), int(n_objects), float(difficulty), int(size), bool(with_objects))
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _copy(_CACHE[key])
+    scenes = _draw_scenes(n, seed, n_objects, difficulty=difficulty, size=size, with_objects=with_objects)
+    nbytes = scenes.images.nbytes + scenes.masks.nbytes + scenes.labels.nbytes
+    if nbytes <= _CACHE_BYTES // 4:
+        with _CACHE_LOCK:
+            _CACHE[key] = _copy(scenes)
+            while sum(v.images.nbytes + v.masks.nbytes + v.labels.nbytes for v in _CACHE.values()) > _CACHE_BYTES:
+                _CACHE.popitem(last=False)
+    return scenes
+
+
+def _draw_scenes(n, seed, n_objects, *, difficulty, size, with_objects) -> Scenes:
     """Draw all random parameters first, then render; ``with_objects=False`` renders the
     identical scenes without their objects (the tests compare the two)."""
-    _check_args(n, seed, n_objects, difficulty, size)
     n, n_objects, size, d = int(n), int(n_objects), int(size), float(difficulty)
     rng = np.random.default_rng([int(seed), n_objects, 20240601])
     k_cls = len(CLASSES)
