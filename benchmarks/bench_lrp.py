@@ -31,6 +31,7 @@ the pass, the rest element-wise rule steps (each a memory-bound pass over an act
 products, divisions and masks of the rules, the bias broadcast of ``addmm``, GELU, softmax) and
 autograd's overhead. Those steps are what the rules compute, one pass each; nearer the floor needs
 several of them fused into one pass (a compiled kernel), which this package does not do.
+``benchmarks/profile_lrp.py`` breaks each method's time down rule by rule.
 
     python benchmarks/bench_lrp.py [--batch 16] [--rounds 3] [--threads N] [--clock wall|cpu]
 

@@ -59,12 +59,23 @@ def shapes():
 
 
 # ----------------------------------------------------------------------------- 1. float32 = the rule's value
+def positive_shares(x: torch.Tensor, W: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """Chefer's linear rule (alpha 1, beta 0) from the explicit contributions ``c_ji = x_i W_ji``, as
+    ``references.linear_relprop(..., "chefer", ...)`` computes it: each input's positive contributions
+    over their sum per output, times the output's relevance, summed over the outputs. The clamp is
+    done in place and the sum over the outputs is a contraction, so the ``... x out x in`` tensor is
+    made once, not four times (the reference then takes a third of the time)."""
+    positive = (x.unsqueeze(-2) * W).clamp_(min=0)  # ... x out x in
+    return torch.einsum("...ji,...j->...i", positive, R / positive.sum(-1))
+
+
 def rules_on_values(model, x: torch.Tensor, unit: bool = False) -> dict:
     """Chefer's rules for a timm ViT evaluated in float64 on the values its float32 forward computes
     (each activation computed in float32, then cast), with explicit contributions and no autograd for
-    the relevance (the helpers of ``tests/references.py``): the rules' value for the network as it
-    computes. Returns the patch relevances, the token relevances and the relevance started."""
-    from references import add_relprop, linear_relprop, ln, matmul_relprop, vit_forward
+    the relevance (the helpers of ``tests/references.py``, the linear rule's as :func:`positive_shares`):
+    the rules' value for the network as it computes. Returns the patch relevances, the token
+    relevances and the relevance started."""
+    from references import add_relprop, ln, matmul_relprop, vit_forward
 
     B, d = x.shape[0], lambda t: t.detach().double()
     with torch.no_grad():
@@ -76,23 +87,22 @@ def rules_on_values(model, x: torch.Tensor, unit: bool = False) -> dict:
         t = logits.argmax(-1)
         y = d(logits).gather(1, t[:, None])
         R = torch.zeros_like(d(logits)).scatter(1, t[:, None], torch.ones_like(y) if unit else y)
-        nobody = torch.zeros(B, dtype=torch.float64)
         R_h = torch.zeros_like(d(nf))
-        R_h[:, 0] = linear_relprop(d(nf)[:, 0], m.head.weight, m.head.bias, R, "chefer", nobody)
+        R_h[:, 0] = positive_shares(d(nf)[:, 0], m.head.weight, R)
         last = None
         for s, blk in zip(reversed(saved), reversed(m.blocks)):
             H = blk.attn.num_heads
             R_mid, R_f2 = add_relprop(s["mid"], s["f2"], R_h, "chefer")
-            R_g = linear_relprop(s["g"], blk.mlp.fc2.weight, None, R_f2, "chefer", nobody)
-            R_mid = R_mid + linear_relprop(s["n2"], blk.mlp.fc1.weight, None, R_g, "chefer", nobody)
+            R_g = positive_shares(s["g"], blk.mlp.fc2.weight, R_f2)
+            R_mid = R_mid + positive_shares(s["n2"], blk.mlp.fc1.weight, R_g)
             R_hin, R_P = add_relprop(s["h"], s["P"], R_mid, "chefer")
-            R_O = linear_relprop(s["O"], blk.attn.proj.weight, None, R_P, "chefer", nobody)
+            R_O = positive_shares(s["O"], blk.attn.proj.weight, R_P)
             N, D = R_O.shape[1], R_O.shape[2]
             R_A, R_v = matmul_relprop(s["A"], s["v"], R_O.reshape(B, N, H, D // H).transpose(1, 2))
             last = R_A if last is None else last
             R_q, R_kT = matmul_relprop(s["qs"], s["k"].transpose(-2, -1), R_A)  # split by the exact q·k
             R_qkv = torch.stack([R_q, R_kT.transpose(-2, -1), R_v]).permute(1, 3, 0, 2, 4).reshape(B, N, 3 * D)
-            R_h = R_hin + linear_relprop(s["n1"], blk.attn.qkv.weight, None, R_qkv, "chefer", nobody)
+            R_h = R_hin + positive_shares(s["n1"], blk.attn.qkv.weight, R_qkv)
         R_e = d(e) / d(x0)[:, 1:] * R_h[:, 1:]  # the position sum's z-rule
     return dict(patches=R_e.sum(-1), tokens=R_h.sum(-1), start=R.sum(-1),
                 partial=last.clamp(min=0).mean(1)[:, 0, 1:])

@@ -1,0 +1,120 @@
+"""Where the LRP family's time goes, rule by rule, in units of a plain forward.
+
+Random-initialised timm ``deit_tiny_patch16_224`` (no download), batch 16, CPU, as
+``benchmarks/bench_lrp.py``. Each rule of :mod:`vitlab.record.lrp` is wrapped in a timer for the
+run (the wrappers are taken off afterwards): per method the process CPU time spent inside each
+rule's backward, divided by a plain forward (``torch.no_grad()``) timed just before, median over
+rounds. "rest" is everything outside the rules: the forward with the rules attached (the eager
+attention in place of the fused one, the recordings), autograd's engine (gradient sums where a
+tensor feeds two operations, the views' backwards), the method's own steps. The matmuls inside a
+rule are counted in the rule: the linear rule does 3 per layer (``|x| |W|^T``, ``S W^+``,
+``S W^-``), the attention matmul rule 2, the plain vector-Jacobian product of a linear layer 1.
+
+Measured (``--threads 1``, the shared 2-core machine, whose ratios vary by about 0.3x from run to
+run): full LRP 6.36x a forward = the linear alpha-beta rule 2.95x (its 3 matmuls about 1.7x: the
+forward's linear layers are ~55% of a forward) + rest 1.97x + the attention scores recomputed from
+their terms (``product_from_terms``, ~11,500 of 1.86M scores per block below ``EXACT_BELOW``)
+0.55x + the attention matmul rule 0.39x + identity rules 0.18x + residual rule 0.15x + the
+softmax rule's division 0.11x. Transformer attribution 6.89x: the same, plus the plain backward
+(linear 0.57x, GELU 0.15x, softmax 0.05x, the attention matmuls' share of 0.79x).
+
+    python benchmarks/profile_lrp.py [--batch 16] [--rounds 3] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import statistics
+import time
+from collections import defaultdict
+
+import timm
+import torch
+
+from vitlab.lrp import attn_lrp, lrp, partial_lrp, transformer_attribution
+
+RULES = importlib.import_module("vitlab.record.lrp")
+
+
+@contextlib.contextmanager
+def timed_rules(spent: dict):
+    """Wrap the rules of :mod:`vitlab.record.lrp` so that ``spent[name]`` adds up the CPU seconds
+    inside each (``product_from_terms`` apart from the softmax rule that calls it); put back after."""
+    def timer(name, fn, inner=None):
+        def run(*args, **kwargs):
+            before = spent.get(inner, 0.0) if inner else 0.0
+            start = time.process_time()
+            out = fn(*args, **kwargs)
+            spent[name] += time.process_time() - start - ((spent.get(inner, 0.0) - before) if inner else 0.0)
+            return out
+        return run
+
+    saved = {name: getattr(RULES, name) for name in (
+        "alpha1_beta0_rule", "identity_rule", "identity_rule_over", "residual_add_rule", "product_from_terms",
+        "linear_vjp", "gelu_vjp", "softmax_vjp")}
+    half_backward = RULES._HalfMatmul.backward
+    softmax_rule, scores = "softmax rule (the division)", "product_from_terms (scores from their terms)"
+    try:
+        linear = "linear rule (alpha-beta, 3 matmuls)"
+        RULES.alpha1_beta0_rule = lambda *a: timer(linear, saved["alpha1_beta0_rule"](*a))
+        RULES.identity_rule = timer("identity rule (GELU, LayerNorm)", saved["identity_rule"])
+        RULES.identity_rule_over = lambda d: timer(softmax_rule, saved["identity_rule_over"](d), scores)
+        RULES.product_from_terms = timer(scores, saved["product_from_terms"])
+        RULES.residual_add_rule = timer("residual rule", saved["residual_add_rule"])
+        RULES.linear_vjp = lambda *a: timer("plain backward: linear (1 matmul)", saved["linear_vjp"](*a))
+        RULES.gelu_vjp = lambda *a: timer("plain backward: GELU", saved["gelu_vjp"](*a))
+        RULES.softmax_vjp = lambda *a: timer("plain backward: softmax", saved["softmax_vjp"](*a))
+        RULES._HalfMatmul.backward = staticmethod(timer("attention matmuls (2 bmm each)", half_backward))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(RULES, name, fn)
+        RULES._HalfMatmul.backward = staticmethod(half_backward)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
+    x = torch.randn(args.batch, 3, 224, 224)
+
+    def forward():
+        with torch.no_grad():
+            model(x)
+
+    methods = {"lrp": lrp, "transformer_attribution": transformer_attribution, "partial_lrp": partial_lrp,
+               "attn_lrp": attn_lrp}
+    print(f"deit_tiny_patch16_224 (random init), batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
+          f"process CPU time, median of {args.rounds} rounds, x a plain forward")
+    spent: dict = defaultdict(float)
+    with timed_rules(spent):
+        for name, method in methods.items():
+            method(model, x)  # warm-up
+            shares, totals = defaultdict(list), []
+            for _ in range(args.rounds):
+                start = time.process_time()
+                forward()
+                f = time.process_time() - start
+                spent.clear()
+                start = time.process_time()
+                method(model, x)
+                total = time.process_time() - start
+                totals.append(total / f)
+                for key, value in spent.items():
+                    shares[key].append(value / f)
+                shares["rest (forward with the rules, autograd, the method's steps)"].append(
+                    (total - sum(spent.values())) / f)
+            print(f"{name}: {statistics.median(totals):.2f}x")
+            for key, values in sorted(shares.items(), key=lambda kv: -statistics.median(kv[1])):
+                print(f"    {key:62s} {statistics.median(values):5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
