@@ -1542,7 +1542,8 @@ def _group_weights(selection, name: str, B: int, layout: TokenLayout) -> torch.T
         w[:, int(selection)] = 1.0
         return w
     m = torch.as_tensor(selection) if isinstance(selection, (torch.Tensor, np.ndarray)) else None
-    if m is None or m.dtype != torch.bool or m.ndim != 2 or m.shape[0] != B or m.shape[1] not in (N, layout.num_patches):
+    if (m is None or m.dtype != torch.bool or m.ndim != 2 or m.shape[0] != B
+            or m.shape[1] not in (N, layout.num_patches)):
         raise ValueError(f"group {name!r} must be a token index (int) or a bool mask of B x {layout.num_patches} "
                          f"image tokens or B x {N} tokens (B = {B}), got "
                          f"{type(selection).__name__} {tuple(getattr(selection, 'shape', ()))} "
