@@ -1479,3 +1479,107 @@ def permutation_test(first, second, n_perm: int = 300, seed: int = 0) -> Permuta
 
 
 __getattr__ = replaced_names("vitlab.projection", {"bootstrap_interval": "vitlab.stats.mean_interval"})
+
+
+# --------------------------------------------------------------------------------------
+# Memory agreement per group of tokens, over a set of samples (a table per block)
+# --------------------------------------------------------------------------------------
+class GroupAgreement(NamedTuple):
+    """From :func:`agreement_by_group`.
+
+    Attributes:
+        groups: ``{name: B x L}`` each sample's mean :func:`memory_agreement` over the group's
+            tokens, per block (NaN where the sample has no token of the group).
+        chance: ``B x L`` the share of the block's memories whose value's top class is the
+            sample's target: what a token's ``k`` memories agree on when drawn at random.
+        target: ``(B,)`` the class per sample.
+        k: the memories counted per token.
+        sublayer: ``"mlp"`` or ``"attention"``.
+    """
+
+    groups: dict
+    chance: torch.Tensor
+    target: torch.Tensor
+    k: int
+    sublayer: str
+
+    def table(self, difference: dict | None = None, spec: str = ".2f", level: float = 0.95,
+              n_boot: int = 2000, seed: int = 0) -> list[dict]:
+        """One row per block: each group's mean over the samples that have its tokens with the
+        bootstrap interval (:func:`vitlab.stats.mean_interval`), ``"chance"`` (the mean of
+        :attr:`chance`), and for each ``{column: (group_a, group_b)}`` of ``difference`` the
+        paired difference a - b over the samples that have both (:func:`vitlab.stats.paired_difference`).
+        Numbers formatted with ``spec`` (differences signed); ``"-"`` where no sample has the group."""
+        from vitlab.stats import mean_interval, paired_difference, where_defined
+
+        difference = {} if difference is None else difference
+        if not isinstance(difference, dict) or any(
+                not isinstance(p, (tuple, list)) or len(p) != 2 or any(g not in self.groups for g in p)
+                for p in difference.values()):
+            raise ValueError(f"difference must be {{column: (group_a, group_b)}} with groups among "
+                             f"{list(self.groups)}, got {difference!r}")
+        rows = []
+        for b in range(self.chance.shape[1]):
+            row = {"block": b}
+            for name, v in self.groups.items():
+                (defined,) = where_defined(v[:, b])
+                row[name] = mean_interval(defined, level, n_boot, seed).format(spec) if defined.size else "-"
+            row["chance"] = f"{float(self.chance[:, b].mean()):{spec}}"
+            for column, (a, c) in difference.items():
+                pa, pc = where_defined(self.groups[a][:, b], self.groups[c][:, b])
+                row[column] = paired_difference(pa, pc, level, n_boot, seed).format("+" + spec) if pa.size else "-"
+            rows.append(row)
+        return rows
+
+
+def _group_weights(selection, name: str, B: int, layout: TokenLayout) -> torch.Tensor:
+    """A group of tokens as a ``B x N`` 0/1 float tensor over all tokens (prefix first)."""
+    N = layout.num_tokens
+    if isinstance(selection, numbers.Integral) and not isinstance(selection, (bool, np.bool_)):
+        if not -N <= int(selection) < N:
+            raise ValueError(f"group {name!r}: token index {int(selection)} is outside 0 .. {N - 1}")
+        w = torch.zeros(B, N)
+        w[:, int(selection)] = 1.0
+        return w
+    m = torch.as_tensor(selection) if isinstance(selection, (torch.Tensor, np.ndarray)) else None
+    if (m is None or m.dtype != torch.bool or m.ndim != 2 or m.shape[0] != B
+            or m.shape[1] not in (N, layout.num_patches)):
+        raise ValueError(f"group {name!r} must be a token index (int) or a bool mask of B x {layout.num_patches} "
+                         f"image tokens or B x {N} tokens (B = {B}), got "
+                         f"{type(selection).__name__} {tuple(getattr(selection, 'shape', ()))} "
+                         f"{getattr(selection, 'dtype', '')}".rstrip())
+    w = torch.zeros(B, N)
+    w[:, N - m.shape[1]:] = m.cpu().float()
+    return w
+
+
+def agreement_by_group(model, x: torch.Tensor, groups: dict, target=None, k: int = 10, mode: str = "norm",
+                       sublayer: str = "mlp", batch_size: int = 100) -> GroupAgreement:
+    """:func:`memory_agreement` of every block, averaged per sample over each group of tokens
+    (Vilas et al. 2023, key-value memories, Sec. 5 and Fig. 1b: do the memories most active on
+    a token write its class?), with the chance level per sample and block.
+
+    ``groups``: ``{name: tokens}``, each a token index (``0``: the class token, in every sample)
+    or a bool mask, ``B x num_patches`` (image tokens, e.g. those on an object) or ``B x N``
+    (all tokens, prefix first). ``target``: int, one per sample, or None (the predicted class).
+    Run in batches of ``batch_size`` samples (one forward each; the result does not depend on
+    it). Read the result with :meth:`GroupAgreement.table`. The model is unchanged."""
+    check_images(x, "agreement_by_group")
+    t = check_target(target, x.shape[0])
+    positive_int("k", k)
+    positive_int("batch_size", batch_size)
+    if sublayer not in SUBLAYERS:
+        raise ValueError(f"sublayer must be one of {SUBLAYERS}, got {sublayer!r}")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError("groups must be a non-empty dict {name: token index or bool mask of tokens}")
+    layout = token_layout(model, x)
+    weights = {name: _group_weights(sel, name, x.shape[0], layout) for name, sel in groups.items()}
+    parts = [memory_agreement(model, x[i:i + batch_size], None, None if t is None else t[i:i + batch_size],
+                              k, mode, sublayer) for i in range(0, x.shape[0], batch_size)]
+    agreement = torch.cat([p.agreement.cpu() for p in parts])  # B x L x N
+    target_used = torch.cat([p.target.cpu() for p in parts])
+    by_group = {name: (agreement * w[:, None]).sum(-1) / w.sum(-1, keepdim=True)  # NaN: no token
+                for name, w in weights.items()}
+    tops = [unit_top_classes(model, b, 1, mode, sublayer)[:, 0].cpu() for b in range(agreement.shape[1])]
+    chance = torch.stack([(top[None, :] == target_used[:, None]).to(agreement.dtype).mean(-1) for top in tops], 1)
+    return GroupAgreement(groups=by_group, chance=chance, target=target_used, k=k, sublayer=sublayer)
