@@ -165,6 +165,26 @@ def test_patch_period_contrast_matches_a_loop_and_reads_rectangular_patches():
     assert torch.allclose(actmax.patch_period_contrast(noise, 14), torch.full((4,), 1 / 8), rtol=0.1)
 
 
+def test_mean_patch_averages_whole_patches_and_feeds_the_contrast():
+    g = torch.Generator().manual_seed(3)
+    images = torch.rand(2, 3, 13, 17, dtype=torch.float64, generator=g)    # not whole patches
+    got = actmax.mean_patch(images, (4, 5))
+    assert got.shape == (2, 3, 4, 5)
+    tiles = [images[..., i:i + 4, j:j + 5] for i in range(0, 12, 4) for j in range(0, 15, 5)]
+    assert torch.allclose(got, sum(tiles) / len(tiles), rtol=0, atol=1e-12)
+    # a tiling's mean patch is its tile; the contrast is the mean patch's std over the image's
+    tile = torch.rand(3, 6, 6, dtype=torch.float64, generator=g)
+    tiled = tile.repeat(1, 3, 2)[None]
+    assert torch.allclose(actmax.mean_patch(tiled, 6)[0], tile, rtol=0, atol=1e-12)
+    whole = images[..., :12, :15]
+    ratio = got.flatten(2).std(2, correction=0).mean(1) / whole.flatten(2).std(2, correction=0).mean(1)
+    assert torch.allclose(actmax.patch_period_contrast(images, (4, 5)), ratio, rtol=1e-12)
+    x = torch.rand(1, 3, 8, 8, requires_grad=True)
+    assert not actmax.mean_patch(x, 4).requires_grad
+    with pytest.raises(ValueError, match="two whole patches"):
+        actmax.mean_patch(torch.rand(3, 8, 8), 8)
+
+
 def test_patch_period_contrast_errors():
     with pytest.raises(ValueError, match="two whole patches"):
         actmax.patch_period_contrast(torch.rand(3, 8, 8), 8)

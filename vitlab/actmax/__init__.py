@@ -3,7 +3,8 @@
 Optimise an image so that a ViT's unit, channel, attention or class logit is as large as
 possible, with Ghiasi et al. 2022's recipe ("What do Vision Transformers Learn? A Visual
 Exploration", Sec. 3): a batch of jittered copies per image (random roll, colour shift and
-scale), a total-variation prior, Adam (lr 0.1, betas (0.5, 0.99)) with cosine decay,
+scale; their code rolls by any number of pixels, vitlab by default by whole patches, see
+:func:`visualize`'s ``roll_step``), a total-variation prior, Adam (lr 0.1, betas (0.5, 0.99)) with cosine decay,
 pixels clamped to ``[0, 1]``. The FFT / decorrelated-colour parametrisation of Olah et al.
 2017 (lucent) is the alternative.
 
@@ -36,7 +37,7 @@ from vitlab.actmax.objectives import (
     patch_border_difference, residual_channel, seam_excess, total_variation,
 )
 from vitlab.actmax.param import FFTImage, Parametrization, PixelImage
-from vitlab.actmax.seams import border_difference, patch_period_contrast, seam_profile, seam_ratio
+from vitlab.actmax.seams import border_difference, mean_patch, patch_period_contrast, seam_profile, seam_ratio
 from vitlab.actmax.reference import photo_crops, reference_images
 from vitlab.compat import renamed_arguments
 from vitlab.inputs import positive_int, require_gradients
@@ -47,7 +48,7 @@ __all__ = [
     "Context", "Objective", "objective", "mlp_unit", "residual_channel", "class_logit",
     "class_log_probability", "cls_attention", "total_variation", "patch_border_difference", "seam_excess",
     "PixelImage", "FFTImage", "Parametrization", "seam_ratio", "seam_profile", "border_difference",
-    "patch_period_contrast",
+    "mean_patch", "patch_period_contrast",
     "photo_crops", "reference_images", "objectives", "param", "seams", "transforms",
 ]
 
@@ -128,9 +129,10 @@ def logits_of(output):
 
 
 CONTINUITY_WEIGHT = 2.0
-"""Weight of :func:`seam_excess` when ``visualize(..., continuity=True)``, chosen in chapter 8 by
-measurement on DINOv2-S/14: 2 brought the seam ratio from about 1.47 to 0.96-0.99 and kept
-87-108% of the unit's value; 10 removed no more seams and kept less."""
+"""Weight of :func:`seam_excess` when ``visualize(..., continuity=True)``. Measured on
+DINOv2-S/14 in chapter 8 (112 px, three units, two starts) and in its solutions' exercise 6
+(112 and 224 px): with 2 the seam ratio of grid-aligned FFT images falls to about 1 and the
+unit keeps nearly all of its value. The printed numbers are in those notebooks."""
 
 
 def visualize(model, objective: Objective, *, steps: int = 400, batch: int = 1, copies: int = 8,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["border_masks", "image_gradients", "seam_ratio", "border_difference", "seam_profile",
-           "patch_period_contrast"]
+           "mean_patch", "patch_period_contrast"]
 
 
 def _pair(v, what: str) -> tuple[int, int]:
@@ -134,6 +134,30 @@ def seam_profile(images: torch.Tensor, patch_size: int) -> torch.Tensor:
     return out.detach()
 
 
+def _whole_patches(images: torch.Tensor, patch_size) -> tuple[torch.Tensor, torch.Tensor]:
+    images = _check_images(images)
+    ph, pw = _pair(patch_size, "patch_size")
+    H, W = images.shape[-2:]
+    if ph < 1 or pw < 1 or H // ph * (W // pw) < 2:
+        raise ValueError(f"patch_size {(ph, pw)} must fit at least two whole patches into the "
+                         f"{H} x {W} image")
+    whole = images[..., : H // ph * ph, : W // pw * pw]
+    return whole, whole.unfold(2, ph, ph).unfold(3, pw, pw)      # B x C x gh x gw x ph x pw
+
+
+def mean_patch(images: torch.Tensor, patch_size) -> torch.Tensor:
+    """The mean of all whole ``P x P`` patches of each image: ``B x C x ph x pw`` (detached).
+    What :func:`patch_period_contrast` measures the contrast of: a layout every patch repeats
+    survives the averaging, unrelated patches average out towards a flat patch.
+
+    Args:
+        images: ``B x C x H x W`` (or ``C x H x W``); only whole patches from the top left count.
+        patch_size: the model's patch size (int or ``(ph, pw)``).
+    """
+    _, patches = _whole_patches(images, patch_size)
+    return patches.mean((2, 3)).detach()
+
+
 def patch_period_contrast(images: torch.Tensor, patch_size) -> torch.Tensor:
     """How much the patches of each image (``B``) share one layout: average all its ``P x P``
     patches into one mean patch, and divide that mean patch's contrast (its standard deviation
@@ -149,16 +173,8 @@ def patch_period_contrast(images: torch.Tensor, patch_size) -> torch.Tensor:
         images: ``B x C x H x W`` (or ``C x H x W``); only whole patches from the top left count.
         patch_size: the model's patch size (int or ``(ph, pw)``).
     """
-    images = _check_images(images)
-    ph, pw = _pair(patch_size, "patch_size")
-    H, W = images.shape[-2:]
-    if ph < 1 or pw < 1 or H // ph * (W // pw) < 2:
-        raise ValueError(f"patch_size {(ph, pw)} must fit at least two whole patches into the "
-                         f"{H} x {W} image")
-    whole = images[..., : H // ph * ph, : W // pw * pw]
-    patches = whole.unfold(2, ph, ph).unfold(3, pw, pw)          # B x C x gh x gw x ph x pw
-    mean_patch = patches.mean((2, 3))                            # B x C x ph x pw
-    layout = mean_patch.flatten(2).std(2, correction=0).mean(1)
+    whole, patches = _whole_patches(images, patch_size)
+    layout = patches.mean((2, 3)).flatten(2).std(2, correction=0).mean(1)   # the mean patch's
     spread = whole.flatten(2).std(2, correction=0).mean(1)
     with torch.no_grad():
         return (layout / spread).detach()

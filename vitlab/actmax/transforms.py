@@ -120,9 +120,13 @@ def colour_jitter(shift: float = 0.1, scale: float = 0.1) -> Transform:
 
 def standard(patch_size: int, max_shift: int | None = None, step: int | None = None, *, scale_range=None,
              degrees: float = 0.0, shift: float = 0.1, colour_scale: float = 0.1) -> Transform:
-    """Ghiasi et al.'s transformations: roll by up to ``max_shift`` (default: two patches) in
-    steps of ``step`` pixels (default: whole patches, keeping the patch grid in place), then
-    optional zoom and rotation, then colour jitter."""
+    """The jittered copies' transformations: roll by up to ``max_shift`` (default: two patches) in
+    steps of ``step`` pixels, then optional zoom and rotation, then colour jitter.
+
+    The default step is vitlab's own choice: whole patches, which keeps the patch grid on the
+    same pixels (the setting that shows the seams of chapter 8). Ghiasi et al.'s code rolls by
+    any number of pixels (their ``Jitter``, up to 32 px, in ``hamidkazemi22/vit-visualization``,
+    ``augmentation/pre.py``): that is ``step=1``."""
     max_shift = 2 * patch_size if max_shift is None else max_shift
     ts: list[Transform] = [roll(max_shift, step=patch_size if step is None else step)]
     if scale_range is not None:
