@@ -277,6 +277,21 @@ def test_plot_leaderboard_draws_each_cell(vit):
         plot.leaderboard(board, measures=["nope"])
     with pytest.raises(ValueError, match="reference"):
         plot.leaderboard(board, reference="nope")
+    # methods: only those rows, in the order given (the reference line still drawn from the board)
+    fig = plot.leaderboard(board, measures=["SaCo K=3"], methods=["Chefer relevance", "rollout"])
+    ax = next(a for a in fig.axes if a.get_title())
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["Chefer relevance", "rollout"]
+    ticks = dict(zip([t.get_text() for t in ax.get_yticklabels()], ax.get_yticks()))
+    bars = sorted(ax.patches, key=lambda p: -p.get_y())          # top bar first
+    assert len(bars) == 2 and ticks["Chefer relevance"] > ticks["rollout"]
+    np.testing.assert_allclose([p.get_width() for p in bars],
+                               [board.cell(m, "SaCo K=3")["mean"] for m in ("Chefer relevance", "rollout")])
+    dashed = [line for line in ax.lines if line.get_linestyle() == "--"]
+    assert len(dashed) == 1 and dashed[0].get_xdata()[0] == pytest.approx(board.cell("random", "SaCo K=3")["mean"])
+    plt.close(fig)
+    for bad in (["nope"], [], ["rollout", "rollout"]):
+        with pytest.raises(ValueError, match="methods"):
+            plot.leaderboard(board, methods=bad)
 
 
 def test_shapes_data_scenes():

@@ -799,10 +799,12 @@ def table(rows: Sequence[dict], columns: Sequence[str] | None = None, floatfmt: 
 
 
 def leaderboard(board, measures: Sequence[str] | None = None, reference: str | None = "random",
-                ncols: int = 4, figsize_per_panel: tuple[float, float] = (3.3, 3.0)):
+                ncols: int = 4, figsize_per_panel: tuple[float, float] = (3.3, 3.0),
+                methods: Sequence[str] | None = None):
     """Draw a method x measure leaderboard: one panel per measure, a bar per method with its
     95% interval, the ``reference`` method's mean as a dashed line, and each panel's title
-    saying which direction is better.
+    saying which direction is better. ``methods``: the rows to draw, in this order (default:
+    all of the board's), e.g. those of a table printed beside the figure.
 
     ``board``: anything with ``methods``, ``measures``, ``cell(method, measure)`` (a dict with
     ``mean``, ``ci_low``, ``ci_high``) and ``higher_is_better(measure)`` — what
@@ -812,20 +814,24 @@ def leaderboard(board, measures: Sequence[str] | None = None, reference: str | N
     unknown = [q for q in measures if q not in board.measures]
     if unknown or not measures:
         raise ValueError(f"measures must be among {list(board.measures)}, got {measures}")
+    methods = list(board.methods if methods is None else methods)
+    missing = [m for m in methods if m not in board.methods]
+    if missing or not methods or len(set(methods)) != len(methods):
+        raise ValueError(f"methods must be distinct rows of the board, among {list(board.methods)}, got {methods}")
     if reference is not None and reference not in board.methods:
         raise ValueError(f"reference must be one of the methods {list(board.methods)} or None, got {reference!r}")
     ncols = max(1, min(int(ncols), len(measures)))
     nrows = -(-len(measures) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(figsize_per_panel[0] * ncols + 2.2, figsize_per_panel[1] * nrows),
                              sharey=True, squeeze=False)
-    y = np.arange(len(board.methods))[::-1]
+    y = np.arange(len(methods))[::-1]
     for ax, q in zip(axes.flat, measures):
-        cells = [board.cell(m, q) for m in board.methods]
+        cells = [board.cell(m, q) for m in methods]
         mean = np.array([c["mean"] for c in cells])
         lo = np.array([c["ci_low"] for c in cells])
         hi = np.array([c["ci_high"] for c in cells])
         err = np.nan_to_num(np.stack([mean - lo, hi - mean]), nan=0.0)
-        colours = ["0.6" if m == reference else "tab:blue" for m in board.methods]
+        colours = ["0.6" if m == reference else "tab:blue" for m in methods]
         ax.barh(y, mean, xerr=err, color=colours, ecolor="k", capsize=2, height=0.7)
         if reference is not None:
             ax.axvline(board.cell(reference, q)["mean"], color="0.3", ls="--", lw=1)
@@ -836,7 +842,7 @@ def leaderboard(board, measures: Sequence[str] | None = None, reference: str | N
     for ax in axes.flat[len(measures):]:
         ax.axis("off")
     for row in axes:
-        row[0].set_yticks(y, board.methods, fontsize=8)
+        row[0].set_yticks(y, methods, fontsize=8)
     note = f"bars: mean over samples with a 95% interval; dashed: {reference}" if reference else \
         "bars: mean over samples with a 95% interval"
     fig.suptitle(note, fontsize=9, y=1.0)
