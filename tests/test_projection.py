@@ -892,3 +892,29 @@ def test_removal_curves_leave_removed_tokens_out_as_the_mask_does(vit, x):
     curve = P.removal_curve(pooled, x, ranking, None, "highest", fractions)
     for i, f in enumerate(fractions):
         assert torch.equal(curve.correct[:, i], P.token_removal(pooled, x, ranking, f).correct)
+
+
+@pytest.mark.parametrize("arch", ["post-norm blocks", "layer scale and registers"])
+def test_kept_token_logits_in_chunks_and_block_kinds_equal_the_masked_forward(x, arch):
+    """Leaving removed tokens out (the last block's MLP run for the prefix tokens only, rows cut
+    into chunks of at most ``max_tokens`` tokens) gives the masked forward's logits, for timm's
+    post-norm ``ResPostBlock`` and for pre-norm blocks with layer scale and register tokens
+    (three prefix tokens); the last block's prefix rows are the block's own output rows."""
+    from timm.models.vision_transformer import ResPostBlock
+
+    kwargs = dict(block_fn=ResPostBlock) if arch == "post-norm blocks" else dict(init_values=0.5, reg_tokens=2)
+    model = randomize(VisionTransformer(**TINY, **kwargs), 4).double()
+    before = model_snapshot(model)
+    layout = P.token_layout(model, x)
+    assert P._drops_removed_tokens(model, layout)
+    ranking = torch.randn(3, 16, generator=torch.Generator().manual_seed(5))
+    gone = torch.cat([P._removed_by_rank(ranking, f, "highest") for f in (0.0, 0.25, 0.5, 0.75)])   # 12 rows
+    rows = torch.arange(3).repeat(4)
+    want = P.remove_tokens(model, x[rows], gone, target=0).logits
+    for max_tokens in (8192, 40, 1):   # one chunk; a few rows a chunk; one row a chunk
+        close(P._kept_token_logits(model, x, rows, gone, layout, max_tokens=max_tokens).double(), want)
+    with torch.no_grad():
+        h = torch.randn(2, 9, TINY["embed_dim"], generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+        last = model.blocks[-1]
+        close(P._prefix_rows_of_block(last, h, layout.num_prefix), last(h)[:, :layout.num_prefix])
+    assert_model_unchanged(model, before)

@@ -11,9 +11,10 @@ import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from vitlab import localization as loc
+from vitlab import footprints as fp_module, localization as loc
+from vitlab.layout import token_layout
 from vitlab.footprints import (footprint_extent, footprint_mass, footprint_pointing, footprint_regions, object_read,
-                               token_footprints)
+                               stem_windows, token_footprints)
 from vitlab.shapes.model import ConvStemPatchEmbed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -110,6 +111,64 @@ def test_a_patchify_convolution_reads_its_own_patch_only():
     assert ext.side[1, 2].tolist() == [6.0, 4.0, 8.0]
     torch.testing.assert_close(ext.margin(0), torch.zeros(4, 4))
     torch.testing.assert_close(ext.margin(2), torch.zeros(4, 4))
+
+
+def _one_backward_per_token(monkeypatch, model, x, **kwargs):
+    """token_footprints as for a stem not known to be local: one backward per token, whose
+    gradient counts on every pixel."""
+    with monkeypatch.context() as m:
+        m.setattr(fp_module, "stem_windows", lambda model, layout, size: None)
+        return token_footprints(model, x, **kwargs)
+
+
+@pytest.mark.parametrize("stem", ["conv", "conv3x3", "patch"])
+def test_tokens_sharing_a_backward_give_their_own_footprints_to_the_bit(monkeypatch, stem):
+    """Entering block 0, tokens whose stem windows do not overlap share one backward; each token's
+    footprint is the one its own backward gives, bit for bit (float32, random directions and
+    exact), and it lies inside its window, all of which it reads."""
+    from vitlab.shapes.model import ShapesViTConfig, build_shapes_vit
+
+    torch.manual_seed(0)
+    model = build_shapes_vit(ShapesViTConfig(img_size=64, depth=1, stem=stem)).eval()
+    x = _inputs(3, size=64, dtype=torch.float32)
+    layout = token_layout(model, x)
+    windows = stem_windows(model, layout, (64, 64))
+    groups = fp_module._disjoint_groups(windows, layout.grid)
+    assert sorted(t for g in groups for t in g) == list(range(16))
+    assert len(groups) == {"conv": 9, "conv3x3": 4, "patch": 1}[stem]
+    for kwargs in (dict(probes=1, batch_size=2), dict(probes=2, seed=4)):
+        got = token_footprints(model, x, **kwargs)
+        assert torch.equal(got, _one_backward_per_token(monkeypatch, model, x, **kwargs))
+    # a random direction's gradient is zero only where the whole gradient is (almost surely)
+    got = got.reshape(16, 64, 64)
+    for t, (rows, cols) in enumerate(windows):
+        inside = torch.zeros(64, 64, dtype=torch.bool)
+        inside[rows, cols] = True
+        assert float(got[t][~inside].abs().max()) == 0.0 and float(got[t][inside].min()) > 0
+    if stem == "conv":   # exact, on the small conv-stem ViT (D = 16): 9 groups of its 4 x 4 grid
+        small, xs = _conv_stem_vit(torch.float32), _inputs(2, dtype=torch.float32)
+        assert len(fp_module._disjoint_groups(stem_windows(small, token_layout(small, xs), (16, 16)), (4, 4))) == 9
+        assert torch.equal(token_footprints(small, xs, probes=None),
+                           _one_backward_per_token(monkeypatch, small, xs, probes=None))
+
+
+def test_stems_that_are_not_provably_local_get_one_backward_per_token():
+    """A stem whose locality cannot be read from its structure (a GroupNorm pools over the whole
+    image; a circular padding wraps around) has no windows, and its footprints are computed one
+    backward per token: still the Jacobian's."""
+    for change in ("group norm", "circular padding"):
+        model = _conv_stem_vit()
+        if change == "group norm":
+            model.patch_embed.proj[1] = torch.nn.GroupNorm(2, model.patch_embed.proj[0].out_channels).double()
+        else:
+            model.patch_embed.proj[0].padding_mode = "circular"
+        x = _inputs(2)
+        assert stem_windows(model, token_layout(model, x), (16, 16)) is None
+        got = token_footprints(model, x, probes=None)
+        want = _jacobian_footprint(model, x)
+        torch.testing.assert_close(got.double(), want, rtol=2e-7, atol=2e-7 * float(want.abs().max()))
+        if change == "group norm":   # the whole image counts, beyond the 10 px window
+            assert float(want[0, 0, 12:, 12:].abs().max()) > 0
 
 
 def test_footprint_extent_of_hand_built_footprints():

@@ -1340,12 +1340,16 @@ def _drops_removed_tokens(model, layout: TokenLayout) -> bool:
 
 
 def _kept_token_logits(model, x: torch.Tensor, scene: torch.Tensor, gone: torch.Tensor, layout: TokenLayout,
-                       max_tokens: int = 32768) -> torch.Tensor:
+                       max_tokens: int = 8192) -> torch.Tensor:
     """Logits of ``model`` (see :func:`_drops_removed_tokens`) on ``x[scene[i]]`` with the image
     tokens ``gone[i]`` left out, for every row i (rows with as many tokens removed run together,
-    at most ``max_tokens`` tokens a forward). The attention is computed eagerly, as under a mask."""
+    at most ``max_tokens`` tokens a forward: on a CPU, chunks whose activations stay in the cache
+    run faster than larger ones). The attention is computed eagerly, as under a mask. The last
+    block computes its MLP for the prefix tokens only: the output reads the class token, and
+    after the last attention no token reads another."""
     P = layout.num_prefix
     out = None
+    *first, last = model.blocks
     with torch.no_grad(), record(model, eval_mode=True, capture=(), attention_edit=lambda layer, num_tokens: None):
         tokens = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x))))   # B x N x D, once
         counts = gone.sum(1)
@@ -1357,13 +1361,26 @@ def _kept_token_logits(model, x: torch.Tensor, scene: torch.Tensor, gone: torch.
             for i in range(0, len(rows), step):
                 r = rows[i:i + step]
                 h = tokens[scene[r].to(tokens.device)[:, None], index[i:i + step].to(tokens.device)]
-                for blk in model.blocks:
+                for blk in first:
                     h = blk(h)
-                logits = model.forward_head(model.norm(h)).cpu()
+                logits = model.forward_head(model.norm(_prefix_rows_of_block(last, h, P))).cpu()
                 if out is None:
                     out = logits.new_empty(len(scene), logits.shape[-1])
                 out[r] = logits
     return out
+
+
+def _prefix_rows_of_block(block: nn.Module, h: torch.Tensor, P: int) -> torch.Tensor:
+    """What timm's ``Block`` / ``ResPostBlock`` ``block`` outputs for the first ``P`` tokens of
+    ``h`` (``B x N x D``): its attention over every token, then the residual additions and the
+    MLP for those ``P`` rows only (both are per token). ``B x P x D``."""
+    from timm.models.vision_transformer import ResPostBlock
+
+    if isinstance(block, ResPostBlock):   # x + norm1(attn(x)), then x + norm2(mlp(x))
+        h = h[:, :P] + block.drop_path1(block.norm1(block.attn(h)[:, :P]))
+        return h + block.drop_path2(block.norm2(block.mlp(h)))
+    h = h[:, :P] + block.drop_path1(block.ls1(block.attn(block.norm1(h))[:, :P]))   # pre-norm Block
+    return h + block.drop_path2(block.ls2(block.mlp(block.norm2(h))))
 
 
 # --------------------------------------------------------------------------------------
