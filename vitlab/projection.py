@@ -20,6 +20,8 @@ tokens show what each token "already thinks it is".
   :func:`attention_value_projection`, :func:`attention_coefficients` and
   ``memory_agreement(..., sublayer="attention")`` -- the same for self-attention (the paper's
   Fig. 1b): keys matched with the attended tokens' states, weighted by attention.
+- :func:`agreement_by_group` -- :func:`memory_agreement` of every block averaged over groups of
+  tokens (class token, object, background), with chance per sample; read with ``.table()``.
 - :func:`projection_map` -- the paper's explanation map, ``B x gh x gw``.
 - :func:`context_intervention` -- the paper's RQ5: image tokens attend only to themselves, or
   not to CLS, from a chosen block on (an attention edit through :func:`vitlab.record`).
@@ -1495,9 +1497,6 @@ def permutation_test(first, second, n_perm: int = 300, seed: int = 0) -> Permuta
                            p_two_sided=share(diffs.abs() >= abs(observed) - eps), n_perm=n_perm)
 
 
-__getattr__ = replaced_names("vitlab.projection", {"bootstrap_interval": "vitlab.stats.mean_interval"})
-
-
 # --------------------------------------------------------------------------------------
 # Memory agreement per group of tokens, over a set of samples (a table per block)
 # --------------------------------------------------------------------------------------
@@ -1600,3 +1599,6 @@ def agreement_by_group(model, x: torch.Tensor, groups: dict, target=None, k: int
     tops = [unit_top_classes(model, b, 1, mode, sublayer)[:, 0].cpu() for b in range(agreement.shape[1])]
     chance = torch.stack([(top[None, :] == target_used[:, None]).to(agreement.dtype).mean(-1) for top in tops], 1)
     return GroupAgreement(groups=by_group, chance=chance, target=target_used, k=k, sublayer=sublayer)
+
+
+__getattr__ = replaced_names("vitlab.projection", {"bootstrap_interval": "vitlab.stats.mean_interval"})
