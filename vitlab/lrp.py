@@ -85,6 +85,7 @@ from vitlab.inputs import (
 )
 from vitlab.layout import token_layout
 from vitlab.record import record, require_materialized
+from vitlab.record import lrp_direct
 from vitlab.record.lrp import working_copy
 from vitlab.relevance.engine import head_averaged_relevance
 from vitlab.targets import (check_score, check_target, is_multi_label, logits_of, require_class_head,
@@ -132,6 +133,11 @@ class LRPPass(NamedTuple):
 #: differ by float32 rounding; where Chefer's rules pass relevance through a pole (module docstring)
 #: those values differ, and neither is the "true" one.
 PRECISIONS = ("model", "float64")
+
+#: Whether Chefer's rules on a plain timm ViT take the hand-written pass of
+#: :mod:`vitlab.record.lrp_direct` (the same values as the autograd pass, bit for bit, without its
+#: graph); False: every model takes the autograd pass of :mod:`vitlab.record.lrp`.
+DIRECT = True
 
 
 def at_precision(model, x: torch.Tensor, precision: str, method: str):
@@ -205,6 +211,8 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
     e.g. a target logit of 0: no gradient scales it to 1). Checks nothing: ``model``, ``x`` and
     ``target`` as :func:`checked_pass` returned them (or a chunk of them). ``entries`` (with
     ``tokens``): also keep the token entries and their changed gradients (:class:`LRPPass`)."""
+    if DIRECT and rules == "chefer" and lrp_direct.plan(model, x):
+        return _direct_pass(model, x, target, attention, plain, tokens, method, unit, score, entries)
     capture = ("attention",) if attention or plain else ()
     with torch.enable_grad():
         x_in = gradient_leaf(x)
@@ -215,17 +223,7 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
             g = score_gradient(model, logits, t, score)  # ds/dy, B x C
             held = logits.detach()
             total = (held * g).sum(1)  # the score's gradient x input on the logits, summed
-            start = g  # relevance y ⊙ ds/dy
-            if unit:
-                zero = (total == 0).nonzero()
-                if zero.numel():
-                    what = ("explained logit is" if score == "logit"
-                            else "score's gradient x input on the logits sums to")
-                    raise ValueError(
-                        f"{method}: the {what} exactly 0 for sample {int(zero[0])} (class {int(t[zero[0]])}); the "
-                        "LRP pass starts from relevance 1 in total, which a gradient cannot scale it to there "
-                        "(relevance = logit x gradient): explain another class (target=...)")
-                start, total = g / total[:, None], torch.ones_like(total)  # relevance y ⊙ ds/dy, 1 in total
+            start, total = _start(g, total, t, unit, score, method)
             e, x0 = rec.patch_tokens[-1], rec.first_block_inputs[-1]
             attn = list(rec.attentions) if capture else []
             if attention == "last":
@@ -247,6 +245,55 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
         R_e = R_x0 = torch.empty(x.shape[0], 0, dtype=y.dtype, device=y.device)
     R_A = [a.detach() * d for a, d in zip(attn, grads)]
     return LRPPass(R_e, R_x0, R_A, plain_grads, y.detach(), t, total, kept)
+
+
+def _start(g: torch.Tensor, total: torch.Tensor, t: torch.Tensor, unit: bool, score: str, method: str):
+    """The gradient the pass starts from on the logits and the relevance it starts with (module
+    docstring): ``g`` itself (relevance ``y ⊙ ds/dy``) and ``total``, or with ``unit`` both scaled
+    to relevance 1 in total (``ValueError`` where ``total`` is exactly 0)."""
+    if not unit:
+        return g, total
+    zero = (total == 0).nonzero()
+    if zero.numel():
+        what = ("explained logit is" if score == "logit"
+                else "score's gradient x input on the logits sums to")
+        raise ValueError(
+            f"{method}: the {what} exactly 0 for sample {int(zero[0])} (class {int(t[zero[0]])}); the "
+            "LRP pass starts from relevance 1 in total, which a gradient cannot scale it to there "
+            "(relevance = logit x gradient): explain another class (target=...)")
+    return g / total[:, None], torch.ones_like(total)  # relevance y ⊙ ds/dy, 1 in total
+
+
+def _direct_pass(model, x: torch.Tensor, target, attention, plain: bool, tokens: bool, method: str,
+                 unit: bool, score: str, entries: bool) -> LRPPass:
+    """:func:`_lrp_pass` by the hand-written pass of :mod:`vitlab.record.lrp_direct` (Chefer's
+    rules on a plain timm ViT): the same values, without an autograd graph."""
+    with torch.no_grad():
+        fw = lrp_direct.forward(model, x)
+        logits = fw.logits
+        t = resolve_target(target, logits)
+        y = logits.gather(1, t[:, None])[:, 0]
+        g = score_gradient(model, logits, t, score)  # ds/dy, B x C
+        total = (logits * g).sum(1)
+        start, total = _start(g, total, t, unit, score, method)
+        g_e, g_x0, g_A = lrp_direct.relevance(model, fw, start, attention or plain, tokens)
+        if attention == "last":
+            g_A = g_A[-1:]
+        plain_grads = lrp_direct.plain_attention_grads(model, fw, g) if plain else []
+        if attention == "last" and plain:
+            plain_grads = plain_grads[-1:]
+        attn = [s.A for s in fw.blocks]
+        attn = attn[-1:] if attention == "last" else (attn if attention or plain else [])
+        kept = ()
+        if tokens:
+            R_e = (fw.e * g_e).sum(-1)
+            R_x0 = (fw.x0 * g_x0).sum(-1)
+            if entries:
+                kept = (fw.e, fw.x0, g_e, g_x0)
+        else:
+            R_e = R_x0 = torch.empty(x.shape[0], 0, dtype=y.dtype, device=y.device)
+        R_A = [a * d for a, d in zip(attn, g_A)]
+    return LRPPass(R_e, R_x0, R_A, plain_grads, y, t, total, kept)
 
 
 def _grid_map(method: str, model, x, target, compute, precision: str, score: str):
