@@ -139,6 +139,11 @@ PRECISIONS = ("model", "float64")
 #: graph); False: every model takes the autograd pass of :mod:`vitlab.record.lrp`.
 DIRECT = True
 
+#: Opt-in: the hand-written pass's element-wise steps compiled by ``torch.compile``
+#: (:func:`vitlab.record.lrp_direct.compiled_kernels`); needs a C++ compiler (CPU) or Triton (GPU),
+#: falls back to the eager steps with a warning where compiling fails.
+COMPILE = False
+
 
 def at_precision(model, x: torch.Tensor, precision: str, method: str):
     """``(model, x)`` as the pass runs them: with ``precision="float64"`` a float64 copy of the
@@ -276,7 +281,8 @@ def _direct_pass(model, x: torch.Tensor, target, attention, plain: bool, tokens:
         g = score_gradient(model, logits, t, score)  # ds/dy, B x C
         total = (logits * g).sum(1)
         start, total = _start(g, total, t, unit, score, method)
-        g_e, g_x0, g_A = lrp_direct.relevance(model, fw, start, attention or plain, tokens)
+        kernels = lrp_direct.compiled_kernels() if COMPILE else lrp_direct.EAGER
+        g_e, g_x0, g_A = lrp_direct.relevance(model, fw, start, attention or plain, tokens, kernels)
         if attention == "last":
             g_A = g_A[-1:]
         plain_grads = lrp_direct.plain_attention_grads(model, fw, g) if plain else []

@@ -29,9 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitlab.record.lrp import (
-    _by_rows, _live_rows, alpha1_beta0_rule, identity_rule, linear_vjp, product_from_terms, residual_add_rule,
-)
+from vitlab.record.lrp import EXACT_BELOW, _by_rows, _live_rows, identity_rule, linear_vjp, residual_add_rule
 
 
 class Saved(NamedTuple):
@@ -82,9 +80,9 @@ def _no_hooks(model: nn.Module) -> bool:
     return True
 
 
-def _identity(m) -> bool:
-    return isinstance(m, nn.Identity) or (type(m).__name__ in ("Dropout", "DropPath") and type(m).__module__ in (
-        "torch.nn.modules.dropout", "timm.layers.drop"))
+def _layer_norm(m) -> bool:
+    """torch's LayerNorm or timm's (``F.layer_norm`` unless its fast norm is on)."""
+    return type(m) is nn.LayerNorm or (_exact_type(m, "timm.layers.norm", "LayerNorm") and not getattr(m, "_fast_norm", True))
 
 
 def _drop(m) -> bool:  # off in eval mode, as the pass runs the model
@@ -113,7 +111,7 @@ def plan(model: nn.Module, x: torch.Tensor) -> bool:
             or model.pos_embed.shape[1] != pe.num_patches + 1):
         return False
     if not (_drop(model.pos_drop) and isinstance(model.patch_drop, nn.Identity) and isinstance(model.norm_pre, nn.Identity)
-            and type(model.norm) is nn.LayerNorm and isinstance(model.fc_norm, nn.Identity)
+            and _layer_norm(model.norm) and isinstance(model.fc_norm, nn.Identity)
             and _drop(model.head_drop) and type(model.head) is nn.Linear):
         return False
     dtype = model.head.weight.dtype
@@ -123,7 +121,7 @@ def plan(model: nn.Module, x: torch.Tensor) -> bool:
         if not _exact_type(blk, "timm.models.vision_transformer", "Block"):
             return False
         a, m = blk.attn, blk.mlp
-        if not (type(blk.norm1) is nn.LayerNorm and type(blk.norm2) is nn.LayerNorm
+        if not (_layer_norm(blk.norm1) and _layer_norm(blk.norm2)
                 and isinstance(blk.ls1, nn.Identity) and isinstance(blk.ls2, nn.Identity)
                 and _drop(blk.drop_path1) and _drop(blk.drop_path2)
                 and _exact_type(a, "timm.layers.attention", "Attention") and type(a.qkv) is nn.Linear
@@ -184,9 +182,139 @@ def forward(model: nn.Module, x: torch.Tensor) -> Forward:
     return Forward(e, x0, blocks, h, nf, cls, _lin(cls, model.head))
 
 
-def _linear_rule(layer: nn.Linear, grad, out, x):
+# --- the element-wise steps of the rules: eager (the autograd pass's own operations) or compiled ---------
+def _share_eager(z0, out, grad):
+    """Alpha-beta's ``S / 2 = R_y / Z`` from ``z0 = |x| |W|^T - b`` (``Z = z0 + y``), 0 where ``Z <= 0``:
+    the operations of :func:`vitlab.record.lrp.alpha1_beta0_rule`."""
+    z = z0.add_(out)
+    return (out * grad).div_(z).masked_fill_(z <= 0, 0.0)
+
+
+def _pick_eager(P, N, x):
+    """``P`` where x > 0, ``N`` where x < 0, 0 where x == 0, as :func:`~vitlab.record.lrp.alpha1_beta0_rule`
+    makes it (0/1 masks)."""
+    sign = x.sign()
+    g = P.mul_(sign.clamp(min=0))
+    return g.addcmul_(N, sign.clamp_(max=0), value=-1)
+
+
+def _identity_eager(grad, out, x):
+    return identity_rule(grad, out, x)[0]
+
+
+def _small_eager(o, na, nb):
+    """Where ``|o_ij| < na_i nb_j`` (:func:`~vitlab.record.lrp.product_from_terms`'s test, ``na``
+    carrying ``EXACT_BELOW``)."""
+    return torch.lt(o.abs(), na.unsqueeze(-1) * nb.unsqueeze(-2))
+
+
+def _qkv_eager(gqs, scale, gkT, gv):
+    """The gradient of ``qkv`` (B x N x 3D) from those of ``q * scale``, k^T and v, as the views'
+    backwards give it."""
+    B, H, N, hd = gv.shape
+    return torch.stack([gqs * scale, gkT.transpose(-2, -1), gv]).permute(1, 3, 0, 2, 4).reshape(B, N, 3 * H * hd)
+
+
+def _share_fused(z0, out, grad):
+    z = z0 + out
+    return torch.where(z <= 0, 0.0, (out * grad) / z)
+
+
+def _pick_fused(P, N, x):
+    return torch.where(x > 0, P, torch.where(x < 0, N, 0.0))
+
+
+def _identity_fused(grad, out, x):
+    return torch.nan_to_num((grad * out) / x, 0.0, 0.0, 0.0)
+
+
+def _small_fused(o, na, nb):
+    return o.abs() < na.unsqueeze(-1) * nb.unsqueeze(-2)
+
+
+def _qkv_fused(gqs, scale, gkT, gv):
+    B, H, N, hd = gv.shape
+    return torch.stack([gqs * scale, gkT.transpose(-2, -1), gv]).permute(1, 3, 0, 2, 4).reshape(B, N, 3 * H * hd)
+
+
+class Kernels(NamedTuple):
+    """The element-wise steps the pass runs, each a function of tensors."""
+
+    share: object
+    pick: object
+    identity: object
+    small: object
+    qkv: object
+
+
+EAGER = Kernels(_share_eager, _pick_eager, _identity_eager, _small_eager, _qkv_eager)
+_COMPILED: list = []   # the compiled kernels, made once
+_FAILED: list = []     # why compiling failed, once it has
+
+
+def compiled_kernels() -> Kernels:
+    """The element-wise steps compiled by ``torch.compile`` (inductor: each step one fused loop over
+    its tensors instead of one pass per operation; the same operations in the same order, so the
+    same values, see :data:`vitlab.lrp.COMPILE`). Compiling happens at the first call of each and
+    needs a C++ compiler on a CPU (Triton on a GPU); where it fails the step falls back to its eager
+    form with a warning, once, and every later call runs eager."""
+    if _COMPILED:
+        return _COMPILED[0]
+
+    def guarded(fused, eager):
+        fn = torch.compile(fused, dynamic=True, fullgraph=True)
+
+        def run(*args):
+            if _FAILED:
+                return eager(*args)
+            try:
+                return fn(*args)
+            except Exception as err:  # no compiler, an unsupported backend: run as before
+                import warnings
+
+                _FAILED.append(err)
+                warnings.warn(f"vitlab.lrp.COMPILE: torch.compile failed ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); the LRP rules run eager (same values)",
+                              RuntimeWarning, stacklevel=3)
+                return eager(*args)
+        return run
+
+    _COMPILED.append(Kernels(*(guarded(f, e) for f, e in zip(
+        (_share_fused, _pick_fused, _identity_fused, _small_fused, _qkv_fused), EAGER))))
+    return _COMPILED[0]
+
+
+def _dense_rule(K: Kernels, w, w_abs, w_pos2, w_neg2, b, grad, out, x):
+    """:func:`vitlab.record.lrp.alpha1_beta0_rule`'s dense form with the element-wise steps of ``K``."""
+    z0 = F.linear(x.abs(), w_abs, None if b is None else -b)
+    s = K.share(z0, out, grad)
+    return K.pick(s @ w_pos2, s @ w_neg2, x)
+
+
+def _linear_rule(K: Kernels, layer: nn.Linear, grad, out, x):
     w = layer.weight.detach()
-    return alpha1_beta0_rule(w, None if layer.bias is None else layer.bias.detach())(grad, out, x)[0]
+    b = None if layer.bias is None else layer.bias.detach()
+    w_abs = w.abs()
+    dense = lambda g, o, xx: _dense_rule(K, w, w_abs, w_abs + w, w - w_abs, b, g, o, xx)  # noqa: E731
+    index = _live_rows(grad)
+    return dense(grad, out, x) if index is None else _by_rows(grad, x, index, dense, out, x)
+
+
+def _scores_from_terms(K: Kernels, a, b, out):
+    """:func:`vitlab.record.lrp.product_from_terms` with the test of ``K``, fixing ``out`` in place
+    (the pass reads the forward's scores nowhere else)."""
+    batch = out.shape[:-2]
+    n, k, m = a.shape[-2], a.shape[-1], b.shape[-1]
+    a3 = a.expand(*batch, n, k).reshape(-1, n, k)
+    b3 = b.expand(*batch, k, m).reshape(-1, k, m)
+    o3 = out.reshape(-1, n, m)
+    which, i, j = K.small(o3, a3.norm(dim=-1) * EXACT_BELOW, b3.norm(dim=-2)).nonzero(as_tuple=True)
+    if which.numel():
+        terms = a3[which, i, :].double() * b3[which, :, j].double()
+        fixed = o3 if o3.data_ptr() == out.data_ptr() else o3.clone()
+        fixed[which, i, j] = terms.sum(-1).to(out.dtype)
+        return fixed.reshape(out.shape)
+    return out
 
 
 def _half_matmul_grads(grad, a, b, need_b: bool = True, plain: bool = False):
@@ -202,11 +330,6 @@ def _half_matmul_grads(grad, a, b, need_b: bool = True, plain: bool = False):
     return ga, gb
 
 
-def _qkv_grad(gq, gk_T, gv, B, N, D):
-    """The gradient of ``qkv`` (B x N x 3D) from those of q, k^T and v, as the views' backwards give it."""
-    return torch.stack([gq, gk_T.transpose(-2, -1), gv]).permute(1, 3, 0, 2, 4).reshape(B, N, 3 * D)
-
-
 def _ln_vjp(grad, x, norm: nn.LayerNorm):
     """LayerNorm's plain gradient with respect to its input."""
     w = None if norm.weight is None else norm.weight.detach()
@@ -220,7 +343,7 @@ def _linear_vjp(layer: nn.Linear, grad, out, x):
     return linear_vjp(layer.weight.detach())(grad, out, x)[0]
 
 
-def relevance(model: nn.Module, fw: Forward, start: torch.Tensor, attention, tokens: bool):
+def relevance(model: nn.Module, fw: Forward, start: torch.Tensor, attention, tokens: bool, K: Kernels = EAGER):
     """Chefer's rules from the relevance ``start`` on the logits (``B x C``, as the gradient the
     autograd pass starts from) down: ``(g_e, g_x0, [gbar_A per block wanted])``, the changed
     gradients of the patch tokens and of the tokens entering the first block (None without
@@ -230,21 +353,21 @@ def relevance(model: nn.Module, fw: Forward, start: torch.Tensor, attention, tok
     wanted = set(range(L)) if attention is True else ({L - 1} if attention == "last" else set())
     lowest = 0 if tokens else (min(wanted) if wanted else L)
     g_A = {}
-    g_cls = _linear_rule(model.head, start, fw.logits, fw.cls)
+    g_cls = _linear_rule(K, model.head, start, fw.logits, fw.cls)
     grad = torch.zeros_like(fw.nf)
     grad[:, 0] = g_cls
-    grad = identity_rule(grad, fw.nf, fw.h)[0]
+    grad = K.identity(grad, fw.nf, fw.h)
     for b in range(L - 1, lowest - 1, -1):
         s, blk = fw.blocks[b], model.blocks[b]
         a = blk.attn
         B, N, D = s.O.shape
         g_mid, g_f2 = residual_add_rule(grad, s.out, s.mid, s.f2)
-        g_g = _linear_rule(blk.mlp.fc2, g_f2, s.f2, s.g)
-        g_f1 = identity_rule(g_g, s.g, s.f1)[0]
-        g_n2 = _linear_rule(blk.mlp.fc1, g_f1, s.f1, s.n2)
-        g_mid = g_mid + identity_rule(g_n2, s.n2, s.mid)[0]
+        g_g = _linear_rule(K, blk.mlp.fc2, g_f2, s.f2, s.g)
+        g_f1 = K.identity(g_g, s.g, s.f1)
+        g_n2 = _linear_rule(K, blk.mlp.fc1, g_f1, s.f1, s.n2)
+        g_mid = g_mid + K.identity(g_n2, s.n2, s.mid)
         g_h, g_P = residual_add_rule(g_mid, s.mid, s.h, s.P)
-        g_O = _linear_rule(a.proj, g_P, s.P, s.O)
+        g_O = _linear_rule(K, a.proj, g_P, s.P, s.O)
         g_Oh = g_O.reshape(B, N, a.num_heads, a.head_dim).transpose(1, 2)
         last_needed = b == lowest and not tokens
         gA, gv = _half_matmul_grads(g_Oh, s.A, s.v, need_b=not last_needed)
@@ -253,15 +376,14 @@ def relevance(model: nn.Module, fw: Forward, start: torch.Tensor, attention, tok
         if last_needed:
             break
         if s.S.dtype != torch.float64:  # the softmax's rule divides by the scores from their terms
-            S_exact = product_from_terms(s.qs, s.kT, s.S)
-            g_S = (gA * s.A).div_(S_exact.to(s.S.dtype)).nan_to_num_(0.0, 0.0, 0.0)
+            g_S = K.identity(gA, s.A, _scores_from_terms(K, s.qs, s.kT, s.S))
         else:
-            g_S = identity_rule(gA, s.A, s.S)[0]
+            g_S = K.identity(gA, s.A, s.S)
         g_qs, g_kT = _half_matmul_grads(g_S, s.qs, s.kT)
         scale = s.qs.shape[-1] ** -0.5 if a.fused_attn else a.scale
-        g_qkv = _qkv_grad(g_qs * scale, g_kT, gv, B, N, D)
-        g_n1 = _linear_rule(a.qkv, g_qkv, s.qkv, s.n1)
-        grad = g_h + identity_rule(g_n1, s.n1, s.h)[0]
+        g_qkv = K.qkv(g_qs, scale, g_kT, gv)
+        g_n1 = _linear_rule(K, a.qkv, g_qkv, s.qkv, s.n1)
+        grad = g_h + K.identity(g_n1, s.n1, s.h)
     g_x0 = grad if tokens else None
     g_e = grad[:, 1:] if tokens else None
     return g_e, g_x0, [g_A[b] for b in sorted(g_A)]
@@ -293,7 +415,7 @@ def plain_attention_grads(model: nn.Module, fw: Forward, g: torch.Tensor) -> lis
         g_S = torch._softmax_backward_data(gA, s.A, -1, s.S.dtype)
         g_qs, g_kT = _half_matmul_grads(g_S, s.qs, s.kT, plain=True)
         scale = s.qs.shape[-1] ** -0.5 if a.fused_attn else a.scale
-        g_qkv = _qkv_grad(g_qs * scale, g_kT, gv, B, N, D)
+        g_qkv = _qkv_eager(g_qs, scale, g_kT, gv)
         g_n1 = _linear_vjp(a.qkv, g_qkv, s.qkv, s.n1)
         grad = g_mid + _ln_vjp(g_n1, s.h, blk.norm1)
     return out
