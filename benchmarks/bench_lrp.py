@@ -57,6 +57,7 @@ from bench_methods import ratios_to_forward
 #: floor their matmul count sets, 2.9x and 3.7x; the others 3x); every method batched below per image.
 GOALS = {"lrp": 3.8, "partial_lrp": 3.0, "transformer_attribution": 4.8, "attn_lrp": 3.0}
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+PATHS = ("direct", "autograd", "compiled")
 
 
 def main() -> None:
@@ -66,7 +67,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument("--ig-steps", type=int, default=32)
+    parser.add_argument("--path", choices=PATHS, default="direct",
+                        help="direct: the package's default (the hand-written pass where it covers the model); "
+                             "autograd: vitlab.lrp.DIRECT = False; compiled: vitlab.lrp.COMPILE = True")
+    parser.add_argument("--no-others", action="store_true", help="time the four LRP methods only")
     args = parser.parse_args()
+    import vitlab.lrp as L
+
+    L.DIRECT, L.COMPILE = args.path != "autograd", args.path == "compiled"
     clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -87,6 +95,11 @@ def main() -> None:
     def per_image(method):
         return lambda: [method(model, x[i:i + 1]) for i in range(x.shape[0])]
 
+    if args.path == "compiled":  # compiling happens at the first call: timed apart, in seconds
+        start = time.perf_counter()
+        lrp(model, x[:2])
+        transformer_attribution(model, x[:2])
+        print(f"compiled path: first calls (compiling, or loading inductor's cache) {time.perf_counter() - start:.1f} s wall")
     lrp_methods = {"lrp": lrp, "partial_lrp": partial_lrp, "transformer_attribution": transformer_attribution,
                    "attn_lrp": attn_lrp}
     methods = {}
@@ -95,13 +108,14 @@ def main() -> None:
         methods[f"  {name}, per image"] = per_image(fn)
     # what precision="float64" costs (a float64 copy of the model per call, float64 arithmetic)
     methods["lrp, precision=float64"] = lambda: lrp(model, x, precision="float64")
-    methods["chefer_relevance (2021, no LRP)"] = lambda: chefer_relevance(model, x)
-    methods[f"integrated_gradients ({args.ig_steps} steps)"] = lambda: integrated_gradients(
-        model, x, steps=args.ig_steps)
+    if not args.no_others:
+        methods["chefer_relevance (2021, no LRP)"] = lambda: chefer_relevance(model, x)
+        methods[f"integrated_gradients ({args.ig_steps} steps)"] = lambda: integrated_gradients(
+            model, x, steps=args.ig_steps)
     ratios, forward_times = ratios_to_forward(forward, methods, args.rounds, seconds)
 
     print(f"deit_tiny_patch16_224 (random init), batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
-          f"{args.clock} clock, median of {args.rounds} rounds")
+          f"{args.clock} clock, median of {args.rounds} rounds, path {args.path}")
     print(f"plain forward (no_grad): {statistics.median(forward_times) * 1000:.0f} ms")
     medians = {name: statistics.median(values) for name, values in ratios.items()}
     for name, ratio in medians.items():

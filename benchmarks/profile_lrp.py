@@ -73,12 +73,47 @@ def timed_rules(spent: dict):
         RULES._HalfMatmul.backward = staticmethod(half_backward)
 
 
+MATMULS = ("aten::addmm", "aten::mm", "aten::bmm")
+
+
+def by_kind(model, x, forward, methods, rounds: int) -> None:
+    """Per method, its time in forwards split into the matmuls (``addmm``, ``mm``, ``bmm``: the
+    forward's, the rules'), the compiled kernels (with ``--path compiled``) and the rest (element-wise
+    steps, copies, the scores' float64 sums), from torch.profiler's self CPU times, median over rounds."""
+    from torch.profiler import profile
+
+    for name, method in methods.items():
+        method(model, x)  # warm-up (and compiling)
+        parts = defaultdict(list)
+        for _ in range(rounds):
+            start = time.process_time()
+            forward()
+            f = time.process_time() - start
+            with profile() as prof:
+                method(model, x)
+            kinds = defaultdict(float)
+            for e in prof.key_averages():
+                kind = ("matmuls" if e.key in MATMULS else "compiled kernels" if "CompiledFxGraph" in e.key
+                        else "rest")
+                kinds[kind] += e.self_cpu_time_total / 1e6
+            for kind, value in kinds.items():
+                parts[kind].append(value / f)
+            parts["total"].append(sum(kinds.values()) / f)
+        print(f"{name}: " + ", ".join(f"{k} {statistics.median(v):.2f}x" for k, v in sorted(parts.items())))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--path", choices=("autograd", "direct", "compiled"), default="autograd",
+                        help="autograd: rule by rule (vitlab.lrp.DIRECT = False); direct / compiled: the hand-written "
+                             "pass (COMPILE off / on), split by operation kind with torch.profiler")
     args = parser.parse_args()
+    import vitlab.lrp as L
+
+    L.DIRECT, L.COMPILE = args.path != "autograd", args.path == "compiled"
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -93,6 +128,9 @@ def main() -> None:
                "attn_lrp": attn_lrp}
     print(f"deit_tiny_patch16_224 (random init), batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
           f"process CPU time, median of {args.rounds} rounds, x a plain forward")
+    if args.path != "autograd":
+        by_kind(model, x, forward, methods, args.rounds)
+        return
     spent: dict = defaultdict(float)
     with timed_rules(spent):
         for name, method in methods.items():

@@ -282,23 +282,20 @@ def _direct_pass(model, x: torch.Tensor, target, attention, plain: bool, tokens:
         total = (logits * g).sum(1)
         start, total = _start(g, total, t, unit, score, method)
         kernels = lrp_direct.compiled_kernels() if COMPILE else lrp_direct.EAGER
-        g_e, g_x0, g_A = lrp_direct.relevance(model, fw, start, attention or plain, tokens, kernels)
-        if attention == "last":
-            g_A = g_A[-1:]
-        plain_grads = lrp_direct.plain_attention_grads(model, fw, g) if plain else []
+        e, x0 = fw.e, fw.x0
+        r = lrp_direct.relevance(model, fw, start, attention or plain, tokens, g if plain else None, kernels)
+        del fw  # its activations went block by block
+        R_A, plain_grads = r.attention_relevance, r.attention_grads
         if attention == "last" and plain:
             plain_grads = plain_grads[-1:]
-        attn = [s.A for s in fw.blocks]
-        attn = attn[-1:] if attention == "last" else (attn if attention or plain else [])
         kept = ()
         if tokens:
-            R_e = (fw.e * g_e).sum(-1)
-            R_x0 = (fw.x0 * g_x0).sum(-1)
+            R_e = (e * r.g_e).sum(-1)
+            R_x0 = (x0 * r.g_x0).sum(-1)
             if entries:
-                kept = (fw.e, fw.x0, g_e, g_x0)
+                kept = (e, x0, r.g_e, r.g_x0)
         else:
             R_e = R_x0 = torch.empty(x.shape[0], 0, dtype=y.dtype, device=y.device)
-        R_A = [a * d for a, d in zip(attn, g_A)]
     return LRPPass(R_e, R_x0, R_A, plain_grads, y, t, total, kept)
 
 

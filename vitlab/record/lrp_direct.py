@@ -225,7 +225,8 @@ def _pick_fused(P, N, x):
 
 
 class Kernels(NamedTuple):
-    """The element-wise steps the pass runs, each a function of tensors."""
+    """The element-wise steps the pass runs, each a function of tensors (``share`` and ``pick`` of
+    tensors of one shape, which the compiled forms take flattened)."""
 
     share: object
     pick: object
@@ -254,8 +255,8 @@ def compiled_kernels() -> Kernels:
         def run(*args):
             if _FAILED:
                 return eager(*args)
-            try:
-                return fn(*args)
+            try:  # flat: one compiled loop per dtype, whatever the shapes and layouts
+                return fn(*(t.reshape(-1) for t in args)).view(args[0].shape)
             except Exception as err:  # no compiler, an unsupported backend: run as before
                 import warnings
 
@@ -333,79 +334,106 @@ def _linear_vjp(layer: nn.Linear, grad, out, x):
     return linear_vjp(layer.weight.detach())(grad, out, x)[0]
 
 
-def relevance(model: nn.Module, fw: Forward, start: torch.Tensor, attention, tokens: bool, K: Kernels = EAGER):
-    """Chefer's rules from the relevance ``start`` on the logits (``B x C``, as the gradient the
-    autograd pass starts from) down: ``(g_e, g_x0, [gbar_A per block wanted])``, the changed
-    gradients of the patch tokens and of the tokens entering the first block (None without
-    ``tokens``) and of the attention maps (``attention``: True every block, ``"last"`` the last
-    block's, False none; listed first block first)."""
+class Relevance(NamedTuple):
+    """What :func:`relevance` gives: the changed gradients of the patch tokens and of the tokens
+    entering the first block (None without ``tokens``), the relevance ``A ⊙ gbar_A`` of each attention
+    map asked for and the ordinary gradients of the maps (with ``plain``), first block first."""
+
+    g_e: torch.Tensor | None
+    g_x0: torch.Tensor | None
+    attention_relevance: list
+    attention_grads: list
+
+
+def relevance(model: nn.Module, fw: Forward, start: torch.Tensor, attention, tokens: bool,
+              plain: torch.Tensor | None = None, K: Kernels = EAGER) -> Relevance:
+    """Chefer's rules from the relevance ``start`` on the logits (``B x C``, the gradient the autograd
+    pass starts from) down, block by block, last first (``attention``: the relevance of every block's
+    map with True, of the last block's with ``"last"``, none with False); with ``plain`` (``B x C``)
+    also the ordinary gradient of ``sum(logits * plain)`` with respect to every map, by the model's own
+    derivatives, in the same loop. Each block's activations are let go once both backwards have
+    passed it (``fw.blocks`` is emptied), so memory is reused as the autograd engine reuses it."""
     L = len(fw.blocks)
     wanted = set(range(L)) if attention is True else ({L - 1} if attention == "last" else set())
-    lowest = 0 if tokens else (min(wanted) if wanted else L)
-    g_A = {}
-    g_cls = _linear_rule(K, model.head, start, fw.logits, fw.cls)
-    grad = torch.zeros_like(fw.nf)
-    grad[:, 0] = g_cls
-    grad = K.identity(grad, fw.nf, fw.h)
+    stop = 0 if tokens else min(wanted | {L})  # the relevance pass's last block
+    lowest = 0 if plain is not None else stop
+    R_A, G_A = [None] * L, [None] * L
+    nf, h, cls, logits = fw.nf, fw.h, fw.cls, fw.logits
+    grad = torch.zeros_like(nf)
+    grad[:, 0] = _linear_rule(K, model.head, start, logits, cls)
+    grad = K.identity(grad, nf, h)
+    if plain is not None:
+        pgrad = torch.zeros_like(nf)
+        pgrad[:, 0] = _linear_vjp(model.head, plain, logits, cls)
+        pgrad = _ln_vjp(pgrad, h, model.norm)
     for b in range(L - 1, lowest - 1, -1):
         s, blk = fw.blocks[b], model.blocks[b]
-        a = blk.attn
-        B, N, D = s.O.shape
-        g_mid, g_f2 = residual_add_rule(grad, s.out, s.mid, s.f2)
-        g_g = _linear_rule(K, blk.mlp.fc2, g_f2, s.f2, s.g)
-        g_f1 = K.identity(g_g, s.g, s.f1)
-        g_n2 = _linear_rule(K, blk.mlp.fc1, g_f1, s.f1, s.n2)
-        g_mid = g_mid + K.identity(g_n2, s.n2, s.mid)
-        g_h, g_P = residual_add_rule(g_mid, s.mid, s.h, s.P)
-        g_O = _linear_rule(K, a.proj, g_P, s.P, s.O)
-        g_Oh = g_O.reshape(B, N, a.num_heads, a.head_dim).transpose(1, 2)
-        last_needed = b == lowest and not tokens
-        gA, gv = _half_matmul_grads(g_Oh, s.A, s.v, need_b=not last_needed)
-        if b in wanted:
-            g_A[b] = gA
-        if last_needed:
-            break
-        if s.S.dtype != torch.float64:  # the softmax's rule divides by the scores from their terms
-            g_S = K.identity(gA, s.A, _scores_from_terms(K, s.qs, s.kT, s.S))
-        else:
-            g_S = K.identity(gA, s.A, s.S)
-        g_qs, g_kT = _half_matmul_grads(g_S, s.qs, s.kT)
-        scale = s.qs.shape[-1] ** -0.5 if a.fused_attn else a.scale
-        g_qkv = K.qkv(g_qs, scale, g_kT, gv)
-        g_n1 = _linear_rule(K, a.qkv, g_qkv, s.qkv, s.n1)
-        grad = g_h + K.identity(g_n1, s.n1, s.h)
+        fw.blocks[b] = None
+        if b >= stop:
+            kept = [] if b in wanted else None
+            grad = _relevance_block(K, s, blk, grad, b == stop and not tokens, kept)
+            if kept:
+                R_A[b] = kept[0]
+        if plain is not None:
+            pgrad = _plain_block(s, blk, pgrad, b, G_A)
+        del s
+    fw.blocks.clear()
     g_x0 = grad if tokens else None
     g_e = grad[:, 1:] if tokens else None
-    return g_e, g_x0, [g_A[b] for b in sorted(g_A)]
+    return Relevance(g_e, g_x0, [r for r in R_A if r is not None], [g for g in G_A if g is not None])
 
 
-def plain_attention_grads(model: nn.Module, fw: Forward, g: torch.Tensor) -> list:
-    """The ordinary gradient of ``sum(logits * g)`` with respect to every block's attention map
-    (first block first), by the model's own derivatives, as the autograd pass's plain backward."""
-    L = len(fw.blocks)
-    out = [None] * L
-    g_cls = _linear_vjp(model.head, g, fw.logits, fw.cls)
-    grad = torch.zeros_like(fw.nf)
-    grad[:, 0] = g_cls
-    grad = _ln_vjp(grad, fw.h, model.norm)
-    for b in range(L - 1, -1, -1):
-        s, blk = fw.blocks[b], model.blocks[b]
-        a = blk.attn
-        B, N, D = s.O.shape
-        g_g = _linear_vjp(blk.mlp.fc2, grad, s.f2, s.g)
-        g_f1 = torch.ops.aten.gelu_backward(g_g, s.f1, approximate=blk.mlp.act.approximate)
-        g_n2 = _linear_vjp(blk.mlp.fc1, g_f1, s.f1, s.n2)
-        g_mid = grad + _ln_vjp(g_n2, s.mid, blk.norm2)
-        g_O = _linear_vjp(a.proj, g_mid, s.P, s.O)
-        g_Oh = g_O.reshape(B, N, a.num_heads, a.head_dim).transpose(1, 2)
-        gA, gv = _half_matmul_grads(g_Oh, s.A, s.v, need_b=b > 0, plain=True)
-        out[b] = gA
-        if b == 0:
-            break
-        g_S = torch._softmax_backward_data(gA, s.A, -1, s.S.dtype)
-        g_qs, g_kT = _half_matmul_grads(g_S, s.qs, s.kT, plain=True)
-        scale = s.qs.shape[-1] ** -0.5 if a.fused_attn else a.scale
-        g_qkv = _qkv_eager(g_qs, scale, g_kT, gv)
-        g_n1 = _linear_vjp(a.qkv, g_qkv, s.qkv, s.n1)
-        grad = g_mid + _ln_vjp(g_n1, s.h, blk.norm1)
-    return out
+def _relevance_block(K, s: Saved, blk, grad, last_needed: bool, keep: list | None):
+    """One block of the relevance pass: the changed gradient of the block's input (None where its
+    attention map is the last thing needed); the map's relevance ``A ⊙ gbar_A`` appended to ``keep``
+    where given."""
+    a = blk.attn
+    B, N, D = s.O.shape
+    g_mid, g_f2 = residual_add_rule(grad, s.out, s.mid, s.f2)
+    g_g = _linear_rule(K, blk.mlp.fc2, g_f2, s.f2, s.g)
+    g_f1 = K.identity(g_g, s.g, s.f1)
+    del g_g
+    g_n2 = _linear_rule(K, blk.mlp.fc1, g_f1, s.f1, s.n2)
+    del g_f1
+    g_mid = g_mid.add_(K.identity(g_n2, s.n2, s.mid))
+    g_h, g_P = residual_add_rule(g_mid, s.mid, s.h, s.P)
+    g_O = _linear_rule(K, a.proj, g_P, s.P, s.O)
+    g_Oh = g_O.reshape(B, N, a.num_heads, a.head_dim).transpose(1, 2)
+    gA, gv = _half_matmul_grads(g_Oh, s.A, s.v, need_b=not last_needed)
+    if keep is not None:
+        keep.append(s.A * gA)
+    if last_needed:
+        return None
+    if s.S.dtype != torch.float64:  # the softmax's rule divides by the scores from their terms
+        g_S = K.identity(gA, s.A, _scores_from_terms(K, s.qs, s.kT, s.S))
+    else:
+        g_S = K.identity(gA, s.A, s.S)
+    del gA
+    g_qs, g_kT = _half_matmul_grads(g_S, s.qs, s.kT)
+    del g_S
+    scale = s.qs.shape[-1] ** -0.5 if a.fused_attn else a.scale
+    g_qkv = K.qkv(g_qs, scale, g_kT, gv)
+    g_n1 = _linear_rule(K, a.qkv, g_qkv, s.qkv, s.n1)
+    return g_h.add_(K.identity(g_n1, s.n1, s.h))
+
+
+def _plain_block(s: Saved, blk, grad, b: int, G_A):
+    """One block of the plain backward: the gradient of the block's input (None at block 0, where
+    the map's gradient is the last one asked for); ``G_A[b]`` set."""
+    a = blk.attn
+    B, N, D = s.O.shape
+    g_g = _linear_vjp(blk.mlp.fc2, grad, s.f2, s.g)
+    g_f1 = torch.ops.aten.gelu_backward(g_g, s.f1, approximate=blk.mlp.act.approximate)
+    g_n2 = _linear_vjp(blk.mlp.fc1, g_f1, s.f1, s.n2)
+    g_mid = grad + _ln_vjp(g_n2, s.mid, blk.norm2)
+    g_O = _linear_vjp(a.proj, g_mid, s.P, s.O)
+    g_Oh = g_O.reshape(B, N, a.num_heads, a.head_dim).transpose(1, 2)
+    G_A[b], gv = _half_matmul_grads(g_Oh, s.A, s.v, need_b=b > 0, plain=True)
+    if b == 0:
+        return None
+    g_S = torch._softmax_backward_data(G_A[b], s.A, -1, s.S.dtype)
+    g_qs, g_kT = _half_matmul_grads(g_S, s.qs, s.kT, plain=True)
+    scale = s.qs.shape[-1] ** -0.5 if a.fused_attn else a.scale
+    g_qkv = _qkv_eager(g_qs, scale, g_kT, gv)
+    g_n1 = _linear_vjp(a.qkv, g_qkv, s.qkv, s.n1)
+    return g_mid.add_(_ln_vjp(g_n1, s.h, blk.norm1))
