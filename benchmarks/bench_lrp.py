@@ -33,7 +33,22 @@ autograd's overhead. Those steps are what the rules compute, one pass each; near
 several of them fused into one pass (a compiled kernel), which this package does not do.
 ``benchmarks/profile_lrp.py`` breaks each method's time down rule by rule.
 
+``--path``: ``direct`` (the default, as the package runs: Chefer's rules on this plain timm ViT by
+the hand-written pass of :mod:`vitlab.record.lrp_direct`), ``autograd`` (``vitlab.lrp.DIRECT =
+False``: the autograd pass), ``compiled`` (``vitlab.lrp.COMPILE = True``; the first calls, which
+compile, timed apart in wall seconds). Measured (``--threads 1 --clock cpu --no-others``, the shared
+2-core machine, plain forward 262-272 ms), autograd -> direct -> compiled, batched (one image at a
+time): full LRP 5.63x -> 5.69x -> 5.30x (7.22x -> 6.52x -> 6.97x), Transformer attribution
+7.34x -> 7.22x -> 6.88x (8.95x -> 7.93x -> 8.58x), partial LRP 1.53x -> 1.43x -> 1.45x (2.25x ->
+1.73x -> 1.84x), AttnLRP (always the autograd pass) 3.13x, 3.11x, 3.24x (3.92x, 3.94x, 4.14x); full
+LRP with ``precision="float64"`` 11.72x, 11.54x, 10.95x; compiling 11-13 s with an empty inductor
+cache. Every method batched below per image on the default path; full LRP, Transformer attribution
+and AttnLRP miss their goals. The matmuls alone are 3.05x (full LRP) and 3.87x (Transformer
+attribution) a forward (``profile_lrp.py --path direct``): the goals leave 0.75x and 0.93x for all
+element-wise work, the forward's included.
+
     python benchmarks/bench_lrp.py [--batch 16] [--rounds 3] [--threads N] [--clock wall|cpu]
+                                   [--path direct|autograd|compiled] [--no-others]
 
 On a machine shared with other jobs, ``--threads 1 --clock cpu`` (process CPU time of one
 thread) measures the work done rather than the wait for a core.

@@ -18,7 +18,18 @@ their terms (``product_from_terms``, ~11,500 of 1.86M scores per block below ``E
 softmax rule's division 0.11x. Transformer attribution 6.89x: the same, plus the plain backward
 (linear 0.57x, GELU 0.15x, softmax 0.05x, the attention matmuls' share of 0.79x).
 
-    python benchmarks/profile_lrp.py [--batch 16] [--rounds 3] [--threads N]
+The rule-by-rule breakdown above is of the autograd pass (``--path autograd``, the default here:
+the wrappers time the rules of :mod:`vitlab.record.lrp` that its backward calls). ``--path direct``
+and ``--path compiled`` profile the hand-written pass (:mod:`vitlab.record.lrp_direct`, which the
+package runs on this model) with torch.profiler, split by operation kind. Measured (``--threads
+1``): full LRP 6.07x = matmuls 3.05x + the rest 3.01x (compiled: 5.54x = matmuls 3.08x + compiled
+kernels 0.30x + rest 2.17x); Transformer attribution 7.26x = 3.87x + 3.39x (compiled 6.60x = 3.84x +
+0.28x + 2.48x); partial LRP 1.43x = 0.86x + 0.57x; AttnLRP (the autograd pass) 3.11x = 1.83x + 1.28x.
+"matmuls" are the forward's and the rules' ``addmm``, ``mm`` and ``bmm``; "rest" the forward's and
+the rules' element-wise steps, copies (``addmm``'s bias broadcast among them), the scores' float64
+sums.
+
+    python benchmarks/profile_lrp.py [--batch 16] [--rounds 3] [--threads N] [--path autograd|direct|compiled]
 """
 from __future__ import annotations
 

@@ -49,6 +49,36 @@ of the forward (the plain gradient at linear layers and the softmax, the LayerNo
 sigma constant, GELU's ``gelu(x) / x`` is bounded): its float32 maps are the float64 ones to a
 few roundings.
 
+What the float32 pass is exact against: the float32 network's own conservation. With Chefer's
+rules the relevance the pass starts with reaches the tokens to float32 rounding (``|tokens - start|
+/ |start|`` at most 3.2e-6 on 60 held-out shapes scenes and 8 random DeiT-tiny inputs, measured by
+``benchmarks/check_lrp_float32.py``), and each map is the rules' value for the float32 network
+(``tests/test_lrp_precision.py`` recomputes it in float64 from the float32 activations). It is not
+within 2% of the float64 copy's map on every scene, and no float32 computation can be: the float64
+map itself moves by up to 22.9%, 1.8% and 16.6% of its maximum (shapes seeds 29017 and 80001, DeiT)
+when the input moves by one float32 rounding, and the float32 forward rounds every layer; the two
+maps differ by up to 68%, 3825% and 337% there (full LRP; Transformer attribution 12.2%, 2.4%,
+0.14%; partial LRP 0.13% at most; AttnLRP 0.0003%).
+
+Paths. For a plain timm ``VisionTransformer`` (class token, position embedding, pre-LN blocks
+of ``Attention`` and ``Mlp`` with GELU, a linear head; no hooks; the image size it was built for)
+Chefer's rules run as a hand-written pass (:mod:`vitlab.record.lrp_direct`, :data:`DIRECT`): the
+same rule functions on the same tensors as the autograd pass, so the same values bit for bit,
+without an autograd graph and with each block's activations let go as the pass leaves it. Every
+other model, and AttnLRP, takes the autograd pass. Measured (``benchmarks/bench_lrp.py --threads 1
+--clock cpu``, random DeiT-tiny, batch 16, x a plain forward, autograd -> hand pass): full LRP
+5.63x -> 5.69x batched (7.22x -> 6.52x one image at a time), Transformer attribution 7.34x -> 7.22x
+(8.95x -> 7.93x), partial LRP 1.53x -> 1.43x (2.25x -> 1.73x): the gain is autograd's per-operation
+overhead, which matters for one image, little for a batch. ``COMPILE = True`` (opt-in) compiles the
+alpha-beta rule's element-wise steps with ``torch.compile`` (the same values bit for bit): full LRP
+5.30x, Transformer attribution 6.88x batched, after 11-13 s of compiling at the first call (a C++
+compiler needed on a CPU; without one, or on any failure, a warning and the eager steps). The
+matmuls alone (the forward's and the rules': three per linear layer for alpha-beta) are 3.05x a
+forward for full LRP and 3.87x for Transformer attribution (``benchmarks/profile_lrp.py --path
+direct``), so 3.8x and 4.8x would leave 0.75x and 0.93x for the forward's own element-wise work and
+every rule's: out of reach for eager PyTorch, whose element-wise steps are one pass over memory
+each (2.5-3x together).
+
 Choices where the papers leave room:
 
 - Where the maps stop: at the patch embedding's output tokens ``e`` (``R = sum_d e ⊙
@@ -136,12 +166,15 @@ PRECISIONS = ("model", "float64")
 
 #: Whether Chefer's rules on a plain timm ViT take the hand-written pass of
 #: :mod:`vitlab.record.lrp_direct` (the same values as the autograd pass, bit for bit, without its
-#: graph); False: every model takes the autograd pass of :mod:`vitlab.record.lrp`.
+#: graph: on a CPU 10-25% faster one image at a time, about as fast on a batch; module docstring);
+#: False: every model takes the autograd pass of :mod:`vitlab.record.lrp`.
 DIRECT = True
 
-#: Opt-in: the hand-written pass's element-wise steps compiled by ``torch.compile``
-#: (:func:`vitlab.record.lrp_direct.compiled_kernels`); needs a C++ compiler (CPU) or Triton (GPU),
-#: falls back to the eager steps with a warning where compiling fails.
+#: Opt-in: the hand-written pass's alpha-beta steps compiled by ``torch.compile``
+#: (:func:`vitlab.record.lrp_direct.compiled_kernels`; the same values bit for bit): on a CPU about
+#: 7% off a batch's full LRP and Transformer attribution, after 11-13 s of compiling at the first call
+#: (inductor caches it on disk for later sessions); none one image at a time. Needs a C++ compiler
+#: (CPU) or Triton (GPU); where compiling fails, a warning and the eager steps.
 COMPILE = False
 
 
