@@ -91,7 +91,8 @@ def _no_hooks(model: nn.Module) -> bool:
 
 def _layer_norm(m) -> bool:
     """torch's LayerNorm or timm's (``F.layer_norm`` unless its fast norm is on)."""
-    return type(m) is nn.LayerNorm or (_exact_type(m, "timm.layers.norm", "LayerNorm") and not getattr(m, "_fast_norm", True))
+    return type(m) is nn.LayerNorm or (_exact_type(m, "timm.layers.norm", "LayerNorm")
+                                       and not getattr(m, "_fast_norm", True))
 
 
 def _drop(m) -> bool:  # off in eval mode, as the pass runs the model
@@ -119,7 +120,8 @@ def plan(model: nn.Module, x: torch.Tensor) -> bool:
             or model.global_pool != "token" or model.attn_pool is not None
             or model.pos_embed.shape[1] != pe.num_patches + 1):
         return False
-    if not (_drop(model.pos_drop) and isinstance(model.patch_drop, nn.Identity) and isinstance(model.norm_pre, nn.Identity)
+    if not (_drop(model.pos_drop) and isinstance(model.patch_drop, nn.Identity)
+            and isinstance(model.norm_pre, nn.Identity)
             and _layer_norm(model.norm) and isinstance(model.fc_norm, nn.Identity)
             and _drop(model.head_drop) and type(model.head) is nn.Linear):
         return False
@@ -134,7 +136,8 @@ def plan(model: nn.Module, x: torch.Tensor) -> bool:
                 and isinstance(blk.ls1, nn.Identity) and isinstance(blk.ls2, nn.Identity)
                 and _drop(blk.drop_path1) and _drop(blk.drop_path2)
                 and _exact_type(a, "timm.layers.attention", "Attention") and type(a.qkv) is nn.Linear
-                and type(a.proj) is nn.Linear and isinstance(a.q_norm, nn.Identity) and isinstance(a.k_norm, nn.Identity)
+                and type(a.proj) is nn.Linear and isinstance(a.q_norm, nn.Identity)
+                and isinstance(a.k_norm, nn.Identity)
                 and isinstance(a.norm, nn.Identity) and getattr(a, "gate", None) is None and _drop(a.attn_drop)
                 and _drop(a.proj_drop)
                 and _exact_type(m, "timm.layers.mlp", "Mlp") and type(m.fc1) is nn.Linear and type(m.fc2) is nn.Linear
