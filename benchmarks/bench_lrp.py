@@ -37,12 +37,13 @@ several of them fused into one pass (a compiled kernel), which this package does
 the hand-written pass of :mod:`vitlab.record.lrp_direct`), ``autograd`` (``vitlab.lrp.DIRECT =
 False``: the autograd pass), ``compiled`` (``vitlab.lrp.COMPILE = True``; the first calls, which
 compile, timed apart in wall seconds). Measured (``--threads 1 --clock cpu --no-others``, the shared
-2-core machine, plain forward 262-272 ms), autograd -> direct -> compiled, batched (one image at a
-time): full LRP 5.63x -> 5.69x -> 5.30x (7.22x -> 6.52x -> 6.97x), Transformer attribution
-7.34x -> 7.22x -> 6.88x (8.95x -> 7.93x -> 8.58x), partial LRP 1.53x -> 1.43x -> 1.45x (2.25x ->
-1.73x -> 1.84x), AttnLRP (always the autograd pass) 3.13x, 3.11x, 3.24x (3.92x, 3.94x, 4.14x); full
-LRP with ``precision="float64"`` 11.72x, 11.54x, 10.95x; compiling 11-13 s with an empty inductor
-cache. Every method batched below per image on the default path; full LRP, Transformer attribution
+2-core machine, plain forward 271-275 ms), autograd -> direct -> compiled, batched (one image at a
+time): full LRP 5.83x -> 5.62x -> 5.16x (7.38x -> 6.34x -> 6.73x), Transformer attribution
+7.31x -> 7.12x -> 6.93x (9.07x -> 7.94x -> 8.54x), partial LRP 1.45x -> 1.42x -> 1.42x (2.41x ->
+1.82x -> 1.81x), AttnLRP (always the autograd pass) 3.09x, 3.17x, 3.16x (4.06x, 4.18x, 4.30x); full
+LRP with ``precision="float64"`` 11.52x, 11.27x, 10.77x; compiling 11.3 s with an empty inductor
+cache (2.2 s from its cache). Runs differ by about 0.2x; in one process, alternating the paths
+(2 rounds): full LRP 6.09x, 5.66x, 5.16x, Transformer attribution 7.82x, 7.01x, 6.68x. Every method batched below per image on the default path; full LRP, Transformer attribution
 and AttnLRP miss their goals. The matmuls alone are 3.05x (full LRP) and 3.87x (Transformer
 attribution) a forward (``profile_lrp.py --path direct``): the goals leave 0.75x and 0.93x for all
 element-wise work, the forward's included.

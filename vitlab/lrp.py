@@ -67,17 +67,17 @@ same rule functions on the same tensors as the autograd pass, so the same values
 without an autograd graph and with each block's activations let go as the pass leaves it. Every
 other model, and AttnLRP, takes the autograd pass. Measured (``benchmarks/bench_lrp.py --threads 1
 --clock cpu``, random DeiT-tiny, batch 16, x a plain forward, autograd -> hand pass): full LRP
-5.63x -> 5.69x batched (7.22x -> 6.52x one image at a time), Transformer attribution 7.34x -> 7.22x
-(8.95x -> 7.93x), partial LRP 1.53x -> 1.43x (2.25x -> 1.73x): the gain is autograd's per-operation
-overhead, which matters for one image, little for a batch. ``COMPILE = True`` (opt-in) compiles the
-alpha-beta rule's element-wise steps with ``torch.compile`` (the same values bit for bit): full LRP
-5.30x, Transformer attribution 6.88x batched, after 11-13 s of compiling at the first call (a C++
-compiler needed on a CPU; without one, or on any failure, a warning and the eager steps). The
+5.83x -> 5.62x batched (7.38x -> 6.34x one image at a time), Transformer attribution 7.31x -> 7.12x
+(9.07x -> 7.94x), partial LRP 1.45x -> 1.42x (2.41x -> 1.82x): the gain is autograd's per-operation
+overhead, which matters most for one image. ``COMPILE = True`` (opt-in) compiles the alpha-beta
+rule's element-wise steps with ``torch.compile`` (the same values bit for bit): full LRP 5.16x,
+Transformer attribution 6.93x batched, after 11 s of compiling at the first call (a C++ compiler
+needed on a CPU; without one, or on any failure, a warning and the eager steps). The
 matmuls alone (the forward's and the rules': three per linear layer for alpha-beta) are 3.05x a
 forward for full LRP and 3.87x for Transformer attribution (``benchmarks/profile_lrp.py --path
 direct``), so 3.8x and 4.8x would leave 0.75x and 0.93x for the forward's own element-wise work and
-every rule's: out of reach for eager PyTorch, whose element-wise steps are one pass over memory
-each (2.5-3x together).
+every rule's, which take 3.0x in eager PyTorch (one pass over memory per operation) and 2.5x with
+the compiled steps: out of reach without fusing the rules into the matmuls themselves.
 
 Choices where the papers leave room:
 
@@ -166,14 +166,14 @@ PRECISIONS = ("model", "float64")
 
 #: Whether Chefer's rules on a plain timm ViT take the hand-written pass of
 #: :mod:`vitlab.record.lrp_direct` (the same values as the autograd pass, bit for bit, without its
-#: graph: on a CPU 10-25% faster one image at a time, about as fast on a batch; module docstring);
+#: graph: on a CPU 10-25% faster one image at a time, 3-4% on a batch; module docstring);
 #: False: every model takes the autograd pass of :mod:`vitlab.record.lrp`.
 DIRECT = True
 
 #: Opt-in: the hand-written pass's alpha-beta steps compiled by ``torch.compile``
-#: (:func:`vitlab.record.lrp_direct.compiled_kernels`; the same values bit for bit): on a CPU about
-#: 7% off a batch's full LRP and Transformer attribution, after 11-13 s of compiling at the first call
-#: (inductor caches it on disk for later sessions); none one image at a time. Needs a C++ compiler
+#: (:func:`vitlab.record.lrp_direct.compiled_kernels`; the same values bit for bit): on a CPU 3-8%
+#: off a batch's full LRP and Transformer attribution, after about 11 s of compiling at the first call
+#: (inductor caches it on disk: 2 s in later sessions); nothing one image at a time. Needs a C++ compiler
 #: (CPU) or Triton (GPU); where compiling fails, a warning and the eager steps.
 COMPILE = False
 

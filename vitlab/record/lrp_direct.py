@@ -25,10 +25,10 @@ AttnLRP, takes the autograd pass.
 What it costs and gives (``benchmarks/bench_lrp.py``, CPU, one thread, DeiT-tiny): the same maps;
 on a batch of 16 about the autograd pass's time (the rules' matmuls, 3.05x a forward for full LRP,
 and their element-wise steps, one pass over memory each, are the same work; autograd's own overhead
-is small), one image at a time 10-25% less; the activations of each block are let go as soon as
+is small; 3-4% less), one image at a time 10-25% less; the activations of each block are let go as soon as
 both backwards have passed it. :func:`compiled_kernels` (``vitlab.lrp.COMPILE``) fuses the
 alpha-beta rule's element-wise steps into one loop each (``torch.compile``), the same values:
-about 7% less on a batch.
+3-8% less on a batch.
 """
 from __future__ import annotations
 
