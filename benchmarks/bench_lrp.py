@@ -33,7 +33,23 @@ autograd's overhead. Those steps are what the rules compute, one pass each; near
 several of them fused into one pass (a compiled kernel), which this package does not do.
 ``benchmarks/profile_lrp.py`` breaks each method's time down rule by rule.
 
+``--path``: ``direct`` (the default, as the package runs: Chefer's rules on this plain timm ViT by
+the hand-written pass of :mod:`vitlab.record.lrp_direct`), ``autograd`` (``vitlab.lrp.DIRECT =
+False``: the autograd pass), ``compiled`` (``vitlab.lrp.COMPILE = True``; the first calls, which
+compile, timed apart in wall seconds). Measured (``--threads 1 --clock cpu --no-others``, the shared
+2-core machine, plain forward 271-275 ms), autograd -> direct -> compiled, batched (one image at a
+time): full LRP 5.83x -> 5.62x -> 5.16x (7.38x -> 6.34x -> 6.73x), Transformer attribution
+7.31x -> 7.12x -> 6.93x (9.07x -> 7.94x -> 8.54x), partial LRP 1.45x -> 1.42x -> 1.42x (2.41x ->
+1.82x -> 1.81x), AttnLRP (always the autograd pass) 3.09x, 3.17x, 3.16x (4.06x, 4.18x, 4.30x); full
+LRP with ``precision="float64"`` 11.52x, 11.27x, 10.77x; compiling 11.3 s with an empty inductor
+cache (2.2 s from its cache). Runs differ by about 0.2x; in one process, alternating the paths
+(2 rounds): full LRP 6.09x, 5.66x, 5.16x, Transformer attribution 7.82x, 7.01x, 6.68x. Every method batched below per image on the default path; full LRP, Transformer attribution
+and AttnLRP miss their goals. The matmuls alone are 3.05x (full LRP) and 3.87x (Transformer
+attribution) a forward (``profile_lrp.py --path direct``): the goals leave 0.75x and 0.93x for all
+element-wise work, the forward's included.
+
     python benchmarks/bench_lrp.py [--batch 16] [--rounds 3] [--threads N] [--clock wall|cpu]
+                                   [--path direct|autograd|compiled] [--no-others]
 
 On a machine shared with other jobs, ``--threads 1 --clock cpu`` (process CPU time of one
 thread) measures the work done rather than the wait for a core.
@@ -57,6 +73,7 @@ from bench_methods import ratios_to_forward
 #: floor their matmul count sets, 2.9x and 3.7x; the others 3x); every method batched below per image.
 GOALS = {"lrp": 3.8, "partial_lrp": 3.0, "transformer_attribution": 4.8, "attn_lrp": 3.0}
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+PATHS = ("direct", "autograd", "compiled")
 
 
 def main() -> None:
@@ -66,7 +83,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument("--ig-steps", type=int, default=32)
+    parser.add_argument("--path", choices=PATHS, default="direct",
+                        help="direct: the package's default (the hand-written pass where it covers the model); "
+                             "autograd: vitlab.lrp.DIRECT = False; compiled: vitlab.lrp.COMPILE = True")
+    parser.add_argument("--no-others", action="store_true", help="time the four LRP methods only")
     args = parser.parse_args()
+    import vitlab.lrp as L
+
+    L.DIRECT, L.COMPILE = args.path != "autograd", args.path == "compiled"
     clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -87,6 +111,11 @@ def main() -> None:
     def per_image(method):
         return lambda: [method(model, x[i:i + 1]) for i in range(x.shape[0])]
 
+    if args.path == "compiled":  # compiling happens at the first call: timed apart, in seconds
+        start = time.perf_counter()
+        lrp(model, x[:2])
+        transformer_attribution(model, x[:2])
+        print(f"compiled path: first calls (compiling, or loading inductor's cache) {time.perf_counter() - start:.1f} s wall")
     lrp_methods = {"lrp": lrp, "partial_lrp": partial_lrp, "transformer_attribution": transformer_attribution,
                    "attn_lrp": attn_lrp}
     methods = {}
@@ -95,13 +124,14 @@ def main() -> None:
         methods[f"  {name}, per image"] = per_image(fn)
     # what precision="float64" costs (a float64 copy of the model per call, float64 arithmetic)
     methods["lrp, precision=float64"] = lambda: lrp(model, x, precision="float64")
-    methods["chefer_relevance (2021, no LRP)"] = lambda: chefer_relevance(model, x)
-    methods[f"integrated_gradients ({args.ig_steps} steps)"] = lambda: integrated_gradients(
-        model, x, steps=args.ig_steps)
+    if not args.no_others:
+        methods["chefer_relevance (2021, no LRP)"] = lambda: chefer_relevance(model, x)
+        methods[f"integrated_gradients ({args.ig_steps} steps)"] = lambda: integrated_gradients(
+            model, x, steps=args.ig_steps)
     ratios, forward_times = ratios_to_forward(forward, methods, args.rounds, seconds)
 
     print(f"deit_tiny_patch16_224 (random init), batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
-          f"{args.clock} clock, median of {args.rounds} rounds")
+          f"{args.clock} clock, median of {args.rounds} rounds, path {args.path}")
     print(f"plain forward (no_grad): {statistics.median(forward_times) * 1000:.0f} ms")
     medians = {name: statistics.median(values) for name, values in ratios.items()}
     for name, ratio in medians.items():

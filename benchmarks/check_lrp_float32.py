@@ -18,6 +18,13 @@ LayerNorm, an attention score ``q·k``), whose terms' shares ``a_d / h_d`` the r
 Conservation: per image ``|tokens - start| / |start|`` of :func:`vitlab.lrp.lrp_conservation`
 (Chefer's rules hand the whole start to the tokens).
 
+Measured (``--threads 1``, defaults): the float64 map moved by one float32 rounding of the input,
+full LRP, at most 22.9% (seed 29017), 1.84% (seed 80001), 16.6% (DeiT) of its maximum; the float32
+model's full LRP against its float64 copy's at most 68.3%, 3825% and 337% (4, 8 and 6 images over
+2%); Transformer attribution 12.2%, 2.36%, 0.14%; partial LRP 0.13%, 0.004%, 0.48%; AttnLRP 0.0003%
+at most; ``precision="float64"`` 0.0000% everywhere. Conservation of the float32 model with Chefer's
+rules: ``|tokens - start| / |start|`` at most 1.4e-6, 2.5e-6, 3.2e-6.
+
     python benchmarks/check_lrp_float32.py [--n 30] [--seeds 29017 80001] [--deit 8] [--threads 1]
 """
 from __future__ import annotations

@@ -18,7 +18,18 @@ their terms (``product_from_terms``, ~11,500 of 1.86M scores per block below ``E
 softmax rule's division 0.11x. Transformer attribution 6.89x: the same, plus the plain backward
 (linear 0.57x, GELU 0.15x, softmax 0.05x, the attention matmuls' share of 0.79x).
 
-    python benchmarks/profile_lrp.py [--batch 16] [--rounds 3] [--threads N]
+The rule-by-rule breakdown above is of the autograd pass (``--path autograd``, the default here:
+the wrappers time the rules of :mod:`vitlab.record.lrp` that its backward calls). ``--path direct``
+and ``--path compiled`` profile the hand-written pass (:mod:`vitlab.record.lrp_direct`, which the
+package runs on this model) with torch.profiler, split by operation kind. Measured (``--threads
+1``): full LRP 6.07x = matmuls 3.05x + the rest 3.01x (compiled: 5.54x = matmuls 3.08x + compiled
+kernels 0.30x + rest 2.17x); Transformer attribution 7.26x = 3.87x + 3.39x (compiled 6.60x = 3.84x +
+0.28x + 2.48x); partial LRP 1.43x = 0.86x + 0.57x; AttnLRP (the autograd pass) 3.11x = 1.83x + 1.28x.
+"matmuls" are the forward's and the rules' ``addmm``, ``mm`` and ``bmm``; "rest" the forward's and
+the rules' element-wise steps, copies (``addmm``'s bias broadcast among them), the scores' float64
+sums.
+
+    python benchmarks/profile_lrp.py [--batch 16] [--rounds 3] [--threads N] [--path autograd|direct|compiled]
 """
 from __future__ import annotations
 
@@ -73,12 +84,47 @@ def timed_rules(spent: dict):
         RULES._HalfMatmul.backward = staticmethod(half_backward)
 
 
+MATMULS = ("aten::addmm", "aten::mm", "aten::bmm")
+
+
+def by_kind(model, x, forward, methods, rounds: int) -> None:
+    """Per method, its time in forwards split into the matmuls (``addmm``, ``mm``, ``bmm``: the
+    forward's, the rules'), the compiled kernels (with ``--path compiled``) and the rest (element-wise
+    steps, copies, the scores' float64 sums), from torch.profiler's self CPU times, median over rounds."""
+    from torch.profiler import profile
+
+    for name, method in methods.items():
+        method(model, x)  # warm-up (and compiling)
+        parts = defaultdict(list)
+        for _ in range(rounds):
+            start = time.process_time()
+            forward()
+            f = time.process_time() - start
+            with profile() as prof:
+                method(model, x)
+            kinds = defaultdict(float)
+            for e in prof.key_averages():
+                kind = ("matmuls" if e.key in MATMULS else "compiled kernels" if "CompiledFxGraph" in e.key
+                        else "rest")
+                kinds[kind] += e.self_cpu_time_total / 1e6
+            for kind, value in kinds.items():
+                parts[kind].append(value / f)
+            parts["total"].append(sum(kinds.values()) / f)
+        print(f"{name}: " + ", ".join(f"{k} {statistics.median(v):.2f}x" for k, v in sorted(parts.items())))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--path", choices=("autograd", "direct", "compiled"), default="autograd",
+                        help="autograd: rule by rule (vitlab.lrp.DIRECT = False); direct / compiled: the hand-written "
+                             "pass (COMPILE off / on), split by operation kind with torch.profiler")
     args = parser.parse_args()
+    import vitlab.lrp as L
+
+    L.DIRECT, L.COMPILE = args.path != "autograd", args.path == "compiled"
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -93,6 +139,9 @@ def main() -> None:
                "attn_lrp": attn_lrp}
     print(f"deit_tiny_patch16_224 (random init), batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
           f"process CPU time, median of {args.rounds} rounds, x a plain forward")
+    if args.path != "autograd":
+        by_kind(model, x, forward, methods, args.rounds)
+        return
     spent: dict = defaultdict(float)
     with timed_rules(spent):
         for name, method in methods.items():

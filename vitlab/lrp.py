@@ -49,6 +49,36 @@ of the forward (the plain gradient at linear layers and the softmax, the LayerNo
 sigma constant, GELU's ``gelu(x) / x`` is bounded): its float32 maps are the float64 ones to a
 few roundings.
 
+What the float32 pass is exact against: the float32 network's own conservation. With Chefer's
+rules the relevance the pass starts with reaches the tokens to float32 rounding (``|tokens - start|
+/ |start|`` at most 3.2e-6 on 60 held-out shapes scenes and 8 random DeiT-tiny inputs, measured by
+``benchmarks/check_lrp_float32.py``), and each map is the rules' value for the float32 network
+(``tests/test_lrp_precision.py`` recomputes it in float64 from the float32 activations). It is not
+within 2% of the float64 copy's map on every scene, and no float32 computation can be: the float64
+map itself moves by up to 22.9%, 1.8% and 16.6% of its maximum (shapes seeds 29017 and 80001, DeiT)
+when the input moves by one float32 rounding, and the float32 forward rounds every layer; the two
+maps differ by up to 68%, 3825% and 337% there (full LRP; Transformer attribution 12.2%, 2.4%,
+0.14%; partial LRP 0.13% at most; AttnLRP 0.0003%).
+
+Paths. For a plain timm ``VisionTransformer`` (class token, position embedding, pre-LN blocks
+of ``Attention`` and ``Mlp`` with GELU, a linear head; no hooks; the image size it was built for)
+Chefer's rules run as a hand-written pass (:mod:`vitlab.record.lrp_direct`, :data:`DIRECT`): the
+same rule functions on the same tensors as the autograd pass, so the same values bit for bit,
+without an autograd graph and with each block's activations let go as the pass leaves it. Every
+other model, and AttnLRP, takes the autograd pass. Measured (``benchmarks/bench_lrp.py --threads 1
+--clock cpu``, random DeiT-tiny, batch 16, x a plain forward, autograd -> hand pass): full LRP
+5.83x -> 5.62x batched (7.38x -> 6.34x one image at a time), Transformer attribution 7.31x -> 7.12x
+(9.07x -> 7.94x), partial LRP 1.45x -> 1.42x (2.41x -> 1.82x): the gain is autograd's per-operation
+overhead, which matters most for one image. ``COMPILE = True`` (opt-in) compiles the alpha-beta
+rule's element-wise steps with ``torch.compile`` (the same values bit for bit): full LRP 5.16x,
+Transformer attribution 6.93x batched, after 11 s of compiling at the first call (a C++ compiler
+needed on a CPU; without one, or on any failure, a warning and the eager steps). The
+matmuls alone (the forward's and the rules': three per linear layer for alpha-beta) are 3.05x a
+forward for full LRP and 3.87x for Transformer attribution (``benchmarks/profile_lrp.py --path
+direct``), so 3.8x and 4.8x would leave 0.75x and 0.93x for the forward's own element-wise work and
+every rule's, which take 3.0x in eager PyTorch (one pass over memory per operation) and 2.5x with
+the compiled steps: out of reach without fusing the rules into the matmuls themselves.
+
 Choices where the papers leave room:
 
 - Where the maps stop: at the patch embedding's output tokens ``e`` (``R = sum_d e ⊙
@@ -85,6 +115,7 @@ from vitlab.inputs import (
 )
 from vitlab.layout import token_layout
 from vitlab.record import record, require_materialized
+from vitlab.record import lrp_direct
 from vitlab.record.lrp import working_copy
 from vitlab.relevance.engine import head_averaged_relevance
 from vitlab.targets import (check_score, check_target, is_multi_label, logits_of, require_class_head,
@@ -132,6 +163,19 @@ class LRPPass(NamedTuple):
 #: differ by float32 rounding; where Chefer's rules pass relevance through a pole (module docstring)
 #: those values differ, and neither is the "true" one.
 PRECISIONS = ("model", "float64")
+
+#: Whether Chefer's rules on a plain timm ViT take the hand-written pass of
+#: :mod:`vitlab.record.lrp_direct` (the same values as the autograd pass, bit for bit, without its
+#: graph: on a CPU 10-25% faster one image at a time, 3-4% on a batch; module docstring);
+#: False: every model takes the autograd pass of :mod:`vitlab.record.lrp`.
+DIRECT = True
+
+#: Opt-in: the hand-written pass's alpha-beta steps compiled by ``torch.compile``
+#: (:func:`vitlab.record.lrp_direct.compiled_kernels`; the same values bit for bit): on a CPU 3-8%
+#: off a batch's full LRP and Transformer attribution, after about 11 s of compiling at the first call
+#: (inductor caches it on disk: 2 s in later sessions); nothing one image at a time. Needs a C++ compiler
+#: (CPU) or Triton (GPU); where compiling fails, a warning and the eager steps.
+COMPILE = False
 
 
 def at_precision(model, x: torch.Tensor, precision: str, method: str):
@@ -205,6 +249,8 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
     e.g. a target logit of 0: no gradient scales it to 1). Checks nothing: ``model``, ``x`` and
     ``target`` as :func:`checked_pass` returned them (or a chunk of them). ``entries`` (with
     ``tokens``): also keep the token entries and their changed gradients (:class:`LRPPass`)."""
+    if DIRECT and rules == "chefer" and lrp_direct.plan(model, x):
+        return _direct_pass(model, x, target, attention, plain, tokens, method, unit, score, entries)
     capture = ("attention",) if attention or plain else ()
     with torch.enable_grad():
         x_in = gradient_leaf(x)
@@ -215,17 +261,7 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
             g = score_gradient(model, logits, t, score)  # ds/dy, B x C
             held = logits.detach()
             total = (held * g).sum(1)  # the score's gradient x input on the logits, summed
-            start = g  # relevance y ⊙ ds/dy
-            if unit:
-                zero = (total == 0).nonzero()
-                if zero.numel():
-                    what = ("explained logit is" if score == "logit"
-                            else "score's gradient x input on the logits sums to")
-                    raise ValueError(
-                        f"{method}: the {what} exactly 0 for sample {int(zero[0])} (class {int(t[zero[0]])}); the "
-                        "LRP pass starts from relevance 1 in total, which a gradient cannot scale it to there "
-                        "(relevance = logit x gradient): explain another class (target=...)")
-                start, total = g / total[:, None], torch.ones_like(total)  # relevance y ⊙ ds/dy, 1 in total
+            start, total = _start(g, total, t, unit, score, method)
             e, x0 = rec.patch_tokens[-1], rec.first_block_inputs[-1]
             attn = list(rec.attentions) if capture else []
             if attention == "last":
@@ -247,6 +283,53 @@ def _lrp_pass(model, x: torch.Tensor, target, rules: str, attention, plain: bool
         R_e = R_x0 = torch.empty(x.shape[0], 0, dtype=y.dtype, device=y.device)
     R_A = [a.detach() * d for a, d in zip(attn, grads)]
     return LRPPass(R_e, R_x0, R_A, plain_grads, y.detach(), t, total, kept)
+
+
+def _start(g: torch.Tensor, total: torch.Tensor, t: torch.Tensor, unit: bool, score: str, method: str):
+    """The gradient the pass starts from on the logits and the relevance it starts with (module
+    docstring): ``g`` itself (relevance ``y ⊙ ds/dy``) and ``total``, or with ``unit`` both scaled
+    to relevance 1 in total (``ValueError`` where ``total`` is exactly 0)."""
+    if not unit:
+        return g, total
+    zero = (total == 0).nonzero()
+    if zero.numel():
+        what = ("explained logit is" if score == "logit"
+                else "score's gradient x input on the logits sums to")
+        raise ValueError(
+            f"{method}: the {what} exactly 0 for sample {int(zero[0])} (class {int(t[zero[0]])}); the "
+            "LRP pass starts from relevance 1 in total, which a gradient cannot scale it to there "
+            "(relevance = logit x gradient): explain another class (target=...)")
+    return g / total[:, None], torch.ones_like(total)  # relevance y ⊙ ds/dy, 1 in total
+
+
+def _direct_pass(model, x: torch.Tensor, target, attention, plain: bool, tokens: bool, method: str,
+                 unit: bool, score: str, entries: bool) -> LRPPass:
+    """:func:`_lrp_pass` by the hand-written pass of :mod:`vitlab.record.lrp_direct` (Chefer's
+    rules on a plain timm ViT): the same values, without an autograd graph."""
+    with torch.no_grad():
+        fw = lrp_direct.forward(model, x)
+        logits = fw.logits
+        t = resolve_target(target, logits)
+        y = logits.gather(1, t[:, None])[:, 0]
+        g = score_gradient(model, logits, t, score)  # ds/dy, B x C
+        total = (logits * g).sum(1)
+        start, total = _start(g, total, t, unit, score, method)
+        kernels = lrp_direct.compiled_kernels() if COMPILE else lrp_direct.EAGER
+        e, x0 = fw.e, fw.x0
+        r = lrp_direct.relevance(model, fw, start, attention or plain, tokens, g if plain else None, kernels)
+        del fw  # its activations went block by block
+        R_A, plain_grads = r.attention_relevance, r.attention_grads
+        if attention == "last" and plain:
+            plain_grads = plain_grads[-1:]
+        kept = ()
+        if tokens:
+            R_e = (e * r.g_e).sum(-1)
+            R_x0 = (x0 * r.g_x0).sum(-1)
+            if entries:
+                kept = (e, x0, r.g_e, r.g_x0)
+        else:
+            R_e = R_x0 = torch.empty(x.shape[0], 0, dtype=y.dtype, device=y.device)
+    return LRPPass(R_e, R_x0, R_A, plain_grads, y, t, total, kept)
 
 
 def _grid_map(method: str, model, x, target, compute, precision: str, score: str):
