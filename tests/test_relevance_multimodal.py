@@ -122,7 +122,7 @@ def test_lxmert_batch_equals_items_predicted_target_and_train_mode_restored():
     other = lxmert_relevance(model, inputs, target=(predicted + 1) % 7)
     assert not torch.allclose(other.image, batch.image, **f32_tol(batch.image, depth))
     # padded words (last sample) get no relevance
-    assert batch.text[-1, -2:].abs().max() < 1e-7
+    assert batch.text[-1, -2:].abs().max() == 0  # no attention, no gradient: nothing reaches them
 
 
 def test_lxmert_baselines_are_their_formulas():
