@@ -128,6 +128,19 @@ def start(args) -> torch.device:
     return torch.device(args.device)
 
 
+@torch.no_grad()
+def scene_outputs(model: torch.nn.Module, images, backbone: Callable, batch: int = 128) -> torch.Tensor:
+    """``backbone(x)`` over uint8 scenes ``n x H x W x 3`` in batches of ``batch``, each normalised as the
+    shapes models expect and moved to the model's device, concatenated along the first dim."""
+    from vitlab.shapes.data import scenes_to_tensor
+    from vitlab.shapes.model import MEAN, STD
+
+    size = images.shape[1]
+    dev = next(model.parameters()).device
+    return torch.cat([backbone(scenes_to_tensor(images[i: i + batch], (3, size, size), MEAN, STD).to(dev))
+                      for i in range(0, len(images), batch)])
+
+
 def make_optimizer(model: torch.nn.Module, args):
     """AdamW (weight decay on 2+-dimensional tensors only) and its warmup-cosine schedule."""
     params = [p for p in model.parameters() if p.requires_grad]
