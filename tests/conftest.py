@@ -230,6 +230,25 @@ def x64(x):
 
 
 # --- "the model handed in is left exactly as it was" ----------------------------------------------
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache; ``put(repo, *objects)`` saves them as the repo's snapshot."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def put(repo, *objects):
+        folder = tmp_path / f"models--{repo.replace('/', '--')}"
+        commit = "0" * 40
+        (folder / "refs").mkdir(parents=True)
+        (folder / "refs" / "main").write_text(commit)
+        for obj in objects:
+            obj.save_pretrained(folder / "snapshots" / commit)
+
+    return put
+
+
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
                  "_global_forward_hooks_with_kwargs", "_global_module_registration_hooks",

@@ -101,16 +101,22 @@ def test_visualbert_equals_the_reference_per_item_and_batch_equals_items(vb64, m
             assert ref[nt:].abs().sum() > 0 and ref[:nt].abs().sum() > 0
 
 
+def assert_float32_is_float64_to_rounding(method, model, model64, inputs, inputs64, depth):
+    """The float32 path a user runs: within the rounding of its reductions (``depth``) of the float64
+    maps; the same targets."""
+    got, exact = method(model, inputs), method(model64, inputs64)
+    assert got.image.dtype == torch.float32 and torch.equal(got.target, exact.target)
+    torch.testing.assert_close(got.logits.double(), exact.logits, **f32_tol(exact.logits, depth))
+    tol = f32_tol([exact.image, exact.text], depth)
+    torch.testing.assert_close(got.image.double(), exact.image, **tol)
+    torch.testing.assert_close(got.text.double(), exact.text, **tol)
+
+
 @pytest.mark.parametrize("method", sorted(VB))
 def test_visualbert_in_float32_is_float64_to_rounding(vb, vb64, method):
-    """The float32 path a user runs: within the rounding of its reductions of the float64 maps."""
     items = vb_items()
-    got = VB[method](vb, vb_batch(items))
-    exact = VB[method](vb64, vb_batch([(i, f.double()) for i, f in items]))
-    assert got.image.dtype == torch.float32 and torch.equal(got.target, exact.target)
-    torch.testing.assert_close(got.logits.double(), exact.logits, **f32_tol(exact.logits, VB_DEPTH))
-    torch.testing.assert_close(got.image.double(), exact.image, **f32_tol([exact.image, exact.text], VB_DEPTH))
-    torch.testing.assert_close(got.text.double(), exact.text, **f32_tol([exact.image, exact.text], VB_DEPTH))
+    assert_float32_is_float64_to_rounding(VB[method], vb, vb64, vb_batch(items),
+                                          vb_batch([(i, f.double()) for i, f in items]), VB_DEPTH)
 
 
 def test_visualbert_target_and_one_forward_one_backward(vb):
@@ -242,15 +248,9 @@ def test_vilt_equals_the_reference_per_item_on_the_patch_grid_and_batch_equals_i
 
 @pytest.mark.parametrize("method", sorted(VILT))
 def test_vilt_in_float32_is_float64_to_rounding(vilt, vilt64, method):
-    """The float32 path a user runs: within the rounding of its reductions of the float64 maps."""
     items = vilt_items()
-    got = VILT[method](vilt, vilt_batch(items))
-    exact = VILT[method](vilt64, vilt_batch([(i, p.double()) for i, p in items]))
-    assert got.image.dtype == torch.float32 and torch.equal(got.target, exact.target)
-    torch.testing.assert_close(got.logits.double(), exact.logits, **f32_tol(exact.logits, VILT_DEPTH))
-    tol = f32_tol([exact.image, exact.text], VILT_DEPTH)
-    torch.testing.assert_close(got.image.double(), exact.image, **tol)
-    torch.testing.assert_close(got.text.double(), exact.text, **tol)
+    assert_float32_is_float64_to_rounding(VILT[method], vilt, vilt64, vilt_batch(items),
+                                          vilt_batch([(i, p.double()) for i, p in items]), VILT_DEPTH)
 
 
 def test_vilt_one_forward_one_backward_and_refusals(vilt):
