@@ -236,6 +236,20 @@ def forwards_counted(model):
         handle.remove()
 
 
+@contextlib.contextmanager
+def passes_counted(model, head):
+    """``{"forward": n, "backward": n}`` while open: the model's forward calls and the backward passes
+    through ``head`` (the test's own hooks, removed on exit)."""
+    calls = {"forward": 0, "backward": 0}
+    hooks = [model.register_forward_pre_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1)),
+             head.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))]
+    try:
+        yield calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per sample, ``max |a - b| / max |b|`` (float64)."""
     a, b = a.double().flatten(1), b.double().flatten(1)
