@@ -362,3 +362,21 @@ def eager_vit_forward(model, x, deltas=None):
         h = h + blk.ls1(a.proj(a.norm(o)))
         h = h + blk.ls2(blk.mlp(blk.norm2(h)))
     return model.forward_head(model.norm(h)), attentions, queries, keys
+
+
+def scene_pixels64(scenes) -> torch.Tensor:
+    """The shapes scenes as the shipped models' float64 pixel values (112 x 112, their mean and std)."""
+    from vitlab.shapes import scenes_to_tensor
+    from vitlab.shapes.model import MEAN, STD
+
+    return scenes_to_tensor(scenes.images, (3, 112, 112), MEAN, STD).double()
+
+
+def on_object(grid_map: torch.Tensor, mask: np.ndarray, min_coverage: float) -> bool:
+    """The pointing game written out: every top patch covered at least min_coverage (1e-9 below it
+    still counts: the cover is a float32 share of a patch's pixels, exact for these patch sizes)."""
+    from vitlab.localization import mask_to_grid
+
+    cover = mask_to_grid(torch.as_tensor(mask[None], dtype=torch.float32), tuple(grid_map.shape))[0]
+    top = grid_map == grid_map.max()
+    return bool((cover[top] >= min_coverage - 1e-9).all())
