@@ -27,7 +27,8 @@ from vitlab.shapes.bimodal import LXMERT_ARCH, LXMERT_PATH, build_shapes_lxmert
 from vitlab.shapes.data import make_scenes
 from vitlab.shapes.qa import QUESTION_TYPES, make_questions
 from vitlab.shapes.train import TRAIN_SEED_BASE
-from vitlab.shapes.train_loop import fit, lr_schedule, optimizer_step, parse, parser, scene_outputs, start
+from vitlab.shapes.train_loop import (fit, lr_schedule, optimizer_step, parse, parse_weighted, parser, scene_outputs,
+                                      start)
 
 __all__ = [
     "EVAL_SEED", "VAL_SEED", "batch_loss", "evaluate_lxmert", "feature_chunks", "lr_schedule", "main", "parse_args", "parse_kinds",
@@ -164,21 +165,8 @@ def zero_residual_branches(model) -> int:
 
 def parse_kinds(text: str) -> tuple[tuple[str, ...], list[float]]:
     """``"where:2,exists:1,which"`` -> ``(("where", "exists", "which"), [2.0, 1.0, 1.0])``."""
-    kinds, weights = [], []
-    for part in text.split(","):
-        name, _, w = part.strip().partition(":")
-        if name not in QUESTION_TYPES or name in kinds:
-            raise ValueError(f"--kinds takes distinct kinds from {','.join(QUESTION_TYPES)}, each with an "
-                             f"optional :weight, e.g. where:2,exists:1,which:1; got {text!r}")
-        try:
-            weight = float(w) if w else 1.0
-        except ValueError:
-            raise ValueError(f"the weight of {name!r} in --kinds must be a number, got {w!r}") from None
-        if not weight > 0:
-            raise ValueError(f"the weight of {name!r} in --kinds must be positive, got {weight}")
-        kinds.append(name)
-        weights.append(weight)
-    return tuple(kinds), weights
+    kinds = parse_weighted(text, QUESTION_TYPES, "--kinds takes", "where:2,exists:1,which:1", " in --kinds")
+    return tuple(kinds), list(kinds.values())
 
 
 def fit_questions(model, args, *, name: str, loss_fn, evaluate, arch: dict, save=None) -> dict:
