@@ -329,4 +329,5 @@ def test_float64_copy_chunks_and_leaves_open_recordings_alone(vit, x, monkeypatc
     # both run in float64 (forward, gradient and relevance pass: 3 forwards' reductions, amplified by
     # the rules' divisions) and are rounded to float32 once at the end
     depth = 3 * module_depth(vit, tokens=1 + (x.shape[-1] // vit.patch_embed.patch_size[0]) ** 2)
-    torch.testing.assert_close(chunked, whole, **f32_rounded(whole, 2, f64_tol(whole, depth * LRP_AMPLIFICATION)["atol"]))
+    tol = f32_rounded(whole, 2, f64_tol(whole, depth * LRP_AMPLIFICATION)["atol"])
+    torch.testing.assert_close(chunked, whole, **tol)

@@ -91,7 +91,8 @@ def test_shared_grid_puts_every_panel_on_the_range_over_all_panels():
     # shared=False: every panel on its own range, with its own bar
     own = plot.map_grid(list(maps), shared=False)
     want = np.array([(float(m.min()), float(m.max())) for m in maps])
-    np.testing.assert_allclose([(_heat(a).norm.vmin, _heat(a).norm.vmax) for a in _panels(own)], want, rtol=0)  # the same numbers
+    # the same numbers as the maps' own minima and maxima
+    np.testing.assert_allclose([(_heat(a).norm.vmin, _heat(a).norm.vmax) for a in _panels(own)], want, rtol=0)
     np.testing.assert_allclose([b.get_ylim() for b in _colorbars(own)], want, rtol=0)
     # explicit limits win, and colorbar=False draws none
     fixed = plot.map_grid(list(maps), vmin=0.0, vmax=2.0, colorbar=False)

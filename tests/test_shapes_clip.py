@@ -216,7 +216,8 @@ def test_shapes_clip_is_a_clip_model_with_the_stem(tiny):
     # the same features; the normalisations (a sum of D squares each), the D-term dot products of unit
     # vectors and the scaling round differently: depth 2 D + 2 at the scale's size
     depth = 2 * tiny.config.projection_dim + 2
-    torch.testing.assert_close(out.logits_per_image, tiny.logit_scale.exp() * cos, **f32_tol(tiny.logit_scale.exp(), depth))
+    torch.testing.assert_close(out.logits_per_image, tiny.logit_scale.exp() * cos,
+                               **f32_tol(tiny.logit_scale.exp(), depth))
 
 
 @pytest.mark.parametrize("hw", [(112, 112), (120, 104), (224, 224)])

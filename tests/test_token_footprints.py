@@ -67,7 +67,8 @@ def test_exact_footprint_equals_the_jacobian_of_the_token():
         # float64 throughout, rounded once to float32 at the end (rtol); the float64 Jacobians (forward
         # and backward over 16 + 1 tokens, the norm over D = 16, the sum over 3 colours) in another order
         depth = module_depth(model, tokens=17, grad=True) + 16 + 3
-        torch.testing.assert_close(got.double(), want, rtol=f32_rounded_rel(1)["rtol"], atol=f64_tol(want, depth)["atol"])
+        torch.testing.assert_close(got.double(), want, rtol=f32_rounded_rel(1)["rtol"],
+                                   atol=f64_tol(want, depth)["atol"])
     # the embedding's footprint ends where the stem's window (10 px for two 4x4/2 layers) ends
     f = token_footprints(model, x, probes=None)
     assert float(f[0, 0, 10:].abs().max()) == 0.0 and float(f[0, 0, :, 10:].abs().max()) == 0.0
