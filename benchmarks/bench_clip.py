@@ -13,7 +13,7 @@ Goal (issue 30): ``clip_relevance`` for a batch of 32 pairs costs at most 2x a p
 backward of the scores (``logits_per_image.diagonal().sum().backward()``), with one forward and
 one backward for the whole batch. Printed per method: its forward calls (a forward pre-hook on the
 model) and ``torch.autograd.grad`` / ``backward`` calls, and the median over rounds of paired
-ratios (:func:`bench_methods.ratios_to_forward`: each call timed right after its reference on the
+ratios (:func:`_timing.ratios_to_forward`: each call timed right after its reference on the
 same batch) to a plain forward (``torch.no_grad()``) and to the forward + backward; also
 ``clip_relevance`` pair by pair (``--batch`` calls), what the batch saves.
 
@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -62,10 +61,8 @@ from vitlab.grad_eclip import grad_eclip  # noqa: E402
 from vitlab.legrad import legrad  # noqa: E402
 from vitlab.relevance import clip_gradcam, clip_raw_attention, clip_relevance, clip_rollout  # noqa: E402
 
-from bench_methods import ratios_to_forward  # noqa: E402
+from _timing import add_timing_arguments, print_forward_and_backward_ratios, stopwatch  # noqa: E402
 from bench_relevance_multimodal import count_calls  # noqa: E402
-
-CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
 def shapes_clip_or_random():
@@ -123,19 +120,10 @@ def pairs(model, batch: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
-                    help="cpu: this process's CPU time (steadier on a shared machine); wall: elapsed time")
+    add_timing_arguments(ap, batch=32, rounds=7, threads=1, clock="cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    clock = CLOCKS[args.clock]
-
-    def seconds(fn) -> float:
-        start = clock()
-        fn()
-        return clock() - start
+    seconds = stopwatch(args.clock)
 
     model, label = shapes_clip_or_random()
     inputs = pairs(model, args.batch)
@@ -169,16 +157,8 @@ def main() -> None:
         "forward + backward": forward_backward,
     }
     calls = {name: count_calls(model, fn) for name, fn in methods.items()}
-    to_forward, forward_times = ratios_to_forward(forward, methods, args.rounds, seconds)
-    others = {k: v for k, v in methods.items() if k != "forward + backward"}
-    to_fwd_bwd, fwd_bwd_times = ratios_to_forward(forward_backward, others, args.rounds, seconds)
-    print(f"plain forward {statistics.median(forward_times) * 1e3:.1f} ms, forward + backward "
-          f"{statistics.median(fwd_bwd_times) * 1e3:.1f} ms (medians)")
-    print(f"    {'':<36}{'forwards':>9}{'backwards':>10}{'/ forward':>11}{'/ fwd+bwd':>11}")
-    for name in methods:
-        f, b = calls[name]
-        ratio_bwd = f"{statistics.median(to_fwd_bwd[name]):>10.2f}x" if name in to_fwd_bwd else f"{'1.00x':>11}"
-        print(f"    {name:<36}{f:>9}{b:>10}{statistics.median(to_forward[name]):>10.2f}x{ratio_bwd}")
+    to_fwd_bwd = print_forward_and_backward_ratios(forward, forward_backward, methods, calls, args.rounds, seconds,
+                                                   width=36)
     worst = max(to_fwd_bwd["clip_relevance (batch)"])
     print(f"clip_relevance / (forward + backward): median {statistics.median(to_fwd_bwd['clip_relevance (batch)']):.2f}x, "
           f"worst round {worst:.2f}x (goal: at most 2x, one forward and one backward)")

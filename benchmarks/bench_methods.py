@@ -17,62 +17,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-
-import timm
-import torch
 
 from vitlab.attention import attention_gradcam, cls_attention, raw_attention
 from vitlab.relevance import chefer_relevance
 from vitlab.rollout import grad_rollout, rollout
 
+from _timing import add_timing_arguments, random_deit_tiny, ratios_to_forward, setup_line, stopwatch
+
 GOALS = {"rollout": 1.15, "grad_rollout": 3.2, "chefer_relevance": 3.2}
-
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def ratios_to_forward(forward, methods: dict, rounds: int, seconds):
-    """Warm every callable up once, then time each method against a plain forward timed just
-    before it, ``rounds`` times: ``({name: [ratio, ...]}, [forward seconds, ...])``."""
-    forward()  # warm-up
-    for fn in methods.values():
-        fn()
-    ratios = {name: [] for name in methods}
-    forward_times = []
-    for _ in range(rounds):
-        for name, fn in methods.items():
-            t_fwd = seconds(forward)
-            forward_times.append(t_fwd)
-            ratios[name].append(seconds(fn) / t_fwd)
-    return ratios, forward_times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall: elapsed time; cpu: this process's CPU time (steadier on a busy machine)")
+    add_timing_arguments(parser, batch=16, rounds=7, clock="wall")
     args = parser.parse_args()
-    clock = CLOCKS[args.clock]
-
-    def seconds(fn) -> float:
-        start = clock()
-        fn()
-        return clock() - start
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    torch.manual_seed(0)
-    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
-    x = torch.randn(args.batch, 3, 224, 224)
-
-    def forward():
-        with torch.no_grad():
-            model(x)
+    seconds = stopwatch(args.clock)
+    model, x, forward = random_deit_tiny(args.batch, args.threads)
 
     methods = {
         "rollout": lambda: rollout(model, x),
@@ -85,10 +45,7 @@ def main() -> None:
     }
     ratios, forward_times = ratios_to_forward(forward, methods, args.rounds, seconds)
 
-    print(
-        f"deit_tiny_patch16_224 (random init), batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
-        f"{args.clock} clock, median of {args.rounds} rounds"
-    )
+    print(setup_line(args.batch, f"{args.clock} clock", args.rounds))
     print(f"plain forward (no_grad): {statistics.median(forward_times) * 1000:.0f} ms")
     for name, values in ratios.items():
         ratio = statistics.median(values)

@@ -62,38 +62,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-
-import timm
-import torch
 
 from vitlab.projection import class_identifiability, project, sublayer_contributions
+
+from _timing import add_timing_arguments, random_deit_tiny, ratios_to_forward, stopwatch
 
 GOAL = 1.3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    add_timing_arguments(parser, batch=16, rounds=5, threads=2, clock="wall")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    clock = time.perf_counter if args.clock == "wall" else time.process_time
-
-    torch.manual_seed(0)
-    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
-    x = torch.randn(args.batch, 3, 224, 224)
-
-    def seconds(fn) -> float:
-        start = clock()
-        fn()
-        return clock() - start
-
-    def forward():
-        with torch.no_grad():
-            model(x)
+    seconds = stopwatch(args.clock)
+    model, x, forward = random_deit_tiny(args.batch, args.threads)
 
     def all_four():
         p = project(model, x)
@@ -108,16 +90,7 @@ def main() -> None:
         "class_identifiability": lambda: class_identifiability(model, x),
         "sublayer_contributions": lambda: sublayer_contributions(model, x),
     }
-    forward()
-    for fn in variants.values():  # warm up
-        fn()
-    ratios = {name: [] for name in variants}
-    plain = []
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            base = seconds(forward)
-            plain.append(base)
-            ratios[name].append(seconds(fn) / base)
+    ratios, plain = ratios_to_forward(forward, variants, args.rounds, seconds)
     print(f"deit_tiny_patch16_224 (random), batch {args.batch}, {args.threads} threads, {args.clock} clock, "
           f"median of {args.rounds} rounds; plain forward {statistics.median(plain) * 1000:.0f} ms "
           f"(range {min(plain) * 1000:.0f}-{max(plain) * 1000:.0f})")

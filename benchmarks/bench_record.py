@@ -48,18 +48,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import timm
 import torch
 
 import vitlab
 
+from _timing import interleaved_times, median_ratio, median_ratios, stopwatch
 
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+
+_time = stopwatch("wall")
 
 
 def bench(name: str, batch: int, repeats: int) -> dict[str, tuple[float, float]]:
@@ -98,16 +96,7 @@ def bench(name: str, batch: int, repeats: int) -> dict[str, tuple[float, float]]
         assert len(kept) == len(model.blocks)
 
     variants = {"plain": plain, "full": full, "attention": attention, "eager+keep": eager_keep}
-    for fn in variants.values():  # warm-up
-        fn()
-    times = {k: [] for k in variants}
-    for _ in range(repeats):
-        for k, fn in variants.items():
-            times[k].append(_time(fn))
-    return {
-        k: (statistics.median(t), statistics.median(a / p for a, p in zip(t, times["plain"])))
-        for k, t in times.items()
-    }
+    return median_ratios(variants, repeats, "plain", _time)
 
 
 def bench_multimodal(repeats: int) -> None:
@@ -148,16 +137,11 @@ def bench_multimodal(repeats: int) -> None:
             model.zero_grad(set_to_none=True)
             assert all(e.grad is not None for e in rec.events)
 
-        variants = [plain, recorded, backward, graded]
-        for fn in variants:
-            fn()
-        times = [[] for _ in variants]
-        for _ in range(repeats):
-            for t, fn in zip(times, variants):
-                t.append(_time(fn))
-        med = [statistics.median(t) for t in times]
-        r1 = statistics.median(a / p for a, p in zip(times[1], times[0]))
-        r2 = statistics.median(a / p for a, p in zip(times[3], times[2]))
+        times = interleaved_times(dict(plain=plain, recorded=recorded, backward=backward, graded=graded),
+                                  repeats, _time)
+        med = [statistics.median(t) for t in times.values()]
+        r1 = median_ratio(times["recorded"], times["plain"])
+        r2 = median_ratio(times["graded"], times["backward"])
         print(f"{label:<26}{med[0] * 1e3:>10.1f}{med[1] * 1e3:>9.1f}{r1:>6.2f}x{med[2] * 1e3:>12.1f}"
               f"{med[3] * 1e3:>11.1f}{r2:>6.2f}x")
 

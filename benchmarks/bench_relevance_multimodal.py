@@ -11,7 +11,7 @@ batch is one forward and one backward: printed are the forward calls of the mode
 hook on the model, here only) and the ``torch.autograd.grad`` / ``backward`` calls of one
 ``lxmert_relevance`` / ``visualbert_relevance`` call and of the per-question loop (each question
 alone, 64 calls), and their cost as the median over rounds of paired ratios
-(:func:`bench_methods.ratios_to_forward`: each call timed right after its reference on the
+(:func:`_timing.ratios_to_forward`: each call timed right after its reference on the
 same batch) to a plain forward (``torch.no_grad()``) and to a forward + ``backward()`` of the
 explained logits.
 
@@ -79,9 +79,7 @@ forward + backward, 8.4x the relevance of five queries done here.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -102,26 +100,14 @@ from vitlab.relevance import (  # noqa: E402
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_methods import ratios_to_forward  # noqa: E402
+from _timing import median_ratios, print_forward_and_backward_ratios, stopwatch  # noqa: E402
 
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+_time = stopwatch("wall")
 
 
 def run_rounds(variants: dict, repeats: int, reference: str = "fwd+bwd") -> dict[str, tuple[float, float]]:
     """``{name: (median seconds, median ratio to the reference of the same round)}``."""
-    for fn in variants.values():  # warm-up
-        fn()
-    times = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            times[name].append(_time(fn))
-    ref = times[reference]
-    return {name: (statistics.median(ts), statistics.median(t / r for t, r in zip(ts, ref)))
-            for name, ts in times.items()}
+    return median_ratios(variants, repeats, reference, _time)
 
 
 def engine_only(model, inputs: dict, score, steps_of, slots: int = 1) -> callable:
@@ -292,16 +278,8 @@ def bench_shapes(repeats: int, batch: int) -> None:
                  "forward + backward": count_calls(model, forward_backward)}
         methods = {"relevance (batch)": relevance, f"per-question loop ({B} calls)": per_question,
                    "forward + backward": forward_backward}
-        to_forward, forward_times = ratios_to_forward(forward, methods, repeats, _time)
-        to_fwd_bwd, fwd_bwd_times = ratios_to_forward(forward_backward, {k: v for k, v in methods.items()
-                                                                         if k != "forward + backward"}, repeats, _time)
-        print(f"\n{label}, batch {B}: plain forward {statistics.median(forward_times) * 1e3:.1f} ms, "
-              f"forward + backward {statistics.median(fwd_bwd_times) * 1e3:.1f} ms (medians)")
-        print(f"    {'':<28}{'forwards':>9}{'backwards':>10}{'/ forward':>11}{'/ fwd+bwd':>11}")
-        for name in methods:
-            f, b = calls[name]
-            ratio_bwd = f"{statistics.median(to_fwd_bwd[name]):>10.2f}x" if name in to_fwd_bwd else f"{'1.00x':>11}"
-            print(f"    {name:<28}{f:>9}{b:>10}{statistics.median(to_forward[name]):>10.2f}x{ratio_bwd}")
+        print_forward_and_backward_ratios(forward, forward_backward, methods, calls, repeats, _time, width=28,
+                                          lead=f"\n{label}, batch {B}: ")
 
 
 def report(label: str, r: dict[str, tuple[float, float]]) -> None:

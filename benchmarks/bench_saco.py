@@ -17,38 +17,27 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 
-import timm
 import torch
 
 from vitlab.faithfulness import saco
+
+from _timing import add_timing_arguments, random_deit_tiny, ratios_to_forward, stopwatch
 
 GOAL = 1.1
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=4)
+    add_timing_arguments(parser, batch=4, rounds=7, threads=2, clock=None)
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--chunk", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    torch.manual_seed(0)
-    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
-    x = torch.randn(args.batch, 3, 224, 224)
+    model, x, _ = random_deit_tiny(args.batch, args.threads)
     maps = torch.rand(args.batch, 14, 14)
     n = (args.k + 1) * args.batch
     chunks = [min(args.chunk, n - i) for i in range(0, n, args.chunk)]
     inputs = torch.randn(args.chunk, 3, 224, 224)
-
-    def seconds(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
 
     def forwards():
         with torch.no_grad():
@@ -58,11 +47,7 @@ def main() -> None:
     def measure():
         saco(model, x, maps, k=args.k, batch_size=args.chunk)
 
-    forwards(), measure()  # warm up
-    ratios = []
-    for _ in range(args.rounds):
-        base = seconds(forwards)
-        ratios.append(seconds(measure) / base)
+    ratios = ratios_to_forward(forwards, {"saco": measure}, args.rounds, stopwatch("wall"))[0]["saco"]
     print(f"saco, B={args.batch}, K={args.k}, {len(chunks)} forwards of <= {args.chunk} "
           f"({math.ceil(n / args.chunk)} needed): {statistics.median(ratios):.2f}x the plain forwards "
           f"(goal <= {GOAL}x; rounds: {', '.join(f'{r:.2f}' for r in ratios)})")

@@ -70,7 +70,30 @@ def f64_tol(values, depth: float) -> dict:
     return _tol(values, depth, EPS64)
 
 
-def _tol(values, depth: float, eps: float) -> dict:
+#: Unit roundoff of float32: rounding a real number to the nearest float32 moves it by at most
+#: ``2**-24`` of itself (half of EPS32; Higham, 2nd ed., sec. 2.1).
+ROUND32 = 2.0 ** -24
+
+
+def f32_rounded(values, roundings: int = 2, plus: float = 0.0) -> dict:
+    """``rtol`` / ``atol`` for results computed in float64 (or exactly) and stored as float32 (the
+    library rounds them once, at the end). Each stored value is within ``ROUND32 * |value|`` of what
+    was computed, so two of them, computed from numbers that agree to ``plus`` (e.g. an
+    :func:`f64_tol` allowance), differ by at most ``2 * ROUND32 * scale + plus``; one against the
+    float64 value itself (``roundings=1``) by ``ROUND32 * scale + plus``. ``scale`` as in
+    :func:`f32_tol`: the largest finite magnitude in ``values``."""
+    return dict(rtol=0.0, atol=roundings * ROUND32 * _scale(values) + plus)
+
+
+def f32_rounded_rel(roundings: int = 2) -> dict:
+    """:func:`f32_rounded` entry by entry (``rtol`` only): each float32 value against another
+    rounding of the same float64 number (``roundings=2``) or against that number (``1``); for values
+    whose every entry was rounded once from float64 (or from an exact value)."""
+    return dict(rtol=roundings * ROUND32 * (1 + ROUND32), atol=0.0)
+
+
+def _scale(values) -> float:
+    """The largest finite magnitude in ``values`` (a tensor, array, number, or a sequence of them)."""
     items = values if isinstance(values, (list, tuple)) else [values]
     scale = 0.0
     for v in items:
@@ -78,7 +101,11 @@ def _tol(values, depth: float, eps: float) -> dict:
         t = t[torch.isfinite(t)]
         if t.numel():
             scale = max(scale, float(t.abs().max()))
-    return dict(rtol=0.0, atol=2.0 * float(depth) * eps * scale)
+    return scale
+
+
+def _tol(values, depth: float, eps: float) -> dict:
+    return dict(rtol=0.0, atol=2.0 * float(depth) * eps * _scale(values))
 
 
 # Chefer's LRP rules divide by sums that can nearly cancel (vitlab.lrp's docstring, "Precision"): a
@@ -203,6 +230,25 @@ def x64(x):
 
 
 # --- "the model handed in is left exactly as it was" ----------------------------------------------
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache; ``put(repo, *objects)`` saves them as the repo's snapshot."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def put(repo, *objects):
+        folder = tmp_path / f"models--{repo.replace('/', '--')}"
+        commit = "0" * 40
+        (folder / "refs").mkdir(parents=True)
+        (folder / "refs" / "main").write_text(commit)
+        for obj in objects:
+            obj.save_pretrained(folder / "snapshots" / commit)
+
+    return put
+
+
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
                  "_global_forward_hooks_with_kwargs", "_global_module_registration_hooks",

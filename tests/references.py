@@ -236,6 +236,20 @@ def forwards_counted(model):
         handle.remove()
 
 
+@contextlib.contextmanager
+def passes_counted(model, head):
+    """``{"forward": n, "backward": n}`` while open: the model's forward calls and the backward passes
+    through ``head`` (the test's own hooks, removed on exit)."""
+    calls = {"forward": 0, "backward": 0}
+    hooks = [model.register_forward_pre_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1)),
+             head.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))]
+    try:
+        yield calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per sample, ``max |a - b| / max |b|`` (float64)."""
     a, b = a.double().flatten(1), b.double().flatten(1)
@@ -322,3 +336,47 @@ def vit_forward(model, x: torch.Tensor):
                           f2=f2))
         h = mid + f2
     return e, x0, saved, h
+
+
+def eager_vit_forward(model, x, deltas=None):
+    """Eager forward of a timm ViT written out from its weights: (logits, attentions, q, k).
+
+    ``deltas[l]`` (optional) is added to block l's post-softmax attention, for finite
+    differences with respect to the attention.
+    """
+    h = model.norm_pre(model._pos_embed(model.patch_embed(x)))
+    attentions, queries, keys = [], [], []
+    for l, blk in enumerate(model.blocks):
+        a = blk.attn
+        y = blk.norm1(h)
+        B, N, _ = y.shape
+        qkv = F.linear(y, a.qkv.weight, a.qkv.bias).reshape(B, N, 3, a.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = a.q_norm(qkv[0]), a.k_norm(qkv[1]), qkv[2]  # B x H x N x D
+        A = ((q @ k.transpose(-1, -2)) * a.scale).softmax(dim=-1)  # B x H x N x N
+        if deltas is not None:
+            A = A + deltas[l]
+        attentions.append(A)
+        queries.append(q)
+        keys.append(k)
+        o = (A @ v).transpose(1, 2).reshape(B, N, -1)
+        h = h + blk.ls1(a.proj(a.norm(o)))
+        h = h + blk.ls2(blk.mlp(blk.norm2(h)))
+    return model.forward_head(model.norm(h)), attentions, queries, keys
+
+
+def scene_pixels64(scenes) -> torch.Tensor:
+    """The shapes scenes as the shipped models' float64 pixel values (112 x 112, their mean and std)."""
+    from vitlab.shapes import scenes_to_tensor
+    from vitlab.shapes.model import MEAN, STD
+
+    return scenes_to_tensor(scenes.images, (3, 112, 112), MEAN, STD).double()
+
+
+def on_object(grid_map: torch.Tensor, mask: np.ndarray, min_coverage: float) -> bool:
+    """The pointing game written out: every top patch covered at least min_coverage (1e-9 below it
+    still counts: the cover is a float32 share of a patch's pixels, exact for these patch sizes)."""
+    from vitlab.localization import mask_to_grid
+
+    cover = mask_to_grid(torch.as_tensor(mask[None], dtype=torch.float32), tuple(grid_map.shape))[0]
+    top = grid_map == grid_map.max()
+    return bool((cover[top] >= min_coverage - 1e-9).all())

@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from timm.models.deit import VisionTransformerDistilled
 
 from vitlab.attention import (
@@ -32,6 +31,7 @@ from conftest import (
     TINY, TINY_DEPTH, TINY_GRAD_DEPTH, assert_model_unchanged, decided_argmax, f32_tol, f64_tol, model_snapshot, module_depth,
     randomize as _randomize,
 )
+from references import eager_vit_forward as reference_forward
 from tiny_models import tiny_vit
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,32 +59,6 @@ def tiny_hf_vit(seed: int = 2):
     eager = ViTForImageClassification._from_config(cfg, attn_implementation="eager")
     eager.load_state_dict(model.state_dict())
     return model, eager.eval()
-
-
-def reference_forward(model, x, deltas=None):
-    """Eager forward of a timm ViT written out from its weights: (logits, attentions, q, k).
-
-    ``deltas[l]`` (optional) is added to block l's post-softmax attention, for finite
-    differences with respect to the attention.
-    """
-    h = model.norm_pre(model._pos_embed(model.patch_embed(x)))
-    attentions, queries, keys = [], [], []
-    for l, blk in enumerate(model.blocks):
-        a = blk.attn
-        y = blk.norm1(h)
-        B, N, _ = y.shape
-        qkv = F.linear(y, a.qkv.weight, a.qkv.bias).reshape(B, N, 3, a.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k, v = a.q_norm(qkv[0]), a.k_norm(qkv[1]), qkv[2]  # B x H x N x D
-        A = ((q @ k.transpose(-1, -2)) * a.scale).softmax(dim=-1)  # B x H x N x N
-        if deltas is not None:
-            A = A + deltas[l]
-        attentions.append(A)
-        queries.append(q)
-        keys.append(k)
-        o = (A @ v).transpose(1, 2).reshape(B, N, -1)
-        h = h + blk.ls1(a.proj(a.norm(o)))
-        h = h + blk.ls2(blk.mlp(blk.norm2(h)))
-    return model.forward_head(model.norm(h)), attentions, queries, keys
 
 
 def reference_gradients(model, x, target):

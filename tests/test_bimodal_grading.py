@@ -12,14 +12,14 @@ import torch
 
 import vitlab
 from conftest import f32_tol, f64_tol, module_depth
+from references import on_object, scene_pixels64
 from vitlab.bimodal_faithfulness import lxmert_answers_without, text_occlusion
 from vitlab.localization import TOUCH, mask_to_grid, object_gaps, top_token_is
 from vitlab.relevance import (
     detr_gradcam, detr_relevance, grade_detr, grade_lxmert, lxmert_method_maps, lxmert_relevance,
     lxmert_rollout, lxmert_scene_features, named_word_positions,
 )
-from vitlab.shapes import CLASSES, make_scenes, scenes_to_tensor
-from vitlab.shapes.model import MEAN, STD
+from vitlab.shapes import CLASSES, make_scenes
 from vitlab.shapes.qa import make_questions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,7 +35,7 @@ def scenes():
 # within rounding of each other: ~1e-12 of the values in float64, ~1e-4 in float32.
 @pytest.fixture(scope="module")
 def x(scenes):
-    return scenes_to_tensor(scenes.images, (3, 112, 112), MEAN, STD).double()
+    return scene_pixels64(scenes)
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +51,6 @@ def detr():
 def depth(model, grad=False):
     """Summed reductions of the model on 49 patches and a question (or DETR's queries): 60 tokens."""
     return module_depth(model, tokens=60, grad=grad)
-
-
-def on_object(grid_map: torch.Tensor, mask: np.ndarray, min_coverage: float) -> bool:
-    """The pointing game written out: every top patch covered at least min_coverage."""
-    cover = mask_to_grid(torch.as_tensor(mask[None], dtype=torch.float32), tuple(grid_map.shape))[0]
-    top = grid_map == grid_map.max()
-    return bool((cover[top] >= min_coverage - 1e-9).all())
 
 
 def test_named_word_positions_point_at_the_class_word(lxmert, scenes):

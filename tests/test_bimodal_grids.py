@@ -12,18 +12,17 @@ from transformers import LxmertConfig, LxmertForQuestionAnswering, VisualBertCon
 
 import vitlab
 from vitlab import bimodal_faithfulness as bf
-from vitlab.localization import TOUCH, map_change, mask_to_grid
+from vitlab.localization import TOUCH, map_change
 from vitlab.stats import mean_interval, paired_difference
 from vitlab.relevance import (
     LXMERT_ABLATIONS, grade_visualbert, lxmert_relevance, lxmert_relevance_variants, visualbert_gradcam,
     visualbert_relevance,
 )
-from vitlab.shapes import make_scenes, scenes_to_tensor
-from vitlab.shapes.model import MEAN, STD
+from vitlab.shapes import make_scenes
 from vitlab.shapes.qa import make_questions
 
 from conftest import f64_tol, module_depth
-from references import as64, loop_predictions
+from references import as64, loop_predictions, on_object, scene_pixels64
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -164,13 +163,7 @@ def scenes():
 # patch, top word, answer) are exact only away from rounding ties (~1e-12 of the values in float64).
 @pytest.fixture(scope="module")
 def x(scenes):
-    return scenes_to_tensor(scenes.images, (3, 112, 112), MEAN, STD).double()
-
-
-def on_object(grid_map, mask, min_coverage):
-    cover = mask_to_grid(torch.as_tensor(mask[None], dtype=torch.float32), tuple(grid_map.shape))[0]
-    top = grid_map == grid_map.max()
-    return bool((cover[top] >= min_coverage - 1e-9).all())
+    return scene_pixels64(scenes)
 
 
 def test_grade_visualbert_equals_each_question_on_its_own(scenes, x):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_GRAD_DEPTH, f32_tol, f64_tol
+from conftest import TINY_GRAD_DEPTH, f32_rounded, f32_tol, f64_tol
 from vitlab.footprints import patch_centres, token_centres
 from vitlab import localization as loc, stats
 
@@ -439,7 +439,9 @@ def test_asked_hits_agree_with_grade_asked():
     hits = loc.asked_hits(maps, masks)
     for row in loc.grade_asked(maps, masks):
         h = hits[row["method"]].double()
-        # grade_asked takes its means in float32: 15 zeros and ones, exact to a float32 rounding
+        # grade_asked takes its means in float32: 15 zeros and ones sum exactly, the division rounds
+        # once (a mean <= 1)
+        one_rounding = f32_rounded(1.0, 1)["atol"]
         assert [float(h[:, j].mean()) for j in range(3)] == pytest.approx(
-            [row["asked"], row["asked_touch"], row["other"]], abs=1e-7)
-        assert float(h[:, 0].view(5, 3).min(1).values.mean()) == pytest.approx(row["all_asks"], abs=1e-7)
+            [row["asked"], row["asked_touch"], row["other"]], abs=one_rounding)
+        assert float(h[:, 0].view(5, 3).min(1).values.mean()) == pytest.approx(row["all_asks"], abs=one_rounding)

@@ -399,11 +399,13 @@ def test_batch_equals_items_fused_equals_eager_model_unchanged(vit, x, method):
     vit2 = copy.deepcopy(vit)
     xj = x.clone().requires_grad_(True)
     (g2,) = torch.autograd.grad(vit2(xj)[:, 1].sum(), xj)
-    torch.testing.assert_close(g, g2)
+    torch.testing.assert_close(g, g2, rtol=0, atol=0)  # a copy: the same arithmetic on the same numbers
 
 
 def test_record_restores_on_exception(vit, x):
     before = model_snapshot(vit)
+    xi = x.clone().requires_grad_(True)
+    (plain,) = torch.autograd.grad(vit(xi)[:, 0].sum(), xi)
     with pytest.raises(ZeroDivisionError):
         with record(vit, lrp="chefer"):
             vit(x)
@@ -411,11 +413,7 @@ def test_record_restores_on_exception(vit, x):
     assert_model_unchanged(vit, before)
     xi = x.clone().requires_grad_(True)
     (g,) = torch.autograd.grad(vit(xi)[:, 0].sum(), xi)
-    with torch.no_grad():
-        eps = 1e-3
-        d = torch.randn_like(x)
-        fd = ((vit(x + eps * d)[:, 0] - vit(x - eps * d)[:, 0]).sum() / (2 * eps)).item()
-    assert abs((g * d).sum().item() - fd) < 1e-2 * max(1.0, abs(fd))  # the plain gradient is back
+    assert torch.equal(g, plain)  # the plain gradient is back: the same arithmetic as before the recording
     with pytest.raises(ValueError, match="lrp must be one of"):
         with record(vit, lrp="zplus"):
             pass

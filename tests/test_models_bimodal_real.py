@@ -167,25 +167,6 @@ def test_pretrained_offline_is_unavailable(monkeypatch, name):
 
 
 # ------------------------------------------------------------------ any cached repo, by model_type
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    """An empty Hugging Face cache; ``put(repo, *objects)`` saves them as the repo's snapshot."""
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-    def put(repo, *objects):
-        folder = tmp_path / f"models--{repo.replace('/', '--')}"
-        commit = "0" * 40
-        (folder / "refs").mkdir(parents=True)
-        (folder / "refs" / "main").write_text(commit)
-        for obj in objects:
-            obj.save_pretrained(folder / "snapshots" / commit)
-
-    return put
-
-
 def test_cached_repos_get_the_task_class_of_their_model_type(hub_cache):
     from transformers import (DetrConfig, DetrForObjectDetection, DetrImageProcessor, LxmertConfig,
                               LxmertForQuestionAnswering)

@@ -18,6 +18,7 @@ from vitlab.relevance import (
 )
 
 from conftest import assert_model_unchanged, f32_tol, f32_tol_deep, f64_tol, model_snapshot, module_depth
+from references import passes_counted
 from tiny_models import tiny_vilt, tiny_visualbert, vb_batch, vb_items
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,31 +102,31 @@ def test_visualbert_equals_the_reference_per_item_and_batch_equals_items(vb64, m
             assert ref[nt:].abs().sum() > 0 and ref[:nt].abs().sum() > 0
 
 
+def assert_float32_is_float64_to_rounding(method, model, model64, inputs, inputs64, depth):
+    """The float32 path a user runs: within the rounding of its reductions (``depth``) of the float64
+    maps; the same targets."""
+    got, exact = method(model, inputs), method(model64, inputs64)
+    assert got.image.dtype == torch.float32 and torch.equal(got.target, exact.target)
+    torch.testing.assert_close(got.logits.double(), exact.logits, **f32_tol(exact.logits, depth))
+    tol = f32_tol([exact.image, exact.text], depth)
+    torch.testing.assert_close(got.image.double(), exact.image, **tol)
+    torch.testing.assert_close(got.text.double(), exact.text, **tol)
+
+
 @pytest.mark.parametrize("method", sorted(VB))
 def test_visualbert_in_float32_is_float64_to_rounding(vb, vb64, method):
-    """The float32 path a user runs: within the rounding of its reductions of the float64 maps."""
     items = vb_items()
-    got = VB[method](vb, vb_batch(items))
-    exact = VB[method](vb64, vb_batch([(i, f.double()) for i, f in items]))
-    assert got.image.dtype == torch.float32 and torch.equal(got.target, exact.target)
-    torch.testing.assert_close(got.logits.double(), exact.logits, **f32_tol(exact.logits, VB_DEPTH))
-    torch.testing.assert_close(got.image.double(), exact.image, **f32_tol([exact.image, exact.text], VB_DEPTH))
-    torch.testing.assert_close(got.text.double(), exact.text, **f32_tol([exact.image, exact.text], VB_DEPTH))
+    assert_float32_is_float64_to_rounding(VB[method], vb, vb64, vb_batch(items),
+                                          vb_batch([(i, f.double()) for i, f in items]), VB_DEPTH)
 
 
 def test_visualbert_target_and_one_forward_one_backward(vb):
     inputs = vb_batch(vb_items())
-    calls = {"forward": 0, "backward": 0}
-    h1 = vb.register_forward_pre_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
-    h2 = vb.cls.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))
-    try:
+    with passes_counted(vb, vb.cls) as calls:
         maps = visualbert_relevance(vb, inputs, target=[1, 2, 3])
         assert calls == {"forward": 1, "backward": 1}
         visualbert_gradcam(vb, inputs, target=4)
         assert calls == {"forward": 2, "backward": 2}
-    finally:
-        h1.remove()
-        h2.remove()
     assert maps.target.tolist() == [1, 2, 3]
     other = visualbert_relevance(vb, inputs, target=[0, 2, 3])
     tol = f32_tol(maps.image, VB_DEPTH)  # items 1, 2 unchanged up to rounding; item 0 far from it
@@ -242,23 +243,14 @@ def test_vilt_equals_the_reference_per_item_on_the_patch_grid_and_batch_equals_i
 
 @pytest.mark.parametrize("method", sorted(VILT))
 def test_vilt_in_float32_is_float64_to_rounding(vilt, vilt64, method):
-    """The float32 path a user runs: within the rounding of its reductions of the float64 maps."""
     items = vilt_items()
-    got = VILT[method](vilt, vilt_batch(items))
-    exact = VILT[method](vilt64, vilt_batch([(i, p.double()) for i, p in items]))
-    assert got.image.dtype == torch.float32 and torch.equal(got.target, exact.target)
-    torch.testing.assert_close(got.logits.double(), exact.logits, **f32_tol(exact.logits, VILT_DEPTH))
-    tol = f32_tol([exact.image, exact.text], VILT_DEPTH)
-    torch.testing.assert_close(got.image.double(), exact.image, **tol)
-    torch.testing.assert_close(got.text.double(), exact.text, **tol)
+    assert_float32_is_float64_to_rounding(VILT[method], vilt, vilt64, vilt_batch(items),
+                                          vilt_batch([(i, p.double()) for i, p in items]), VILT_DEPTH)
 
 
 def test_vilt_one_forward_one_backward_and_refusals(vilt):
     inputs = vilt_batch(vilt_items())
-    calls = {"forward": 0, "backward": 0}
-    h1 = vilt.register_forward_pre_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
-    h2 = vilt.classifier.register_full_backward_hook(lambda *a: calls.__setitem__("backward", calls["backward"] + 1))
-    try:
+    with passes_counted(vilt, vilt.classifier) as calls:
         vilt_relevance(vilt, inputs)
         assert calls == {"forward": 1, "backward": 1}
         bad = inputs["pixel_values"].clone()
@@ -270,9 +262,6 @@ def test_vilt_one_forward_one_backward_and_refusals(vilt):
         with pytest.raises(ValueError, match="pixel_mask.*0 \\(padding\\) and 1"):
             vilt_rollout(vilt, {**inputs, "pixel_mask": inputs["pixel_mask"] * 2})
         assert calls == {"forward": 1, "backward": 1}
-    finally:
-        h1.remove()
-        h2.remove()
 
 
 def test_shapes_visualbert_pixels_equal_its_tokens():

@@ -12,7 +12,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 
@@ -23,25 +22,14 @@ from vitlab.relevance import chefer_relevance, head_averaged_relevance, last_blo
 from conftest import (
     assert_model_unchanged, decided_argmax, f32_tol, f64_tol, model_snapshot, module_depth, randomize, TINY, TINY_DEPTH, TINY_GRAD_DEPTH,
 )
+from references import eager_vit_forward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reference_forward(model, x):
     """Eager forward of a timm ViT from its weights: (logits, post-softmax attention per block)."""
-    h = model.norm_pre(model._pos_embed(model.patch_embed(x)))
-    attentions = []
-    for blk in model.blocks:
-        a = blk.attn
-        y = blk.norm1(h)
-        B, N, _ = y.shape
-        qkv = F.linear(y, a.qkv.weight, a.qkv.bias).reshape(B, N, 3, a.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k, v = a.q_norm(qkv[0]), a.k_norm(qkv[1]), qkv[2]                # B x H x N x D
-        A = ((q @ k.transpose(-1, -2)) * a.scale).softmax(dim=-1)          # B x H x N x N
-        attentions.append(A)
-        h = h + blk.ls1(a.proj(a.norm((A @ v).transpose(1, 2).reshape(B, N, -1))))
-        h = h + blk.ls2(blk.mlp(blk.norm2(h)))
-    return model.forward_head(model.norm(h)), attentions
+    return eager_vit_forward(model, x)[:2]
 
 
 def test_the_reference_forward_reproduces_the_model(vit, x):

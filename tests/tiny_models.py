@@ -98,6 +98,16 @@ class ViTLxmert(LxmertForQuestionAnswering):
                                visual_pos=self.boxes.expand(feats.shape[0], -1, -1), **kwargs)
 
 
+def tiny_vit_lxmert(x_layers: int = 1) -> tuple[ViTLxmert, VisionTransformer]:
+    """``(model, vit)``: a :class:`ViTLxmert` (1 language, ``x_layers`` cross-modality, 1 vision layer,
+    width 32, 7 answers, random biases) on a 2-block timm ViT (32 px, 8 px patches, width 16)."""
+    torch.manual_seed(0)
+    vit = VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=2, num_heads=2, num_classes=0).eval()
+    cfg = LxmertConfig(vocab_size=50, hidden_size=32, num_attention_heads=4, intermediate_size=64, l_layers=1,
+                       x_layers=x_layers, r_layers=1, visual_feat_dim=16, visual_pos_dim=4, num_qa_labels=7)
+    return randomize_biases(ViTLxmert(cfg, vit).eval()), vit
+
+
 def tiny_visualbert(cls=VisualBertForQuestionAnswering, **kw):
     torch.manual_seed(0)
     cfg = VisualBertConfig(vocab_size=40, hidden_size=24, num_hidden_layers=3, num_attention_heads=3,

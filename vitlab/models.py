@@ -10,6 +10,7 @@ how to pre-download it, and the embedded models that need no network.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import socket
@@ -169,6 +170,15 @@ LXMERT_REGION_FEATURES = (
 
 class ModelUnavailableError(RuntimeError):
     """The weights of a model are neither cached nor downloadable from here."""
+
+
+def file_sha256(path) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 4 MiB blocks: how weights files are told apart."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _unavailable(name: str, how: str, why: str = "") -> ModelUnavailableError:

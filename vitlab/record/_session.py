@@ -366,6 +366,21 @@ def _split_heads(t: torch.Tensor, num_heads: int) -> torch.Tensor:
 _MULTI_FIELDS = frozenset({"attention", "query", "key", "value"})
 
 
+def _attach_bert_attention(s: _Session, attn: nn.Module, current: dict, open_capture) -> None:
+    """The hooks of a BERT-style self- or cross-attention module (LXMERT's, VisualBERT's): ``open_capture``
+    before each call (it puts the call's capture in ``current["cap"]``), Q, K, V from ``query``, ``key``,
+    ``value``, and as the attention the output of its dropout: what multiplies V (the probabilities
+    themselves in eval mode)."""
+    def on_probs(mod, inp, out):
+        s.capture_attention(current["cap"], out, out)
+
+    if s.capture:
+        s.hook(attn, open_capture, pre=True)
+    _attach_qkv(s, attn, current, ("query", "key", "value"), int(attn.num_attention_heads))
+    if "attention" in s.capture:
+        s.hook(attn.dropout, on_probs)
+
+
 def _attach_qkv(s: _Session, attn: nn.Module, current: dict, projections: tuple[str, str, str], heads: int) -> None:
     """Hooks storing the asked ones of Q, K, V (``B x heads x N x head_dim``) of each call of
     ``attn`` in ``current["cap"]``, from its three projections (named in ``projections``)."""

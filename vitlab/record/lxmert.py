@@ -5,7 +5,7 @@ from typing import Callable
 
 from torch import nn
 
-from vitlab.record._session import AttentionCapture, _Session, _attach_qkv
+from vitlab.record._session import AttentionCapture, _Session, _attach_bert_attention
 from vitlab.record.vit import _attach_backbone, _prefixed
 
 
@@ -50,15 +50,7 @@ def _attach_lxmert(model: nn.Module, s: _Session, mlp: bool, found) -> None:
             stream = stream_of()
             current["cap"] = s.open_capture(stream, name, *LXMERT_STREAMS[stream], layer=layer)
 
-        def on_probs(mod, inp, out):
-            # the dropout's output is what multiplies V (the probabilities themselves in eval mode)
-            s.capture_attention(current["cap"], out, out)
-
-        if s.capture:
-            s.hook(attn, open_capture, pre=True)
-        _attach_qkv(s, attn, current, ("query", "key", "value"), int(attn.num_attention_heads))
-        if "attention" in s.capture:
-            s.hook(attn.dropout, on_probs)
+        _attach_bert_attention(s, attn, current, open_capture)
 
     for i, layer in enumerate(enc.layer):
         attach(layer.attention.self, _prefixed(enc_name, f"layer.{i}.attention.self"), i, lambda: "lang")

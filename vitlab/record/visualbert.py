@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from vitlab.record._session import AttentionCapture, _Session, _attach_qkv
+from vitlab.record._session import AttentionCapture, _Session, _attach_bert_attention
 from vitlab.record.vit import _attach_backbone, _prefixed
 
 #: VisualBERT's one stream: every layer's self-attention over text and image tokens together.
@@ -72,15 +72,7 @@ def _attach_joint(model: nn.Module, s: _Session, found, self_attention: str, str
         def open_capture(mod, args, current=current, name=name, i=i):
             current["cap"] = s.open_capture(stream, name, *streams[stream], layer=i)
 
-        def on_probs(mod, inp, out, current=current):
-            # the dropout's output multiplies V (the probabilities themselves in eval mode)
-            s.capture_attention(current["cap"], out, out)
-
-        if s.capture:
-            s.hook(attn, open_capture, pre=True)
-        _attach_qkv(s, attn, current, ("query", "key", "value"), int(attn.num_attention_heads))
-        if "attention" in s.capture:
-            s.hook(attn.dropout, on_probs)
+        _attach_bert_attention(s, attn, current, open_capture)
 
 
 def _attach_visualbert(model: nn.Module, s: _Session, mlp: bool, found) -> None:

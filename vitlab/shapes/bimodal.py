@@ -27,7 +27,6 @@ different one (the heads would be meaningless on other features).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -36,8 +35,9 @@ from torch import nn
 from transformers import DetrConfig, DetrForObjectDetection, LxmertConfig, LxmertForQuestionAnswering
 
 from vitlab.models import WEIGHTS_DIR
+from vitlab.models import file_sha256 as _file_sha256
 from vitlab.shapes.data import CLASSES
-from vitlab.shapes.model import MEAN, STD
+from vitlab.shapes.model import MEAN, STD, refuse_arch
 from vitlab.shapes.model import WEIGHTS_PATH as BACKBONE_PATH
 from vitlab.shapes.qa import ANSWERS, WordTokenizer
 
@@ -93,14 +93,6 @@ def _load_backbone(path: Path | None = None) -> nn.Module:
     return vit.eval()
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def backbone_tokens(vit: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     """The ViT's last-block patch tokens after its final LayerNorm: ``B x (gh*gw) x C``."""
     feats = vit.forward_features(pixel_values)          # B x (prefix + gh*gw) x C
@@ -123,17 +115,12 @@ def _data_config(vit: nn.Module) -> dict:
 
 
 # ---------------------------------------------------------------------------- LXMERT
-class ShapesLxmertForQuestionAnswering(LxmertForQuestionAnswering):
-    """LXMERT question answering over the patch tokens of a frozen shapes ViT.
+class FrozenBackbone:
+    """What the shapes question-answering models share: a frozen ViT (``self.backbone``, kept in
+    eval mode whatever ``train`` is asked), its question tokenizer, its data config and the boxes of
+    its patch grid (``patch_boxes``)."""
 
-    ``forward(pixel_values=..., input_ids=..., attention_mask=...)`` runs the backbone
-    (:func:`backbone_tokens`) and passes its tokens as ``visual_feats`` with their grid boxes
-    as ``visual_pos``; every other argument is :meth:`LxmertForQuestionAnswering.forward`'s.
-    ``model.backbone`` is the ViT; ``model.tokenizer`` encodes questions.
-    """
-
-    def __init__(self, config: LxmertConfig, backbone: nn.Module, tokenizer: WordTokenizer):
-        super().__init__(config)
+    def _attach_backbone(self, backbone: nn.Module, tokenizer: WordTokenizer) -> None:
         backbone.requires_grad_(False)
         self.backbone = backbone.eval()
         self.tokenizer = tokenizer
@@ -144,6 +131,20 @@ class ShapesLxmertForQuestionAnswering(LxmertForQuestionAnswering):
         super().train(mode)
         self.backbone.eval()  # frozen: its BatchNorm statistics must not move
         return self
+
+
+class ShapesLxmertForQuestionAnswering(FrozenBackbone, LxmertForQuestionAnswering):
+    """LXMERT question answering over the patch tokens of a frozen shapes ViT.
+
+    ``forward(pixel_values=..., input_ids=..., attention_mask=...)`` runs the backbone
+    (:func:`backbone_tokens`) and passes its tokens as ``visual_feats`` with their grid boxes
+    as ``visual_pos``; every other argument is :meth:`LxmertForQuestionAnswering.forward`'s.
+    ``model.backbone`` is the ViT; ``model.tokenizer`` encodes questions.
+    """
+
+    def __init__(self, config: LxmertConfig, backbone: nn.Module, tokenizer: WordTokenizer):
+        super().__init__(config)
+        self._attach_backbone(backbone, tokenizer)
 
     def visual_inputs(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(visual_feats B x N x C, visual_pos B x N x 4)`` for images ``B x 3 x H x W``."""
@@ -223,9 +224,7 @@ def load_shapes_lxmert(pretrained: bool = True, *, weights_path: str | Path | No
     if not pretrained:
         return build_shapes_lxmert(arch).eval()
     path, meta, state = _read_weights("shapes-lxmert", weights_path, LXMERT_PATH)
-    if arch:
-        raise ValueError(f"architecture arguments {sorted(arch)} only apply with pretrained=False; "
-                         f"the weights file {path} fixes the architecture")
+    refuse_arch(arch, path)
     backbone = _load_backbone()
     tokenizer = WordTokenizer(json.loads(meta["vocabulary"]))
     cfg = _lxmert_config(json.loads(meta["arch"]), len(tokenizer), backbone.embed_dim)
@@ -304,9 +303,7 @@ def load_shapes_detr(pretrained: bool = True, *, weights_path: str | Path | None
     if not pretrained:
         return build_shapes_detr(arch).eval()
     path, meta, state = _read_weights("shapes-detr", weights_path, DETR_PATH)
-    if arch:
-        raise ValueError(f"architecture arguments {sorted(arch)} only apply with pretrained=False; "
-                         f"the weights file {path} fixes the architecture")
+    refuse_arch(arch, path)
     model = _assemble_detr(_detr_config(json.loads(meta["arch"])), _load_backbone())
     _load_state(model, state, path)
     return model.eval()

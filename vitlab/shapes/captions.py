@@ -45,7 +45,7 @@ from numbers import Integral
 import numpy as np
 
 from vitlab.shapes.data import CLASSES, Scenes
-from vitlab.shapes.qa import CELLS, cell_of, decode_row, object_boxes, pad_rows
+from vitlab.shapes.qa import CELLS, _FixedTokenizer, cell_of, decode_row, object_boxes
 
 __all__ = [
     "CAPTION_KINDS",
@@ -278,7 +278,7 @@ def make_captions(scenes: Scenes, seed: int, kinds: dict | None = None, *, facts
 
 
 # ---------------------------------------------------------------------------------- tokenizer
-class CaptionTokenizer:
+class CaptionTokenizer(_FixedTokenizer):
     """A word-level tokenizer for a CLIP text tower (no download).
 
     Vocabulary: ``<pad>`` (id 0), ``<unk>`` (1), ``<start>`` (2), the words, ``<end>`` (the largest
@@ -288,14 +288,12 @@ class CaptionTokenizer:
     """
 
     PAD, UNK, START, END = "<pad>", "<unk>", "<start>", "<end>"
+    NOUN, SHORTER = "text", "give a shorter text"
+    EMPTY = "encode got no text: pass a caption or a non-empty list of captions"
+    MIN_LENGTH, MIN_NOTE = 2, "<start> and <end>"
 
     def __init__(self, words):
-        words = list(words)
-        if len(set(words)) != len(words):
-            raise ValueError("vocabulary words must be distinct")
-        clash = set(words) & {self.PAD, self.UNK, self.START, self.END}
-        if clash:
-            raise ValueError(f"vocabulary must not contain the special tokens {sorted(clash)}")
+        words = self._distinct(words, (self.PAD, self.UNK, self.START, self.END))
         self.words: list[str] = words
         self.vocab: list[str] = [self.PAD, self.UNK, self.START, *words, self.END]
         self.ids: dict[str, int] = {w: i for i, w in enumerate(self.vocab)}
@@ -307,44 +305,10 @@ class CaptionTokenizer:
         """The tokenizer of this module's captions (:func:`caption_vocabulary`)."""
         return cls(caption_vocabulary())
 
-    def __len__(self) -> int:
-        return len(self.vocab)
-
-    @staticmethod
-    def split(text: str) -> list[str]:
-        """Lower-cased words and punctuation marks of ``text``."""
-        return re.findall(r"[a-z0-9]+|[^\sa-z0-9]", text.lower())
-
     def tokenize(self, text: str) -> list[str]:
         """``<start>``, the words of ``text`` (unknown ones as ``<unk>``), ``<end>``."""
         return [self.START] + [w if w in self.ids and w not in (self.PAD, self.START, self.END) else self.UNK
                                for w in self.split(text)] + [self.END]
-
-    def encode(self, texts, max_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``(input_ids, attention_mask)``, both ``n x L`` int64, for a string or a list of them.
-
-        ``max_length``: the most tokens the model reads (its ``max_position_embeddings``); a
-        longer text raises ``ValueError`` naming it. An empty list or a non-string is refused.
-        """
-        if isinstance(texts, str):
-            texts = [texts]
-        texts = list(texts)
-        bad = [type(s).__name__ for s in texts if not isinstance(s, str)]
-        if bad:
-            raise ValueError(f"encode takes a text (str) or a list of them, got a list holding {bad[0]}")
-        if not texts:
-            raise ValueError("encode got no text: pass a caption or a non-empty list of captions")
-        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, Integral)
-                                       or max_length < 2):
-            raise ValueError(f"max_length must be an int >= 2 (<start> and <end>), got {max_length!r}")
-        toks = [[self.ids[t] for t in self.tokenize(s)] for s in texts]
-        if max_length is not None:
-            for s, t in zip(texts, toks):
-                if len(t) > max_length:
-                    raise ValueError(f"the text {s!r} has {len(t) - 2} words and punctuation marks, but the model "
-                                     f"reads at most {max_length - 2} ({max_length} tokens with <start> and <end>); "
-                                     "give a shorter text")
-        return pad_rows(toks, self.pad_id)
 
     def decode(self, ids) -> str:
         """The words of one row of ids, without ``<pad>``, ``<start>`` and ``<end>``, space-joined."""

@@ -41,7 +41,7 @@ from transformers import CLIPConfig, CLIPModel
 from vitlab.models import WEIGHTS_DIR
 from vitlab.shapes.captions import CaptionTokenizer, zero_shot_prompts
 from vitlab.shapes.data import CLASSES
-from vitlab.shapes.model import MEAN, STD
+from vitlab.shapes.model import MEAN, STD, refuse_arch
 
 __all__ = [
     "CLIP_ARCH",
@@ -346,9 +346,7 @@ def load_shapes_clip(pretrained: bool = True, *, weights_path: str | Path | None
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    if arch:
-        raise ValueError(f"architecture arguments {sorted(arch)} only apply with pretrained=False; "
-                         "the weights file fixes the architecture")
+    refuse_arch(arch)
     path = Path(weights_path) if weights_path is not None else CLIP_PATH
     if not path.is_file():
         raise FileNotFoundError(f"shapes-clip weights not found at {path}; train them with `{_RETRAIN} --out {path}` "

@@ -203,6 +203,15 @@ def save_shapes_model(model, path: str | Path, *, extra: dict | None = None, hal
     save_file(state, str(path), metadata=meta)
 
 
+def refuse_arch(arch: dict, path=None) -> None:
+    """Architecture arguments only shape random weights: with a weights file (at ``path``, when
+    known) they are refused, since the file fixes the architecture."""
+    if arch:
+        where = "" if path is None else f" {path}"
+        raise ValueError(f"architecture arguments {sorted(arch)} only apply with pretrained=False; "
+                         f"the weights file{where} fixes the architecture")
+
+
 def load_shapes_model(config_cls, default, build, pretrained: bool, weights_path, default_path: Path, arch: dict,
                       *, name: str, train: str, duration: str, stored_defaults: dict | None = None):
     """The shared steps of :func:`load_shapes_vit` and :func:`vitlab.shapes.swin_model.load_shapes_swin`:

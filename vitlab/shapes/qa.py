@@ -269,32 +269,25 @@ def decode_row(vocab, ids, skip) -> str:
     return " ".join(vocab[i] for i in ids if i not in skip)
 
 
-class WordTokenizer:
-    """A word-level tokenizer over a fixed vocabulary (no download).
+class _FixedTokenizer:
+    """What the shapes tokenizers share: a fixed vocabulary (distinct words, none of them a special
+    token), lower-cased words and punctuation marks, and encoding with the checks of
+    :meth:`encode`. A subclass names its wrapping tokens (``START``, ``END``) and how its messages call
+    one input (``NOUN``), the empty-input message (``EMPTY``), the advice for a long one
+    (``SHORTER``), and the shortest ``max_length`` it takes (``MIN_LENGTH``, ``MIN_NOTE`` saying why)."""
 
-    ``encode`` lower-cases, splits on white space and punctuation, and wraps the words as
-    ``[CLS] w1 ... wk [SEP]`` — LXMERT reads its answer off the first text token, which must be
-    ``[CLS]`` — padded with ``[PAD]`` (id 0) to the longest question of the batch. Unknown words
-    map to ``[UNK]``.
-    """
+    START = END = NOUN = EMPTY = SHORTER = MIN_NOTE = ""
+    MIN_LENGTH = 3
 
-    SPECIALS = ("[PAD]", "[CLS]", "[SEP]", "[UNK]")
-
-    def __init__(self, words):
+    @staticmethod
+    def _distinct(words, specials) -> list[str]:
         words = list(words)
         if len(set(words)) != len(words):
             raise ValueError("vocabulary words must be distinct")
-        clash = set(words) & set(self.SPECIALS)
+        clash = set(words) & set(specials)
         if clash:
             raise ValueError(f"vocabulary must not contain the special tokens {sorted(clash)}")
-        self.vocab: list[str] = list(self.SPECIALS) + words
-        self.ids: dict[str, int] = {w: i for i, w in enumerate(self.vocab)}
-        self.pad_id, self.cls_id, self.sep_id, self.unk_id = (self.ids[s] for s in self.SPECIALS)
-
-    @classmethod
-    def for_templates(cls) -> "WordTokenizer":
-        """The tokenizer of the question templates of this module."""
-        return cls(template_vocabulary())
+        return words
 
     def __len__(self) -> int:
         return len(self.vocab)
@@ -304,36 +297,63 @@ class WordTokenizer:
         """Lower-cased words and punctuation marks of ``text``."""
         return re.findall(r"[a-z0-9]+|[^\sa-z0-9]", text.lower())
 
-    def tokenize(self, text: str) -> list[str]:
-        """``[CLS]``, the words of ``text`` (unknown ones as ``[UNK]``), ``[SEP]``."""
-        return ["[CLS]"] + [w if w in self.ids else "[UNK]" for w in self.split(text)] + ["[SEP]"]
-
     def encode(self, texts, max_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """``(input_ids, attention_mask)``, both ``n x L`` int64, for a string or a list of them.
 
-        ``max_length``: the most tokens the model reads (its ``max_position_embeddings``;
-        ``shapes-lxmert``: 16, i.e. 14 words between ``[CLS]`` and ``[SEP]``); a longer
-        question raises ``ValueError`` naming it, instead of an index error inside the model.
+        ``max_length``: the most tokens the model reads (its ``max_position_embeddings``); a longer
+        input raises ``ValueError`` naming it, instead of an index error inside the model. An empty
+        list or a non-string is refused.
         """
         if isinstance(texts, str):
             texts = [texts]
         texts = list(texts)
         bad = [type(s).__name__ for s in texts if not isinstance(s, str)]
         if bad:
-            raise ValueError(f"encode takes a question (str) or a list of them, got a list holding {bad[0]}")
+            raise ValueError(f"encode takes a {self.NOUN} (str) or a list of them, got a list holding {bad[0]}")
+        if not texts:
+            raise ValueError(self.EMPTY)
         if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, Integral)
-                                       or max_length < 3):
-            raise ValueError(f"max_length must be an int >= 3 ([CLS], a word, [SEP]), got {max_length!r}")
+                                       or max_length < self.MIN_LENGTH):
+            raise ValueError(f"max_length must be an int >= {self.MIN_LENGTH} ({self.MIN_NOTE}), got {max_length!r}")
         toks = [[self.ids[t] for t in self.tokenize(s)] for s in texts]
-        if not toks:
-            raise ValueError("encode got no text")
         if max_length is not None:
             for s, t in zip(texts, toks):
                 if len(t) > max_length:
                     raise ValueError(
-                        f"the question {s!r} has {len(t) - 2} words and punctuation marks, but the model reads "
-                        f"at most {max_length - 2} ({max_length} tokens with [CLS] and [SEP]); ask a shorter question")
+                        f"the {self.NOUN} {s!r} has {len(t) - 2} words and punctuation marks, but the model reads "
+                        f"at most {max_length - 2} ({max_length} tokens with {self.START} and {self.END}); "
+                        f"{self.SHORTER}")
         return pad_rows(toks, self.pad_id)
+
+
+class WordTokenizer(_FixedTokenizer):
+    """A word-level tokenizer over a fixed vocabulary (no download).
+
+    ``encode`` lower-cases, splits on white space and punctuation, and wraps the words as
+    ``[CLS] w1 ... wk [SEP]`` — LXMERT reads its answer off the first text token, which must be
+    ``[CLS]`` — padded with ``[PAD]`` (id 0) to the longest question of the batch. Unknown words
+    map to ``[UNK]``. ``max_length`` of ``shapes-lxmert``: 16, i.e. 14 words between ``[CLS]`` and
+    ``[SEP]``.
+    """
+
+    SPECIALS = ("[PAD]", "[CLS]", "[SEP]", "[UNK]")
+    START, END, NOUN, EMPTY, SHORTER = "[CLS]", "[SEP]", "question", "encode got no text", "ask a shorter question"
+    MIN_LENGTH, MIN_NOTE = 3, "[CLS], a word, [SEP]"
+
+    def __init__(self, words):
+        words = self._distinct(words, self.SPECIALS)
+        self.vocab: list[str] = list(self.SPECIALS) + words
+        self.ids: dict[str, int] = {w: i for i, w in enumerate(self.vocab)}
+        self.pad_id, self.cls_id, self.sep_id, self.unk_id = (self.ids[s] for s in self.SPECIALS)
+
+    @classmethod
+    def for_templates(cls) -> "WordTokenizer":
+        """The tokenizer of the question templates of this module."""
+        return cls(template_vocabulary())
+
+    def tokenize(self, text: str) -> list[str]:
+        """``[CLS]``, the words of ``text`` (unknown ones as ``[UNK]``), ``[SEP]``."""
+        return ["[CLS]"] + [w if w in self.ids else "[UNK]" for w in self.split(text)] + ["[SEP]"]
 
     def decode(self, ids) -> str:
         """The words of one row of ids, without ``[PAD]``, ``[CLS]`` and ``[SEP]``, space-joined."""

@@ -58,7 +58,7 @@ from vitlab.shapes.data import CLASSES, make_scenes, remove_objects, scenes_to_t
 from vitlab.shapes.model import MEAN, STD
 from vitlab.shapes.qa import CELLS
 from vitlab.shapes.train import TRAIN_SEED_BASE
-from vitlab.shapes.train_loop import finish_run, lr_schedule, parse, parser, start
+from vitlab.shapes.train_loop import finish_run, lr_schedule, parse, parse_weighted, parser, start
 from vitlab.stats import rate
 
 __all__ = [
@@ -95,19 +95,7 @@ def _fill(groups: list[np.ndarray], n: int) -> list[np.ndarray]:
 
 def parse_weights(text: str) -> dict:
     """``"shape:1,cell:2"`` -> ``{"shape": 1.0, "cell": 2.0}`` (caption kinds and their weights)."""
-    out = {}
-    for part in text.split(","):
-        name, _, w = part.strip().partition(":")
-        if name not in CAPTION_KINDS or name in out:
-            raise ValueError(f"caption weights take distinct kinds from {','.join(CAPTION_KINDS)}, each with an "
-                             f"optional :weight, e.g. shape:1,cell:2; got {text!r}")
-        try:
-            out[name] = float(w) if w else 1.0
-        except ValueError:
-            raise ValueError(f"the weight of {name!r} must be a number, got {w!r}") from None
-        if not out[name] > 0:
-            raise ValueError(f"the weight of {name!r} must be positive, got {out[name]}")
-    return out
+    return parse_weighted(text, CAPTION_KINDS, "caption weights take", "shape:1,cell:2")
 
 
 def caption_batches(*, batch: int, two_frac: float, group: int, chunk: int, seed: int, size: int = 112,

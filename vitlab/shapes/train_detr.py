@@ -27,11 +27,10 @@ import torch
 
 from vitlab.localization import box_iou
 from vitlab.shapes.bimodal import DETR_ARCH, DETR_PATH, build_shapes_detr
-from vitlab.shapes.data import make_scenes, scenes_to_tensor
-from vitlab.shapes.model import MEAN, STD
+from vitlab.shapes.data import make_scenes
 from vitlab.shapes.qa import object_boxes
 from vitlab.shapes.train import TRAIN_SEED_BASE
-from vitlab.shapes.train_loop import fit, optimizer_step, parse, parser, start
+from vitlab.shapes.train_loop import fit, optimizer_step, parse, parser, scene_outputs, start
 
 __all__ = [
     "EVAL_SEED", "VAL_SEED", "batch_loss", "detect", "detr_targets", "evaluate_detr", "main", "parse_args",
@@ -59,13 +58,7 @@ def detr_targets(scenes, idx=None) -> list[dict]:
 @torch.no_grad()
 def scene_features(model, images: np.ndarray, batch: int = 128) -> torch.Tensor:
     """The frozen backbone's feature maps for uint8 scenes: ``n x C x gh x gw`` (fp32)."""
-    size = images.shape[1]
-    dev = next(model.parameters()).device
-    out = []
-    for i in range(0, len(images), batch):
-        x = scenes_to_tensor(images[i : i + batch], (3, size, size), MEAN, STD).to(dev)
-        out.append(model.model.backbone(x)[-1][0])
-    return torch.cat(out)
+    return scene_outputs(model, images, lambda x: model.model.backbone(x)[-1][0], batch)
 
 
 def forward_features(model, feature_map: torch.Tensor, labels=None):

@@ -128,6 +128,39 @@ def start(args) -> torch.device:
     return torch.device(args.device)
 
 
+def parse_weighted(text: str, allowed, what: str, example: str, where: str = "") -> dict[str, float]:
+    """``"a:2,b"`` -> ``{"a": 2.0, "b": 1.0}``: distinct names from ``allowed``, each with an optional
+    positive ``:weight`` (default 1). ``what`` (a subject and its verb, "--kinds takes") starts the
+    message for a wrong name, ``example`` shows the form; ``where`` follows the name in the messages
+    for a wrong weight."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, _, w = part.strip().partition(":")
+        if name not in allowed or name in out:
+            raise ValueError(f"{what} distinct kinds from {','.join(allowed)}, each with an "
+                             f"optional :weight, e.g. {example}; got {text!r}")
+        try:
+            out[name] = float(w) if w else 1.0
+        except ValueError:
+            raise ValueError(f"the weight of {name!r}{where} must be a number, got {w!r}") from None
+        if not out[name] > 0:
+            raise ValueError(f"the weight of {name!r}{where} must be positive, got {out[name]}")
+    return out
+
+
+@torch.no_grad()
+def scene_outputs(model: torch.nn.Module, images, backbone: Callable, batch: int = 128) -> torch.Tensor:
+    """``backbone(x)`` over uint8 scenes ``n x H x W x 3`` in batches of ``batch``, each normalised as the
+    shapes models expect and moved to the model's device, concatenated along the first dim."""
+    from vitlab.shapes.data import scenes_to_tensor
+    from vitlab.shapes.model import MEAN, STD
+
+    size = images.shape[1]
+    dev = next(model.parameters()).device
+    return torch.cat([backbone(scenes_to_tensor(images[i: i + batch], (3, size, size), MEAN, STD).to(dev))
+                      for i in range(0, len(images), batch)])
+
+
 def make_optimizer(model: torch.nn.Module, args):
     """AdamW (weight decay on 2+-dimensional tensors only) and its warmup-cosine schedule."""
     params = [p for p in model.parameters() if p.requires_grad]

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from vitlab.shapes.bimodal import LXMERT_ARCH, LXMERT_PATH, build_shapes_lxmert
-from vitlab.shapes.data import make_scenes, scenes_to_tensor
-from vitlab.shapes.model import MEAN, STD
+from vitlab.shapes.data import make_scenes
 from vitlab.shapes.qa import QUESTION_TYPES, make_questions
 from vitlab.shapes.train import TRAIN_SEED_BASE
-from vitlab.shapes.train_loop import fit, lr_schedule, optimizer_step, parse, parser, start
+from vitlab.shapes.train_loop import (fit, lr_schedule, optimizer_step, parse, parse_weighted, parser, scene_outputs,
+                                      start)
 
 __all__ = [
     "EVAL_SEED", "VAL_SEED", "batch_loss", "evaluate_lxmert", "feature_chunks", "lr_schedule", "main", "parse_args", "parse_kinds",
@@ -44,13 +44,7 @@ EVAL_SEED = 3
 @torch.no_grad()
 def scene_features(model, images: np.ndarray, batch: int = 128) -> torch.Tensor:
     """The frozen backbone's patch tokens for uint8 scenes: ``n x N x C`` (fp32, on the model's device)."""
-    size = images.shape[1]
-    dev = next(model.parameters()).device
-    out = []
-    for i in range(0, len(images), batch):
-        x = scenes_to_tensor(images[i : i + batch], (3, size, size), MEAN, STD).to(dev)
-        out.append(model.visual_inputs(x)[0])
-    return torch.cat(out)
+    return scene_outputs(model, images, lambda x: model.visual_inputs(x)[0], batch)
 
 
 def feature_chunks(model, *, chunk: int, seed: int, n_objects=2, difficulty: float = 1.0):
@@ -114,6 +108,17 @@ def evaluate_lxmert(model, n: int = 1000, seed: int = EVAL_SEED, per_scene: int 
     "accuracy", "accuracy_<kind>", "n_<kind>"}`` (accuracies in [0, 1]); chance levels for
     reference are 1/9 (where), 1/2 (exists) and 1/2 (which: one of the scene's two classes).
     """
+    def answer_scores(ids, mask, f):
+        return model(input_ids=ids, visual_feats=f, visual_pos=model.patch_boxes.expand(len(f), -1, -1),
+                     attention_mask=mask).question_answering_score
+
+    return answer_accuracy(model, answer_scores, n, seed, per_scene, batch)
+
+
+@torch.no_grad()
+def answer_accuracy(model, answer_scores, n: int, seed: int, per_scene: int, batch: int) -> dict:
+    """The evaluation of :func:`evaluate_lxmert` for any question-answering model of the shapes:
+    ``answer_scores(input_ids, attention_mask, scene_features)`` gives a batch's answer scores."""
     was_training = model.training
     model.eval()
     scenes = make_scenes(n, seed, 2)
@@ -123,10 +128,7 @@ def evaluate_lxmert(model, n: int = 1000, seed: int = EVAL_SEED, per_scene: int 
     for i in range(0, len(q), batch):
         sel = q.select(np.arange(i, min(i + batch, len(q))))
         ids, mask = model.encode(sel.text)
-        f = feats[torch.from_numpy(sel.scene)]
-        out = model(input_ids=ids, visual_feats=f, visual_pos=model.patch_boxes.expand(len(f), -1, -1),
-                    attention_mask=mask)
-        pred.append(out.question_answering_score.argmax(-1).cpu())
+        pred.append(answer_scores(ids, mask, feats[torch.from_numpy(sel.scene)]).argmax(-1).cpu())
     right = (torch.cat(pred).numpy() == q.answer_id)
     kinds = np.array(q.kind)
     res = {"n_scenes": n, "n_questions": len(q), "seed": seed, "accuracy": float(right.mean())}
@@ -163,21 +165,8 @@ def zero_residual_branches(model) -> int:
 
 def parse_kinds(text: str) -> tuple[tuple[str, ...], list[float]]:
     """``"where:2,exists:1,which"`` -> ``(("where", "exists", "which"), [2.0, 1.0, 1.0])``."""
-    kinds, weights = [], []
-    for part in text.split(","):
-        name, _, w = part.strip().partition(":")
-        if name not in QUESTION_TYPES or name in kinds:
-            raise ValueError(f"--kinds takes distinct kinds from {','.join(QUESTION_TYPES)}, each with an "
-                             f"optional :weight, e.g. where:2,exists:1,which:1; got {text!r}")
-        try:
-            weight = float(w) if w else 1.0
-        except ValueError:
-            raise ValueError(f"the weight of {name!r} in --kinds must be a number, got {w!r}") from None
-        if not weight > 0:
-            raise ValueError(f"the weight of {name!r} in --kinds must be positive, got {weight}")
-        kinds.append(name)
-        weights.append(weight)
-    return tuple(kinds), weights
+    kinds = parse_weighted(text, QUESTION_TYPES, "--kinds takes", "where:2,exists:1,which:1", " in --kinds")
+    return tuple(kinds), list(kinds.values())
 
 
 def fit_questions(model, args, *, name: str, loss_fn, evaluate, arch: dict, save=None) -> dict:
@@ -244,13 +233,22 @@ def train(args) -> dict:
     return fit_questions(model, args, name="shapes-lxmert", loss_fn=batch_loss, evaluate=evaluate_lxmert, arch=arch)
 
 
-def parse_args(argv=None):
-    p = parser("python -m vitlab.shapes.train_lxmert", __doc__, out=LXMERT_PATH, steps=3000, batch=64, lr=1e-3,
-               weight_decay=0.01, val_n=200, eval_n=1000, batch_help="questions per step",
-               arch_example='{"x_layers": 3}', val_help="validation scenes (3 questions each)",
+def parse_question_training(prog: str, doc: str, out, arch_example: str, argv=None):
+    """The options of a question-answering training command (``prog``, described by ``doc``, writing
+    ``out``) parsed from ``argv``: the shared training options (3000 steps of 64 questions, lr 1e-3,
+    weight decay 0.01, 200 validation scenes, 1000 evaluation scenes), ``--arch`` shown with
+    ``arch_example``, and the question stream's options (:func:`add_question_options`)."""
+    p = parser(prog, doc, out=out, steps=3000, batch=64, lr=1e-3, weight_decay=0.01, val_n=200, eval_n=1000,
+               batch_help="questions per step", arch_example=arch_example,
+               val_help="validation scenes (3 questions each)",
                quick_help="smoke test: 20 steps of 16 questions, nothing written (explicit options win)")
     add_question_options(p, per_scene=8, first_frac=0.2)
     return parse_question_args(p, argv)
+
+
+def parse_args(argv=None):
+    return parse_question_training("python -m vitlab.shapes.train_lxmert", __doc__, LXMERT_PATH, '{"x_layers": 3}',
+                                   argv)
 
 
 def main(argv=None):

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitlab.shapes.data import make_scenes
-from vitlab.shapes.qa import QUESTION_TYPES, make_questions
-from vitlab.shapes.train_loop import parser, start
+from vitlab.shapes.train_loop import start
 from vitlab.shapes.train_lxmert import (
-    EVAL_SEED, VAL_SEED, add_question_options, fit_questions, parse_question_args, scene_features,
+    EVAL_SEED, VAL_SEED, answer_accuracy, fit_questions, parse_question_training,
 )
 from vitlab.shapes.visualbert import (
     VISUALBERT_ARCH, VISUALBERT_PATH, build_shapes_visualbert, save_shapes_visualbert,
@@ -49,26 +46,10 @@ def evaluate_visualbert(model, n: int = 1000, seed: int = EVAL_SEED, per_scene: 
     figures are comparable. Returns ``{"n_scenes", "n_questions", "seed", "accuracy",
     "accuracy_<kind>", "n_<kind>"}`` (accuracies in [0, 1]).
     """
-    was_training = model.training
-    model.eval()
-    scenes = make_scenes(n, seed, 2)
-    q = make_questions(scenes, seed, per_scene=per_scene)
-    feats = scene_features(model, scenes.images)
-    pred = []
-    for i in range(0, len(q), batch):
-        sel = q.select(np.arange(i, min(i + batch, len(q))))
-        ids, mask = model.encode(sel.text)
-        logits = model(input_ids=ids, attention_mask=mask, visual_feats=feats[torch.from_numpy(sel.scene)]).logits
-        pred.append(logits.argmax(-1).cpu())
-    right = torch.cat(pred).numpy() == q.answer_id
-    kinds = np.array(q.kind)
-    res = {"n_scenes": n, "n_questions": len(q), "seed": seed, "accuracy": float(right.mean())}
-    for k in QUESTION_TYPES:
-        sel = kinds == k
-        res[f"accuracy_{k}"] = float(right[sel].mean()) if sel.any() else float("nan")
-        res[f"n_{k}"] = int(sel.sum())
-    model.train(was_training)
-    return res
+    def answer_scores(ids, mask, f):
+        return model(input_ids=ids, attention_mask=mask, visual_feats=f).logits
+
+    return answer_accuracy(model, answer_scores, n, seed, per_scene, batch)
 
 
 def train(args) -> dict:
@@ -81,12 +62,8 @@ def train(args) -> dict:
 
 
 def parse_args(argv=None):
-    p = parser("python -m vitlab.shapes.train_visualbert", __doc__, out=VISUALBERT_PATH, steps=3000, batch=64,
-               lr=1e-3, weight_decay=0.01, val_n=200, eval_n=1000, batch_help="questions per step",
-               arch_example='{"num_hidden_layers": 6}', val_help="validation scenes (3 questions each)",
-               quick_help="smoke test: 20 steps of 16 questions, nothing written (explicit options win)")
-    add_question_options(p, per_scene=8, first_frac=0.2)
-    return parse_question_args(p, argv)
+    return parse_question_training("python -m vitlab.shapes.train_visualbert", __doc__, VISUALBERT_PATH,
+                                   '{"num_hidden_layers": 6}', argv)
 
 
 def main(argv=None):

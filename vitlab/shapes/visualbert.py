@@ -36,8 +36,9 @@ from transformers import VisualBertConfig, VisualBertForQuestionAnswering
 
 from vitlab.models import WEIGHTS_DIR
 from vitlab.shapes.bimodal import (
-    BACKBONE_PATH, ShapesLxmertForQuestionAnswering, _data_config, _file_sha256, _load_backbone, grid_boxes,
+    BACKBONE_PATH, FrozenBackbone, ShapesLxmertForQuestionAnswering, _file_sha256, _load_backbone,
 )
+from vitlab.shapes.model import refuse_arch
 from vitlab.shapes.qa import ANSWERS, WordTokenizer
 
 __all__ = [
@@ -66,7 +67,7 @@ def answer_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return attention_mask.sum(1).long() - 2
 
 
-class ShapesVisualBertForQuestionAnswering(VisualBertForQuestionAnswering):
+class ShapesVisualBertForQuestionAnswering(FrozenBackbone, VisualBertForQuestionAnswering):
     """VisualBERT question answering over the patch tokens of a frozen shapes ViT.
 
     ``forward(pixel_values=..., input_ids=..., attention_mask=...)`` runs the backbone and passes
@@ -79,16 +80,7 @@ class ShapesVisualBertForQuestionAnswering(VisualBertForQuestionAnswering):
 
     def __init__(self, config: VisualBertConfig, backbone: nn.Module, tokenizer: WordTokenizer):
         super().__init__(config)
-        backbone.requires_grad_(False)
-        self.backbone = backbone.eval()
-        self.tokenizer = tokenizer
-        self.vitlab_data_config = _data_config(backbone)
-        self.register_buffer("patch_boxes", grid_boxes(tuple(backbone.patch_embed.grid_size)), persistent=False)
-
-    def train(self, mode: bool = True):
-        super().train(mode)
-        self.backbone.eval()  # frozen: its statistics must not move
-        return self
+        self._attach_backbone(backbone, tokenizer)
 
     # ``(tokens B x N x C, cells B x N x 4)`` for images, and ``(input_ids, attention_mask)`` for
     # questions: the same as shapes-lxmert's (the same backbone, grid and tokenizer)
@@ -197,9 +189,7 @@ def load_shapes_visualbert(pretrained: bool = True, *, weights_path: str | Path 
 
     if not pretrained:
         return build_shapes_visualbert(arch).eval()
-    if arch:
-        raise ValueError(f"architecture arguments {sorted(arch)} only apply with pretrained=False; "
-                         "the weights file fixes the architecture")
+    refuse_arch(arch)
     path = Path(weights_path) if weights_path is not None else VISUALBERT_PATH
     if not path.is_file():
         raise FileNotFoundError(f"shapes-visualbert weights not found at {path}; train them with `{_RETRAIN} --out "
