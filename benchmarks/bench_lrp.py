@@ -60,28 +60,21 @@ import argparse
 import statistics
 import time
 
-import timm
-import torch
-
 from vitlab.gradients import integrated_gradients
 from vitlab.lrp import attn_lrp, lrp, partial_lrp, transformer_attribution
 from vitlab.relevance import chefer_relevance
 
-from bench_methods import ratios_to_forward
+from _timing import add_timing_arguments, random_deit_tiny, ratios_to_forward, setup_line, stopwatch
 
 #: Goals per method, x a plain forward (issue 38: full LRP and Transformer attribution within 1.3x the
 #: floor their matmul count sets, 2.9x and 3.7x; the others 3x); every method batched below per image.
 GOALS = {"lrp": 3.8, "partial_lrp": 3.0, "transformer_attribution": 4.8, "attn_lrp": 3.0}
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 PATHS = ("direct", "autograd", "compiled")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    add_timing_arguments(parser, batch=16, rounds=3, clock="wall")
     parser.add_argument("--ig-steps", type=int, default=32)
     parser.add_argument("--path", choices=PATHS, default="direct",
                         help="direct: the package's default (the hand-written pass where it covers the model); "
@@ -91,22 +84,8 @@ def main() -> None:
     import vitlab.lrp as L
 
     L.DIRECT, L.COMPILE = args.path != "autograd", args.path == "compiled"
-    clock = CLOCKS[args.clock]
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    def seconds(fn) -> float:
-        start = clock()
-        fn()
-        return clock() - start
-
-    torch.manual_seed(0)
-    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
-    x = torch.randn(args.batch, 3, 224, 224)
-
-    def forward():
-        with torch.no_grad():
-            model(x)
+    seconds = stopwatch(args.clock)
+    model, x, forward = random_deit_tiny(args.batch, args.threads)
 
     def per_image(method):
         return lambda: [method(model, x[i:i + 1]) for i in range(x.shape[0])]
@@ -130,8 +109,7 @@ def main() -> None:
             model, x, steps=args.ig_steps)
     ratios, forward_times = ratios_to_forward(forward, methods, args.rounds, seconds)
 
-    print(f"deit_tiny_patch16_224 (random init), batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
-          f"{args.clock} clock, median of {args.rounds} rounds, path {args.path}")
+    print(setup_line(args.batch, f"{args.clock} clock", args.rounds) + f", path {args.path}")
     print(f"plain forward (no_grad): {statistics.median(forward_times) * 1000:.0f} ms")
     medians = {name: statistics.median(values) for name, values in ratios.items()}
     for name, ratio in medians.items():

@@ -40,10 +40,9 @@ import statistics
 import time
 from collections import defaultdict
 
-import timm
-import torch
-
 from vitlab.lrp import attn_lrp, lrp, partial_lrp, transformer_attribution
+
+from _timing import add_timing_arguments, random_deit_tiny, setup_line, stopwatch
 
 RULES = importlib.import_module("vitlab.record.lrp")
 
@@ -115,9 +114,7 @@ def by_kind(model, x, forward, methods, rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_timing_arguments(parser, batch=16, rounds=3, clock=None)
     parser.add_argument("--path", choices=("autograd", "direct", "compiled"), default="autograd",
                         help="autograd: rule by rule (vitlab.lrp.DIRECT = False); direct / compiled: the hand-written "
                              "pass (COMPILE off / on), split by operation kind with torch.profiler")
@@ -125,20 +122,12 @@ def main() -> None:
     import vitlab.lrp as L
 
     L.DIRECT, L.COMPILE = args.path != "autograd", args.path == "compiled"
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).eval()
-    x = torch.randn(args.batch, 3, 224, 224)
-
-    def forward():
-        with torch.no_grad():
-            model(x)
+    seconds = stopwatch("cpu")
+    model, x, forward = random_deit_tiny(args.batch, args.threads)
 
     methods = {"lrp": lrp, "transformer_attribution": transformer_attribution, "partial_lrp": partial_lrp,
                "attn_lrp": attn_lrp}
-    print(f"deit_tiny_patch16_224 (random init), batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
-          f"process CPU time, median of {args.rounds} rounds, x a plain forward")
+    print(setup_line(args.batch, "process CPU time", args.rounds) + ", x a plain forward")
     if args.path != "autograd":
         by_kind(model, x, forward, methods, args.rounds)
         return
@@ -148,13 +137,9 @@ def main() -> None:
             method(model, x)  # warm-up
             shares, totals = defaultdict(list), []
             for _ in range(args.rounds):
-                start = time.process_time()
-                forward()
-                f = time.process_time() - start
+                f = seconds(forward)
                 spent.clear()
-                start = time.process_time()
-                method(model, x)
-                total = time.process_time() - start
+                total = seconds(lambda: method(model, x))
                 totals.append(total / f)
                 for key, value in spent.items():
                     shares[key].append(value / f)
