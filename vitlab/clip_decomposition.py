@@ -251,12 +251,13 @@ def _check_labels(labels, batch: int, classes: int, method: str) -> torch.Tensor
 
 @renamed_arguments(pixel_values="inputs")
 def layer_ablation(model, inputs: torch.Tensor, class_embeds: torch.Tensor, labels) -> LayerAblation:
-    """Mean-ablation of each layer's direct contribution (Gandelsman et al. 2024, section 3.2;
-    their ``compute_ablations.py``): the term is replaced by its mean over the batch's images,
-    every other term kept, and the images classified zero-shot against ``class_embeds``
-    (``C x P``, one text per class, e.g. ``"a {shape}"``). What the paper finds on ImageNet: the
-    MLPs and early attention layers can be mean-ablated at little cost, the last attention layers
-    cannot -- the direct effect is concentrated in the late attention layers.
+    """Mean-ablation of each layer's direct contribution (Gandelsman et al. 2024; their
+    ``compute_ablations.py``, which ablates all MLPs at once, the class token's attention to itself,
+    and the attention of blocks 0 to l, printing accuracies): the term is replaced by its mean
+    over the batch's images, every other term kept, and the images classified zero-shot against ``class_embeds``
+    (``C x P``, one text per class, e.g. ``"a {shape}"``). Their README: "To verify that the MLPs
+    and the attention from the class token to itself can be mean-ablated" (chapter 11 sets this
+    model's accuracies beside it).
 
     Args:
         model: a Hugging Face ``CLIPModel`` (left exactly as it was).

@@ -92,9 +92,10 @@ Choices where the papers leave room:
   reference code used for Transformer attribution (``modules/layers_ours.py``: alpha = 1,
   beta = 0 at linear layers, identity at GELU / LayerNorm / softmax, halved attention
   matmuls, rescaled residual additions). The reference's baselines for full and partial LRP
-  use ``modules/layers_lrp.py`` instead, whose linear rule divides the positive and the
-  negative inputs' contributions each by its own sum (so every linear layer doubles the
-  relevance) and whose additions are not rescaled; vitlab uses the one conservative set.
+  use ``modules/layers_lrp.py`` instead, whose linear rule (``Linear.relprop`` at commit
+  3c9da22) divides the positive contributions of positive inputs and those of negative inputs
+  each by its own sum (so a linear layer hands on up to twice its relevance: 2R where an output
+  has both) and whose additions are not rescaled; vitlab uses the one conservative set.
 - AttnLRP: epsilon rule with epsilon -> 0 at the linear layers (the plain gradient), not the
   gamma rule that lxt's ViT example tunes by eye per layer type: no gamma is picked for the
   reader. The softmax gets AttnLRP's own rule (lxt's ViT example uses CP-LRP inside the
@@ -343,8 +344,9 @@ def _grid_map(method: str, model, x, target, compute, precision: str, score: str
 
 def lrp(model, x: torch.Tensor, target=None, precision: str = "model", score: str = "logit") -> torch.Tensor:
     """Full LRP to the patch tokens (Bach et al. 2015, "On Pixel-Wise Explanations for
-    Non-Linear Classifier Decisions by Layer-Wise Relevance Propagation", eq. 60 for the
-    alpha-beta rule; the transformer rules of Chefer, Gur & Wolf's reference code):
+    Non-Linear Classifier Decisions by Layer-Wise Relevance Propagation"; the alpha-beta rule as
+    Chefer, Gur & Wolf's reference code writes it, ``modules/layers_ours.py`` ``Linear.relprop``,
+    and that code's transformer rules):
     ``B x gh x gw``, each patch's relevance ``sum_d e ⊙ gbar_e`` of the target score, in the
     score's units (signed; the patches' sum is the relevance started, ``y_t`` for the logit, minus
     the shares of the position embedding and the prefix tokens, see the module docstring; a target
