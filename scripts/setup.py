@@ -4,7 +4,8 @@ The README, ``scripts/setup.sh`` (a wrapper kept for ``bash scripts/setup.sh``) 
 come here. Pure Python and the standard library, so it runs the same on Linux, macOS and Windows:
 
     python3 scripts/setup.py            # runtime: the package, the notebooks, the offline models
-    python3 scripts/setup.py --cpu      # Linux without a GPU: PyTorch's CPU-only wheels (no CUDA libraries)
+    python3 scripts/setup.py --cpu      # Linux without an NVIDIA GPU: PyTorch's CPU-only wheels (no CUDA
+                                        # libraries); a CUDA torch already in .venv is kept: delete .venv to switch
     python3 scripts/setup.py --dev      # + the tests (pytest, nbval, onnxruntime) and the site
     py scripts\\setup.py                 # Windows (the py launcher); then .venv\\Scripts\\jupyter lab
     python scripts/setup.py --no-venv   # hosted Jupyter: into the running interpreter, no .venv
@@ -143,7 +144,20 @@ def torch_spec(cpu: bool = False) -> list[str]:
     return spec
 
 
-def install(py: Path | str, dev: bool, cpu: bool = False) -> None:
+def cpu_switch_note(py: Path | str, venv: bool = True) -> str | None:
+    """With ``--cpu``, where torch is installed already: the line that says so when it is a CUDA
+    build (``torch.version.cuda`` set), and how to switch, for :func:`install` keeps an installed
+    torch, so ``--cpu`` alone does not replace it. None for a CPU-only build."""
+    if not runs(py, "import sys, torch; sys.exit(torch.version.cuda is None)"):
+        return None
+    how = (f"delete the .venv folder ({VENV}) and run this script again with --cpu" if venv else
+           f"run {py} -m pip uninstall -y torch torchvision, then this script again with --cpu")
+    return ("--cpu: the torch installed here is a CUDA build, and an installed torch is kept (it runs "
+            "on the CPU too, but its CUDA libraries take about 4 GB of disk). To switch to PyTorch's "
+            f"CPU-only wheels, {how}")
+
+
+def install(py: Path | str, dev: bool, cpu: bool = False, venv: bool = True) -> None:
     spec = torch_spec(cpu)
     # installed = both distributions present (cheap); the ok line below imports them
     if not runs(py, "import importlib.metadata as m; m.version('torch'); m.version('torchvision')"):
@@ -151,6 +165,8 @@ def install(py: Path | str, dev: bool, cpu: bool = False) -> None:
         pip(py, "install", "-q", *spec)
         if not runs(py, "import torch, torchvision"):
             sys.exit("[setup] torch/torchvision failed to import (try another pair with VITLAB_TORCH)")
+    elif cpu and (note := cpu_switch_note(py, venv)):
+        say(note)
 
     extra = "[dev]" if dev else ""
     check = [str(py), str(Path(__file__).resolve()), "--satisfied"] + (["--dev"] if dev else [])
@@ -215,8 +231,34 @@ def download(folder: Path, dev: bool, cpu: bool = False) -> None:
             shutil.copyfile(p, partial)
             os.replace(partial, folder / p.name)
             wrote += 1
-    say(f"ok: {wrote} files written into {folder} ({kept} already there, left as they were); "
-        f"on each machine: PIP_FIND_LINKS={folder} PIP_NO_INDEX=1 python scripts/setup.py")
+    say(f"ok: {wrote} files written into {folder} ({kept} already there, left as they were)")
+    say(offline_install_hint(folder, dev, cpu))
+
+
+def offline_install_hint(folder: Path, dev: bool = False, cpu: bool = False,
+                         windows: bool = os.name == "nt") -> str:
+    """What to run on each offline machine after ``--download folder``, in the shell of this
+    system (bash, or PowerShell on Windows), from the repository's root: the folder relative to
+    the repository (a folder outside it is to be copied into it), and the options the download
+    was made with."""
+    import shlex
+    from pathlib import PureWindowsPath
+
+    try:
+        rel = folder.resolve().relative_to(ROOT)
+        inside = True
+    except ValueError:
+        rel, inside = Path(folder.name), False
+    shown = str(PureWindowsPath(rel)) if windows else rel.as_posix()
+    where = (f"copy the repository with {shown} inside it" if inside else
+             f"copy the repository, and {folder} into it as {shown}")
+    flags = "".join(f" {f}" for f, on in (("--dev", dev), ("--cpu", cpu)) if on)
+    if windows:
+        run = (f'$env:PIP_FIND_LINKS = "{shown}"; $env:PIP_NO_INDEX = "1"; py scripts\\setup.py{flags}; '
+               "Remove-Item Env:PIP_FIND_LINKS, Env:PIP_NO_INDEX")
+    else:
+        run = f"PIP_FIND_LINKS={shlex.quote(shown)} PIP_NO_INDEX=1 python3 scripts/setup.py{flags}"
+    return f"on each machine ({where}), in a terminal at its root: {run}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -238,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.download:
         download(args.download.resolve(), args.dev, args.cpu)
         return
-    install(sys.executable if args.no_venv else make_venv(), args.dev, args.cpu)
+    install(sys.executable if args.no_venv else make_venv(), args.dev, args.cpu, venv=not args.no_venv)
 
 
 if __name__ == "__main__":

