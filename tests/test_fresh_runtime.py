@@ -1,5 +1,7 @@
-"""A chapter opened on its own in a fresh hosted runtime (Colab, a JupyterHub) installs vitlab with
-its first code cell, the same cell in every chapter, and then runs.
+"""A chapter or a solutions notebook opened on its own in a fresh hosted runtime (Colab, a
+JupyterHub) installs vitlab with its first code cell, the same cell in every chapter and solution,
+and then runs; where vitlab is installed from a repository, the cell moves into that repository's
+notebooks/ when the working folder has no results/ (Colab after a restart) and does nothing else.
 
 The fresh runtime is a venv without vitlab: it sees the packages of the environment running the
 tests (torch, timm, ... : reused so that the test stays quick and offline) through a folder of links
@@ -15,10 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from vitlab.notebooks import INSTALL_CELL
+import nbformat
+
+from vitlab.notebooks import INSTALL_CELL, set_install_cell, write_install_cells
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+SOLUTIONS = sorted((ROOT / "notebooks" / "solutions").glob("*.ipynb"))
 CHAPTER = "00_vit_primer"             # the chapter a student opens first; its quick run takes ~15 s
 
 
@@ -26,12 +31,40 @@ def _first_code_cell(path):
     return next(c for c in json.loads(path.read_text(encoding="utf-8"))["cells"] if c["cell_type"] == "code")
 
 
-@pytest.mark.parametrize("path", CHAPTERS, ids=[p.stem for p in CHAPTERS])
-def test_every_chapter_opens_with_the_same_install_cell(path):
+@pytest.mark.parametrize("path", CHAPTERS + SOLUTIONS, ids=[p.stem for p in CHAPTERS + SOLUTIONS])
+def test_every_chapter_and_solution_opens_with_the_same_install_cell(path):
     cell = _first_code_cell(path)
     assert "".join(cell["source"]) == INSTALL_CELL, (
-        f"{path.name}: its first code cell must be vitlab.notebooks.INSTALL_CELL, the same in every chapter")
+        f"{path.name}: its first code cell must be vitlab.notebooks.INSTALL_CELL, the same in every chapter "
+        "and solution: run python -m vitlab.site headers")
     assert cell["outputs"] == [], f"{path.name}: the install cell's stored output must be empty (silent)"
+
+
+def test_the_command_writes_the_install_cell_first_and_a_second_run_changes_nothing(tmp_path):
+    folder = tmp_path / "notebooks"
+    (folder / "solutions").mkdir(parents=True)
+    old = "# Installs vitlab where it is missing (an older version of this cell)\nimport vitlab"
+    v4 = nbformat.v4
+    chapter = v4.new_notebook(cells=[v4.new_markdown_cell("# 00 · Title"),
+                                     v4.new_code_cell(old, outputs=[v4.new_output("stream", text="x")]),
+                                     v4.new_code_cell("1 + 1")])
+    chapter.cells[1]["id"] = "kept"
+    solution = v4.new_notebook(cells=[v4.new_markdown_cell("# Solutions · 00"), v4.new_code_cell("import vitlab")])
+    nbformat.write(chapter, folder / "00_x.ipynb")
+    nbformat.write(solution, folder / "solutions" / "00_x_solutions.ipynb")
+    assert write_install_cells(folder) == [folder / "00_x.ipynb", folder / "solutions" / "00_x_solutions.ipynb"]
+    nb = nbformat.read(folder / "00_x.ipynb", as_version=4)               # replaced in place
+    assert [c.source for c in nb.cells] == ["# 00 · Title", INSTALL_CELL, "1 + 1"]
+    assert nb.cells[1]["id"] == "kept" and nb.cells[1].outputs == []
+    nb = nbformat.read(folder / "solutions" / "00_x_solutions.ipynb", as_version=4)   # put in front
+    assert [c.source for c in nb.cells] == ["# Solutions · 00", INSTALL_CELL, "import vitlab"]
+    assert nb.cells[1]["id"] == "install-vitlab" and nb.cells[1].outputs == []
+    nbformat.validate(nb)
+    written = {p: p.read_bytes() for p in folder.rglob("*.ipynb")}
+    assert write_install_cells(folder) == []                              # idempotent
+    assert {p: p.read_bytes() for p in folder.rglob("*.ipynb")} == written
+    empty = v4.new_notebook(cells=[v4.new_markdown_cell("only prose")])
+    assert set_install_cell(empty) and [c.cell_type for c in empty.cells] == ["markdown", "code"]
 
 
 def _clean_env(**extra):
@@ -39,18 +72,45 @@ def _clean_env(**extra):
     return {**env, "HF_HUB_OFFLINE": "1", **extra}
 
 
-def test_the_install_cell_is_silent_and_does_nothing_where_vitlab_is_installed(tmp_path):
-    code = INSTALL_CELL + "\nimport os, sys; sys.stderr.write(os.getcwd())"
-    env = _clean_env(PYTHONPATH=str(ROOT))       # vitlab importable, as in an installed environment
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env=env)
+def _run_cell(python, cwd, env):
+    """Run the install cell in ``cwd``; returns (the process, the folder it ended in)."""
+    code = INSTALL_CELL + "\nimport os, sys; sys.stderr.write('CWD=' + os.getcwd())"
+    done = subprocess.run([str(python), "-c", code], cwd=cwd, capture_output=True, text=True, env=env)
+    return done, done.stderr.rsplit("CWD=", 1)[-1]
+
+
+def test_the_install_cell_is_silent_and_does_nothing_in_a_folder_with_results(tmp_path):
+    (tmp_path / "results").mkdir()               # as the repository's notebooks/ has
+    env = _clean_env(PYTHONPATH=str(ROOT), HOME=str(tmp_path))   # vitlab importable from the checkout
+    done, cwd = _run_cell(sys.executable, tmp_path, env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "" and done.stderr == str(tmp_path)  # no output, the working folder unchanged
+    assert done.stdout == "" and done.stderr == f"CWD={tmp_path}"   # no output, the working folder unchanged
+
+
+def test_where_vitlab_is_installed_from_a_checkout_it_moves_into_its_notebooks_folder(tmp_path):
+    """Colab after a restart (vitlab imports, the kernel is back in /content), or vitlab installed by
+    hand: the chapters' relative results/ paths work only from the repository's notebooks/."""
+    env = _clean_env(PYTHONPATH=str(ROOT), HOME=str(tmp_path))
+    done, cwd = _run_cell(sys.executable, tmp_path, env)
+    assert done.returncode == 0 and done.stdout == "", done.stderr
+    assert Path(cwd) == ROOT / "notebooks"
+    # vitlab imported from a place that is no repository (its parent has no notebooks/results): stays
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    (site / "vitlab").symlink_to(ROOT / "vitlab", target_is_directory=True)
+    done, cwd = _run_cell(sys.executable, tmp_path, _clean_env(PYTHONPATH=str(site), HOME=str(tmp_path)))
+    assert done.returncode == 0 and done.stdout == "", done.stderr
+    assert Path(cwd) == tmp_path
 
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
     """(python, env) of a venv without vitlab that reuses the running environment's packages."""
-    tmp = tmp_path_factory.mktemp("fresh")
+    return _make_fresh(tmp_path_factory.mktemp("fresh"))
+
+
+def _make_fresh(tmp):
+    tmp.mkdir(parents=True, exist_ok=True)
     donor = Path(sysconfig.get_paths()["purelib"])
     view = tmp / "donor-site-packages"          # the donor's packages, less vitlab's installed files
     view.mkdir()
@@ -90,20 +150,39 @@ def test_a_chapter_outside_the_repository_and_no_repository_in_sight_says_what_t
     assert "notebooks/README.md" in done.stderr
 
 
-@pytest.mark.slow
-def test_a_chapter_opened_on_its_own_installs_vitlab_and_runs(fresh, tmp_path):
-    """As on Colab: the chapter in the working folder (/content), the repository in a folder
-    inside it (/content/vitlab, here a link to the checkout)."""
+def test_a_copy_two_folders_down_in_home_is_found_installed_and_entered(fresh, tmp_path):
+    """Windows' "Extract All" makes vitlab/vitlab/: the cell looks up to two levels down in the
+    working folder, the home folder and Google Drive. A stand-in repository (its setup.py only says
+    that it ran) keeps this quick."""
     python, env = fresh
+    home, content = tmp_path / "home", tmp_path / "content"
+    repo = home / "Downloads" / "vitlab"
+    for d in (content, repo / "scripts", repo / "vitlab", repo / "notebooks" / "results"):
+        d.mkdir(parents=True)
+    (repo / "scripts" / "setup.py").write_text("import sys; print('STAND-IN SETUP', *sys.argv[1:])\n")
+    (repo / "vitlab" / "__init__.py").write_text("__version__ = '0.0.stand-in'\n")
+    done, cwd = _run_cell(python, content, {**env, "HOME": str(home), "USERPROFILE": str(home)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "STAND-IN SETUP --no-venv"
+    assert Path(cwd) == repo / "notebooks"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("notebook", [f"{CHAPTER}.ipynb", f"solutions/{CHAPTER}_solutions.ipynb"])
+def test_a_chapter_or_solution_opened_on_its_own_installs_vitlab_and_runs(tmp_path, notebook):
+    """As on Colab: the notebook in the working folder (/content), the repository in a folder
+    inside it (/content/vitlab, here a link to the checkout); each in a fresh runtime of its own."""
+    python, env = _make_fresh(tmp_path / "fresh")
     content = tmp_path / "content"
     content.mkdir()
     (content / "vitlab").symlink_to(ROOT, target_is_directory=True)
-    nb = json.loads((ROOT / "notebooks" / f"{CHAPTER}.ipynb").read_text(encoding="utf-8"))
+    nb = json.loads((ROOT / "notebooks" / notebook).read_text(encoding="utf-8"))
     nb["cells"].append({"cell_type": "code", "execution_count": None, "id": "where", "metadata": {}, "outputs": [],
                         "source": ["import os, vitlab\n", "print('FROM', vitlab.__file__, os.getcwd())"]})
-    (content / f"{CHAPTER}.ipynb").write_text(json.dumps(nb), encoding="utf-8")
+    name = Path(notebook).name
+    (content / name).write_text(json.dumps(nb), encoding="utf-8")
     run = ("import nbformat, nbclient, sys\n"
-           f"nb = nbformat.read({str(content / (CHAPTER + '.ipynb'))!r}, as_version=4)\n"
+           f"nb = nbformat.read({str(content / name)!r}, as_version=4)\n"
            f"nbclient.NotebookClient(nb, kernel_name='fresh', timeout=900, resources={{'metadata': {{'path': {str(content)!r}}}}}).execute()\n"
            "install = next(c for c in nb.cells if c.cell_type == 'code')\n"
            "print(''.join(o.get('text', '') for o in install.outputs))\n"

@@ -66,9 +66,24 @@ def test_headers_are_written_once_and_rewriting_changes_nothing(tmp_path):
         if ch.solutions:
             assert f"[`{ch.solutions}`]({ch.solutions})" in text
             assert (ROOT / "notebooks" / ch.solutions).is_file()
+        # both shells, the .venv's own jupyter, --cpu for Linux without an NVIDIA GPU, the kit's routes
+        run = text.split("**Run it yourself:**", 1)[1].splitlines()[0]
+        for part in ("`.venv/bin/jupyter lab`", "`.venv\\Scripts\\jupyter lab`", "no NVIDIA GPU: `--cpu`",
+                     "(README.md#before-the-workshop)"):
+            assert part in run, (ch.stem, part)
         # the rest of the notebook is as it was
         rest = [c for c in before[f"{ch.stem}.ipynb"].cells if not site._is_header(c)]
         assert [c.source for c in nb.cells[1:]] == [c.source for c in rest]
+
+
+def test_the_stored_notebooks_are_what_the_headers_command_writes(tmp_path):
+    """``python -m vitlab.site headers`` (every chapter's header, and the install cell of every chapter
+    and solution) changes nothing in the stored notebooks: run it after changing either."""
+    folder = _copy_notebooks(tmp_path)
+    shutil.copytree(ROOT / "notebooks" / "solutions", folder / "solutions")
+    assert site.write_headers(folder) == [], "run python -m vitlab.site headers"
+    assert runner.write_install_cells(folder) == [], "run python -m vitlab.site headers"
+    assert "\n## Before the workshop\n" in (folder / "README.md").read_text()   # the headers' link target
 
 
 def test_a_new_time_or_paper_refreshes_the_header_in_place(tmp_path, monkeypatch):

@@ -47,33 +47,85 @@ from tqdm.auto import tqdm
 
 RUN_TIMES_MARKERS = ("<!-- run-times: written by python -m vitlab.notebooks -->", "<!-- /run-times -->")
 
-# The first code cell of every chapter, the same in all (tests/test_fresh_runtime.py checks it and
-# runs it in a venv without vitlab). Where vitlab is installed it only imports it, silently; in a
-# fresh hosted runtime (Colab, a JupyterHub) it installs vitlab from a copy of the repository
-# (scripts/setup.py --no-venv) and makes it importable without a restart. It cannot call vitlab,
-# which is not importable yet when it runs: its logic stays in the cell, short.
+# The first code cell of every chapter and of every solutions notebook, the same in all
+# (tests/test_fresh_runtime.py checks it and runs it in a venv without vitlab; `python -m vitlab.site
+# headers` writes it, see write_install_cells). In a fresh hosted runtime (Colab, a JupyterHub) it
+# installs vitlab from a copy of the repository (scripts/setup.py --no-venv) and makes it importable
+# without a restart. Wherever vitlab is imported from a repository (installed by this cell earlier,
+# or by scripts/setup.py, which installs it editable) and the working folder has no results/, it
+# moves into that repository's notebooks/, where the chapters find the results they load (after a
+# restart, Colab's kernel starts in /content again). Otherwise it does nothing; it never prints. It
+# cannot call vitlab, which is not importable yet when it runs: its logic stays in the cell, short.
 INSTALL_CELL = """\
-# Installs vitlab where it is missing (a fresh Colab or JupyterHub runtime); elsewhere it does nothing.
+# Installs vitlab where it is missing (a fresh Colab or JupyterHub runtime) and moves into the
+# repository's notebooks/ folder, where the chapters find results/; elsewhere it does nothing.
+import importlib, itertools, os, subprocess, sys
+from pathlib import Path
 try:
     import vitlab
     vitlab.__version__    # (a folder named vitlab, such as the repository's copy, is not vitlab)
 except (ImportError, AttributeError):  # install from a copy of the repository: this folder or one
-    import importlib, os, subprocess, sys  # above it, or a folder in this one, home or Google Drive
-    from pathlib import Path
-    sys.modules.pop("vitlab", None)
-    here = Path.cwd()
+    sys.modules.pop("vitlab", None)    # above it, or one up to two levels down in this folder, the
+    here = Path.cwd()                  # home folder or Google Drive
     tops = [d for d in (here, Path.home(), Path("/content/drive/MyDrive")) if os.path.isdir(d)]
-    places = [here, *here.parents, *(p for d in tops for p in sorted(d.iterdir()))]
-    repo = next((p for p in places if os.path.isfile(p / "scripts" / "setup.py")
-                 and os.path.isdir(p / "vitlab")), None)
+    below = (s.parents[1] for d in tops for pattern in ("*/scripts/setup.py", "*/*/scripts/setup.py")
+             for s in sorted(d.glob(pattern)))          # searched only when nothing nearer is found
+    repo = next((p for p in itertools.chain([here], here.parents, below)
+                 if os.path.isfile(p / "scripts" / "setup.py") and os.path.isdir(p / "vitlab")), None)
     if repo is None:
         raise RuntimeError("vitlab is not installed and no copy of its repository was found: get "
                            "it as notebooks/README.md says ('Colab or a JupyterHub'), run this again")
     subprocess.run([sys.executable, str(repo / "scripts" / "setup.py"), "--no-venv"], check=True)
     sys.path.insert(0, str(repo))     # importable now, without restarting the kernel
     importlib.invalidate_caches()
-    os.chdir(repo / "notebooks")      # where the chapters find notebooks/results/
-    import vitlab"""
+    import vitlab
+repo = Path(vitlab.__file__).parents[1]                # the repository vitlab is imported from
+if not os.path.isdir("results") and os.path.isdir(repo / "notebooks" / "results"):
+    os.chdir(repo / "notebooks")                       # where the chapters find notebooks/results/"""
+
+
+INSTALL_CELL_ID = "install-vitlab"
+
+
+def _is_install_cell(cell) -> bool:
+    # this cell as written now or by an earlier version of it (their first lines all start so)
+    return cell.get("cell_type") == "code" and "".join(cell.get("source", "")).startswith("# Installs vitlab")
+
+
+def set_install_cell(nb) -> bool:
+    """Make :data:`INSTALL_CELL` the first code cell of the notebook ``nb`` (an ``nbformat`` node):
+    an earlier version of it there is replaced in place (its id and metadata kept, its outputs
+    emptied), otherwise a new code cell is put in front of the first code cell (at the end of a
+    notebook without code). Returns whether anything changed."""
+    import nbformat
+
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    if code and _is_install_cell(nb.cells[code[0]]):
+        cell = nb.cells[code[0]]
+        if cell.source == INSTALL_CELL and not cell.outputs:
+            return False
+        cell.source, cell.outputs = INSTALL_CELL, []
+        return True
+    cell = nbformat.v4.new_code_cell(INSTALL_CELL)     # a random id, unless this one is free
+    if INSTALL_CELL_ID not in {c.get("id") for c in nb.cells}:
+        cell["id"] = INSTALL_CELL_ID
+    nb.cells.insert(code[0] if code else len(nb.cells), cell)
+    return True
+
+
+def write_install_cells(folder: Path) -> list[Path]:
+    """Write :data:`INSTALL_CELL` as the first code cell of every notebook in ``folder`` (the
+    chapters) and ``folder/solutions`` (:func:`set_install_cell`); returns the notebooks it
+    changed. Idempotent: a second run changes nothing. ``python -m vitlab.site headers`` runs it."""
+    import nbformat
+
+    changed = []
+    for path in find_notebooks(folder) + find_notebooks(folder / "solutions"):
+        nb = nbformat.read(path, as_version=4)
+        if set_install_cell(nb):
+            nbformat.write(nb, path)
+            changed.append(path)
+    return changed
 
 
 def _repo_root() -> Path:

@@ -2,13 +2,15 @@
 
 Two commands::
 
-    python -m vitlab.site headers     # write/refresh each chapter's header cell (idempotent)
+    python -m vitlab.site headers     # write/refresh each chapter's header cell and every install cell (idempotent)
     python -m vitlab.site build       # build the site into build/site (open build/site/index.html)
 
 ``headers`` writes the same header as the first cell of every chapter in ``notebooks/``: what
 you will learn, the paper(s) it follows (with links), its measured run time (read from the
 run-time table of ``notebooks/README.md``, which ``python -m vitlab.notebooks`` keeps), its
-solutions, and how to run it yourself. The header is a markdown cell tagged
+solutions, and how to run it yourself. It also writes :data:`vitlab.notebooks.INSTALL_CELL` as
+the first code cell of every chapter and every solutions notebook
+(:func:`vitlab.notebooks.write_install_cells`). The header is a markdown cell tagged
 :data:`HEADER_TAG`; everything in it comes from :data:`CHAPTERS` (edit that table, not the cell)
 and the run-time table, so re-running it changes nothing unless one of them changed.
 
@@ -268,8 +270,10 @@ def header_markdown(ch: Chapter, times: dict) -> str:
         f"- **Code behind it:** {', '.join(f'`{m}`' for m in ch.code)}.",
         f"- **Run time:** {_run_time(ch.stem, times)}.",
         f"- **Solutions:** {solutions}.",
-        ("- **Run it yourself:** `bash scripts/setup.sh`, then `.venv/bin/jupyter lab` and open "
-         f"`notebooks/{ch.stem}.ipynb` (or headless: `.venv/bin/python -m vitlab.notebooks --only {ch.stem}`)."),
+        # the kit's "Before the workshop" gives every route in bash and PowerShell; kept short: the
+        # header's words count in the kit's reading load (scripts/kit_tables.py)
+        ("- **Run it yourself:** [install](README.md#before-the-workshop) (Linux, no NVIDIA GPU: `--cpu`), "
+         "then `.venv/bin/jupyter lab` (`.venv\\Scripts\\jupyter lab`)."),
     ]
     return "\n".join(lines)
 
@@ -581,7 +585,8 @@ def build(repo: Path, out: Path, work: Path | None = None, quiet: bool = True) -
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m vitlab.site", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    h = sub.add_parser("headers", help="write/refresh each chapter's header cell")
+    h = sub.add_parser("headers", help="write/refresh each chapter's header cell, and the install cell "
+                                       "(vitlab.notebooks.INSTALL_CELL) of every chapter and solutions notebook")
     h.add_argument("--notebooks", type=Path, default=runner._repo_root() / "notebooks")
     b = sub.add_parser("build", help="build the static site from the stored notebooks",
                        description="Build the static site from the stored notebooks (nothing re-runs).")
@@ -595,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "headers":
             changed = write_headers(args.notebooks)
             print(f"headers: {len(changed)} of {len(CHAPTERS)} chapters changed"
+                  + (": " + ", ".join(p.name for p in changed) if changed else ""))
+            changed = runner.write_install_cells(args.notebooks)
+            print(f"install cell: {len(changed)} notebooks changed (chapters and solutions)"
                   + (": " + ", ".join(p.name for p in changed) if changed else ""))
         else:
             import time
