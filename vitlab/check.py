@@ -3,7 +3,9 @@
 It prints one line a student can show (or paste into a chat with the teacher), and exits 0 when
 everything the chapters need works, 1 otherwise::
 
-    vitlab check ok: Python 3.11.7 | torch 2.14.1 | vitlab 0.1.0 | cpu, 2 threads | 6 embedded models load | shapes-vit-tiny names 8 of 8 shapes, rollout map drawn | 12.3 s
+    vitlab check ok: Python 3.11.7 | torch 2.14.1+cu130 | vitlab 0.1.0 | cpu, 2 threads | 7 embedded models load | shapes-vit-tiny names 8 of 8 shapes, rollout map drawn (7 x 7) | 3.0 s
+
+(a run on the project's 2-core machine).
 
 What it checks, in order (the first failure ends the check and names the step and what to do):
 
