@@ -477,3 +477,31 @@ def test_conservation_split_refuses_a_norm_before_the_blocks(x):
     with pytest.raises(ValueError, match="no position sum to split"):
         L.lrp_conservation(pre, x, cancel=0.1)
     assert torch.isfinite(L.lrp_conservation(pre, x)["patches"]).all()
+
+
+def test_reference_position_factor(vit, vit64, x):
+    """The reference's Add.relprop at the position sum (references.add_relprop: z-rule, then each
+    branch rescaled to its share |s| / (|s_a| + |s_p|) of the relevance), applied to the from-scratch
+    relevance of x0 with the class token in the first branch, is vitlab's patch map times the factor."""
+    want = scratch(vit, x, "chefer")
+    e, x0, R_x0 = want["entries"]
+    m64 = copy.deepcopy(vit).double()
+    a = torch.cat([m64.cls_token.detach().expand(x.shape[0], -1, -1), e], 1)   # class token + patches
+    Ra, Rp = add_relprop(a, m64.pos_embed.detach().expand_as(a), R_x0, "chefer")
+    f = L.reference_position_factor(vit64, x.double())
+    ref_map = Ra[:, 1:].sum(-1)                                      # the reference's patch map
+    torch.testing.assert_close(f["factor"][:, None] * want["patches"], ref_map, **tol64(ref_map))
+    torch.testing.assert_close(f["tokens"], R_x0.sum((1, 2)), **tol64(want["tokens"]))
+    torch.testing.assert_close(f["patches and prefix"] + f["position"], f["tokens"], **tol64(want["tokens"]))
+    share = Ra.sum((1, 2)) / R_x0.sum((1, 2))                       # a share in [0, 1] of the relevance
+    assert ((share >= -1e-12) & (share <= 1 + 1e-12)).all()
+    assert ((f["factor"] > -1) & (f["factor"] <= 1 + 1e-12)).all()
+    one = L.reference_position_factor(vit64, x[:1].double())        # batch == items
+    torch.testing.assert_close(one["factor"], f["factor"][:1])
+    torch.testing.assert_close(L.reference_position_factor(vit, x)["factor"].double(), f["factor"],
+                               **f32_tol(f["factor"], LRP_DEPTH * LRP_AMPLIFICATION))
+    from timm.models.vision_transformer import VisionTransformer
+
+    for kw in (dict(pre_norm=True), dict(no_embed_class=True)):     # x0 is not prefix + patches + position
+        with pytest.raises(ValueError, match="the reference's layout"):
+            L.reference_position_factor(randomize(VisionTransformer(**TINY, **kw), 0), x)

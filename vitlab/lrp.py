@@ -85,9 +85,21 @@ Choices where the papers leave room:
   gbar_e``, one value per patch), not at the pixels. The rule at the patch embedding only
   redistributes a token's relevance over its own pixels (the reference's z^B rule conserves
   it exactly, bias excluded), so on the patch grid every conservative pixel rule gives this
-  map; the choice of pixel rule is left out rather than made. The position embedding
-  ``x_0 = e + p`` takes its z-rule share ``p ⊙ R / x_0`` (the reference's ``Add`` without
-  its rescaling, a positive factor per image that does not change a map's order).
+  map; the choice of pixel rule is left out rather than made.
+- The position embedding, where ``lrp="chefer"``'s rule departs from the reference's. At the
+  first block's input ``x_0 = a + p`` (``a`` the class token and the patch tokens ``e``, ``p`` the
+  position embedding) both of vitlab's rule sets use the plain z-rule: ``a ⊙ R / x_0`` to the tokens,
+  ``p ⊙ R / x_0`` to the position. The reference adds ``p`` with its ``Add``
+  (``baselines/ViT/ViT_LRP.py``: ``x = self.add([x, self.pos_embed])``), whose ``relprop``
+  (``modules/layers_ours.py``) rescales the two z-rule parts (sums ``s_a``, ``s_p``) as at a residual,
+  to ``|s_a| / (|s_a| + |s_p|)`` and ``|s_p| / (...)`` of ``T = sum R``. So the reference's patch map
+  is vitlab's times one factor per image, ``sign(s_a) T / (|s_a| + |s_p|)``
+  (:func:`reference_position_factor`): 1 where ``s_a`` and ``s_p`` both have ``T``'s sign, between 0
+  and 1 where only ``s_a`` has it, and negative where ``s_a`` has the other sign, which reverses the
+  map's order (chapter 06 counts such scenes). Only full LRP's map changes (partial LRP and
+  Transformer attribution read relevance above this addition). The shares :func:`lrp_conservation`
+  reports are vitlab's z-rule ones; the reference's rescaling would make ``a``'s a share in [0, 1]
+  of ``T``.
 - Rules for full and partial LRP and Transformer attribution: ``lrp="chefer"``, those of the
   reference code used for Transformer attribution (``modules/layers_ours.py``: alpha = 1,
   beta = 0 at linear layers, identity at GELU / LayerNorm / softmax, halved attention
@@ -488,4 +500,45 @@ def lrp_conservation(model, x: torch.Tensor, target=None, rules: str = "chefer",
         R_e, R_x0 = e * g_e * cancelling, x0 * g_x0 * cancelling
         out |= {"cancelling": cancelling.mean((1, 2)), "x0 cancelling": R_x0.sum((1, 2)),
                 "patches cancelling": R_e.sum((1, 2)), "position cancelling": (R_x0 - R_e).sum((1, 2))}
+    return {k: v.to(x.dtype) for k, v in out.items()}
+
+
+def reference_position_factor(model, x: torch.Tensor, target=None, precision: str = "model",
+                              score: str = "logit") -> dict[str, torch.Tensor]:
+    """What Chefer et al.'s reference code would multiply the ``"chefer"`` patch map by, per sample
+    (each ``(B,)``), at the one addition where vitlab departs from it: the position embedding's.
+
+    The reference (``baselines/ViT/ViT_LRP.py``: ``x = self.add([x, self.pos_embed])``, the class
+    token already concatenated to the patch tokens) passes the relevance ``R`` of the first block's
+    input ``x0 = a + p`` back through ``Add.relprop`` of ``modules/layers_ours.py``: the z-rule parts
+    ``a ⊙ R / x0`` and ``p ⊙ R / x0`` (sums ``s_a``, ``s_p``), each then rescaled so that its sum is
+    ``|s_a| / (|s_a| + |s_p|)`` and ``|s_p| / (...)`` of ``T = sum R``. vitlab keeps the z-rule parts
+    (the module docstring), so the reference's map is vitlab's times ``factor = sign(s_a) T / (|s_a| +
+    |s_p|)``: 1 where ``s_a`` and ``s_p`` both have ``T``'s sign, between 0 and 1 where only ``s_a``
+    has it, negative (the map's signs, and so its order, reversed) where ``s_a`` has the other sign.
+
+    Keys: ``"tokens"`` (``T``, :func:`lrp_conservation`'s), ``"patches and prefix"`` (``s_a``: the
+    patch tokens' share, its ``"patches"``, plus the class token's), ``"position"`` (``s_p``) and
+    ``"factor"``. ``precision``, ``score``: as :func:`lrp_pass`. Needs a timm ViT whose position
+    embedding is added to every token, class token included, as the reference's is (``ValueError``
+    otherwise)."""
+    run_model, run_x, layout, target = checked_pass(model, x, target, precision, score, "reference_position_factor")
+    pos = getattr(run_model, "pos_embed", None)
+    p = _lrp_pass(run_model, run_x, target, "chefer", False, False, True, "reference_position_factor", score=score,
+                  entries=True)
+    e, x0, g_e, g_x0 = p.entries
+    prefix = layout.num_prefix
+    if (not isinstance(pos, torch.Tensor) or getattr(run_model, "no_embed_class", False)
+            or tuple(pos.shape[1:]) != tuple(x0.shape[1:]) or x0[:, prefix:].shape != e.shape
+            or not torch.equal(g_e, g_x0[:, prefix:])):
+        raise ValueError("reference_position_factor: needs a timm ViT whose first block takes the class token and "
+                         "the patch embedding plus a position embedding on every token (the reference's layout); "
+                         "this model has no such sum")
+    pos = pos.detach().to(x0.dtype)
+    a = torch.cat([x0[:, :prefix] - pos[:, :prefix], e], 1)  # the reference's first branch: prefix and patches
+    s_a, s_p = (a * g_x0).sum((1, 2)), (pos * g_x0).sum((1, 2))
+    total = (x0 * g_x0).sum((1, 2))
+    factor = torch.where(s_a.abs() + s_p.abs() > 0, torch.sign(s_a) * total / (s_a.abs() + s_p.abs()),
+                         torch.zeros_like(total))
+    out = {"tokens": total, "patches and prefix": s_a, "position": s_p, "factor": factor}
     return {k: v.to(x.dtype) for k, v in out.items()}
