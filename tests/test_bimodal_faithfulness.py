@@ -318,7 +318,7 @@ def test_steps_that_are_not_numbers_are_named_as_given():
     ids = torch.tensor([[1, 5, 6, 2], [1, 7, 2, 0]])
     inputs = dict(input_ids=ids, attention_mask=(ids > 0).long(), visual_feats=torch.randn(2, 3, 16),
                   visual_pos=torch.rand(2, 3, 4))
-    for bad, shown in ((None, "None"), ("01", "'01'"), ((0.0, "a"), r"\(0.0, 'a'\)")):
+    for bad, shown in (([None], r"\[None\]"), ("01", "'01'"), ((0.0, "a"), r"\(0.0, 'a'\)")):
         with pytest.raises(ValueError, match=r"steps must be increasing fractions in \[0, 1\] .*got " + shown + "$"):
             bf.perturbation_curve(model, inputs, torch.rand(2, 3), "image", steps=bad)
     assert bf.perturbation_curve(model, inputs, torch.rand(2, 3), "image", steps=np.array([0, 0.5])).steps == (0.0, 0.5)

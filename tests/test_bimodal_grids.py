@@ -85,7 +85,8 @@ def test_the_grid_equals_each_curve_the_plain_loop_and_its_questions_alone(famil
         assert torch.equal(curve.kept, one.kept) and torch.equal(curve.correct, one.correct)
         assert curve.auc == pytest.approx(one.auc) and curve.steps == one.steps
     for name, modality, positive in (("a", "image", True), ("b", "text", False), ("flat", "text", True)):
-        loop = loop_predictions(model, inputs, maps[name][modality], modality, positive, keep_end)[0]
+        loop = loop_predictions(model, inputs, maps[name][modality], modality, positive, keep_end,
+                                bf.steps_for(model, modality))[0]
         assert grid[name, modality, positive].predictions.numpy().tolist() == loop.tolist()
     assert len(set(grid["a", "image", True].predictions.flatten().tolist())) > 1   # the answers do vary
     rows = [1, 4]                                                      # batch = items
@@ -94,6 +95,30 @@ def test_the_grid_equals_each_curve_the_plain_loop_and_its_questions_alone(famil
                                keep_end=keep_end)
     for key, curve in sub.items():
         assert torch.equal(curve.predictions, grid[key].predictions[rows])
+
+
+def test_without_steps_each_model_gets_its_reference_grid():
+    """The reference (Transformer-MM-Explainability) removes 0, .25, .5, .75, .8, .85, .9, .95, 1
+    of the tokens for LXMERT's two tests and VisualBERT's text test, but 0, .5, .75, .95, .96, .97,
+    .98, .99, 1 for VisualBERT's image test (VisualBERT/mmf/trainers/core/evaluation_loop.py):
+    the grid and the single curve apply that when no steps are given, and the curves equal the
+    plain loop run on those steps."""
+    answers = torch.randint(0, 6, (7,), generator=torch.Generator().manual_seed(5))
+    for family, image_steps in (("lxmert", bf.PERTURBATION_STEPS), ("visualbert", bf.VISUALBERT_IMAGE_STEPS)):
+        model, inputs = as64(random_lxmert() if family == "lxmert" else random_visualbert(), random_inputs(family))
+        maps = {"a": random_maps(inputs)["a"]}
+        assert bf.steps_for(model, "image") == image_steps and bf.steps_for(model, "text") == bf.PERTURBATION_STEPS
+        grid = bf.perturbation_grid(model, inputs, maps, answers)
+        for (_, modality, positive), curve in grid.items():
+            want = image_steps if modality == "image" else bf.PERTURBATION_STEPS
+            assert curve.steps == want, (family, modality)
+            assert bf.perturbation_curve(model, inputs, maps["a"][modality], modality, positive, answers).steps == want
+        loop = loop_predictions(model, inputs, maps["a"]["image"], "image", True, bf.keep_end_for(model), image_steps)[0]
+        assert grid["a", "image", True].predictions.numpy().tolist() == loop.tolist()
+        given = bf.perturbation_grid(model, inputs, maps, answers, steps=(0.0, 0.5, 1.0))   # given: used for every test
+        assert {c.steps for c in given.values()} == {(0.0, 0.5, 1.0)}
+    with pytest.raises(ValueError, match="modality must be"):
+        bf.steps_for(model, "audio")
 
 
 def test_the_grid_leaves_the_model_as_it_was_and_refuses_bad_maps():

@@ -23,7 +23,7 @@ perturbation.py``, ``perturbation_image`` / ``perturbation_text``):
   ``"visual_bert"``, as :mod:`vitlab.relevance.visualbert` tells the family) the last *two*
   real tokens are always kept (``keep_end=2``, :func:`keep_end_for`; a smaller ``keep_end`` is
   refused: the model would read its answer off another token); its image steps are
-  :data:`VISUALBERT_IMAGE_STEPS`;
+  :data:`VISUALBERT_IMAGE_STEPS` (the default for such a model's image tests, :func:`steps_for`);
 - image: every image token can be removed. At step 1 the reference keeps ``int(0 * n) = 0``
   regions; Hugging Face's LXMERT cannot run on zero regions (its attention cannot reshape an
   empty sequence), so a step that leaves no image token passes one *blank* token instead
@@ -73,7 +73,7 @@ from vitlab.compat import replaced_names
 __all__ = [
     "IMAGE_KEYS", "PERTURBATION_STEPS", "TEXT_KEYS", "VISUALBERT_IMAGE_STEPS", "PerturbationCurve",
     "corner_tokens", "hiding_effect", "image_token_roles", "keep_end_for", "kept_indices",
-    "perturbation_curve", "perturbation_test", "token_inputs",
+    "perturbation_curve", "perturbation_test", "steps_for", "token_inputs",
     "PERTURBATION_TESTS", "Verdict", "lxmert_answers_without", "perturbation_grid", "perturbation_rows",
     "perturbation_verdicts", "text_occlusion",
 ]
@@ -152,6 +152,18 @@ def keep_end_for(model) -> int:
     (``config.model_type == "visual_bert"``: the answer token before ``[SEP]``, and ``[SEP]``),
     1 (``[SEP]``) for every other model."""
     return 2 if getattr(getattr(model, "config", None), "model_type", None) == "visual_bert" else 1
+
+
+def steps_for(model, modality: str) -> tuple[float, ...]:
+    """The fractions removed when ``steps`` is not given, as the reference code runs each model:
+    :data:`VISUALBERT_IMAGE_STEPS` for a VisualBERT model's image test (``config.model_type ==
+    "visual_bert"``; ``VisualBERT/mmf/trainers/core/evaluation_loop.py``), else
+    :data:`PERTURBATION_STEPS` (LXMERT's two tests and VisualBERT's text test)."""
+    if modality not in ("image", "text"):
+        raise ValueError(f"modality must be 'image' or 'text', got {modality!r}")
+    if modality == "image" and keep_end_for(model) == 2:
+        return VISUALBERT_IMAGE_STEPS
+    return PERTURBATION_STEPS
 
 
 def _keep_end(model, keep_end) -> int:
@@ -297,7 +309,7 @@ def _perturbed_batch(inputs: dict, maps: torch.Tensor, modality: str, step: floa
 
 
 def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool = True, answers=None,
-                       steps=PERTURBATION_STEPS, batch_size: int = 256,
+                       steps=None, batch_size: int = 256,
                        keep_end: int | None = None) -> PerturbationCurve:
     """The perturbation test of Chefer et al. (2021, sec. 5) for one modality and given maps.
 
@@ -314,7 +326,9 @@ def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool 
         modality: ``"image"`` or ``"text"``: the tokens removed.
         positive: remove the most relevant first (True) or the least relevant first (False).
         answers: ``B`` true answer ids; None: the model's unperturbed predictions.
-        steps: fractions removed (default :data:`PERTURBATION_STEPS`).
+        steps: fractions removed; None (default): :func:`steps_for` the model and modality
+            (:data:`VISUALBERT_IMAGE_STEPS` for VisualBERT's image test, else
+            :data:`PERTURBATION_STEPS`).
         batch_size: questions per forward.
         keep_end: final real tokens always kept; None (default): :func:`keep_end_for` the model
             (1: ``[SEP]``, LXMERT; 2: the answer token and ``[SEP]``, VisualBERT, which refuses
@@ -326,6 +340,8 @@ def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool 
     if not isinstance(inputs, dict):
         raise TypeError(f"inputs must be a dict of the model's keyword inputs, got {type(inputs).__name__}")
     keep_end = _keep_end(model, keep_end)
+    if steps is None:
+        steps = steps_for(model, modality)
     inputs = token_inputs(model, inputs)
     maps = torch.as_tensor(maps).detach()
     answers = None if answers is None else torch.as_tensor(answers).detach().long()
@@ -355,14 +371,15 @@ def perturbation_curve(model, inputs: dict, maps, modality: str, positive: bool 
 
 
 def perturbation_test(model, inputs: dict, method, modality: str, positive: bool = True, answers=None,
-                      steps=PERTURBATION_STEPS, batch_size: int = 256, keep_end: int | None = None,
+                      steps=None, batch_size: int = 256, keep_end: int | None = None,
                       **method_kwargs) -> PerturbationCurve:
     """:func:`perturbation_curve` with the maps of ``method(model, inputs, **method_kwargs)``.
 
     ``method`` returns :class:`vitlab.relevance.BimodalMaps` (``.image``, ``.text``), e.g.
     ``lxmert_relevance`` (which explains the predicted answer, as the reference does),
     ``lxmert_raw_attention``, ``lxmert_rollout``, ``lxmert_gradcam``, ``visualbert_relevance``.
-    The maps are computed on the unperturbed input once.
+    The maps are computed on the unperturbed input once; ``steps`` None follows the model
+    (:func:`steps_for`).
     """
     keep_end = _keep_end(model, keep_end)
     result = method(model, inputs, **method_kwargs)
@@ -538,15 +555,15 @@ def perturbation_grid(model, inputs: dict, maps: dict, answers, tests=PERTURBATI
     ``tests``: ``(modality, positive)`` pairs. Returns ``(method, modality, positive)`` ->
     :class:`vitlab.bimodal_faithfulness.PerturbationCurve`, each equal to
     ``perturbation_curve(model, inputs, maps[method][modality], modality, positive, answers,
-    steps, keep_end=keep_end)``. Faster: an input that several curves perturb the same way
+    steps, keep_end=keep_end)`` (``steps`` the same for every test when given). Faster: an input that several curves perturb the same way
     (every curve's step 0; the same words kept from a short question by several steps or
     methods) runs once. Questions never share a forward's result, so a batch gives what its
-    questions give one by one. ``steps``: default
-    :data:`vitlab.bimodal_faithfulness.PERTURBATION_STEPS`; ``answers``: ``B`` true answer ids;
+    questions give one by one. ``steps``: None (default) follows the model and modality
+    (:func:`vitlab.bimodal_faithfulness.steps_for`: :data:`VISUALBERT_IMAGE_STEPS` for
+    VisualBERT's image tests, :data:`PERTURBATION_STEPS` otherwise); ``answers``: ``B`` true answer ids;
     ``keep_end``: None follows the model (:func:`vitlab.bimodal_faithfulness.keep_end_for`: 2 for
     VisualBERT, whose answer token before ``[SEP]`` stays, 1 otherwise). The model runs in eval mode without gradients and is left as it was.
     """
-    steps = tuple(float(s) for s in (PERTURBATION_STEPS if steps is None else steps))
     if not isinstance(inputs, dict):
         raise TypeError(f"inputs must be a dict of the model's keyword inputs, got {type(inputs).__name__}")
     if not maps or not tests:
@@ -554,17 +571,22 @@ def perturbation_grid(model, inputs: dict, maps: dict, answers, tests=PERTURBATI
     inputs = token_inputs(model, inputs)
     keep_end = keep_end_for(model) if keep_end is None else keep_end
     answers = torch.as_tensor(answers).detach().long().cpu()
+    given = steps
+    steps = {}                                  # modality -> its fractions removed
     checked = {}
     for name, per in maps.items():
         for modality, positive in tests:
             if modality not in per:
                 raise ValueError(f"maps[{name!r}] has no {modality!r} map (keys {tuple(per)})")
             m = torch.as_tensor(per[modality]).detach().cpu()
-            _check(inputs, m, modality, answers, steps, keep_end)
+            s = steps_for(model, modality) if given is None else given
+            _check(inputs, m, modality, answers, s, keep_end)
+            steps[modality] = tuple(float(v) for v in s)
             checked[name, modality] = m
     mask = inputs["attention_mask"].cpu()
     B = mask.shape[0]
-    kept = {(name, modality, positive): _kept_sets(checked[name, modality], mask, modality, positive, steps, keep_end)
+    kept = {(name, modality, positive): _kept_sets(checked[name, modality], mask, modality, positive, steps[modality],
+                                                   keep_end)
             for name in maps for modality, positive in tests}
     was_training = model.training
     model.eval()
@@ -584,7 +606,7 @@ def perturbation_grid(model, inputs: dict, maps: dict, answers, tests=PERTURBATI
                         continue
                     p = torch.tensor([[preds[slot[b, k]] for k in sets[b]] for b in range(B)], dtype=torch.long)
                     n_kept = torch.tensor([[len(k) for k in sets[b]] for b in range(B)], dtype=torch.long)
-                    out[key] = PerturbationCurve(modality, key[2], steps, p == answers[:, None], n_kept, p)
+                    out[key] = PerturbationCurve(modality, key[2], steps[modality], p == answers[:, None], n_kept, p)
     finally:
         model.train(was_training)
     return {key: out[key] for key in kept}
