@@ -405,7 +405,8 @@ def otsu_threshold(values) -> int:
 #: How :func:`map_to_mask` cuts a map: ``"otsu"`` (Chefer et al.'s DETR experiment,
 #: ``DETR/mask_generator.py``) or ``"mean"`` (the ImageNet-segmentation benchmark of Chefer et
 #: al.'s ViT code, ``imagenet_seg_eval.py``, reused by Gandelsman et al.'s
-#: ``compute_segmentations.py``: min-max scaled, foreground above the map's mean).
+#: ``compute_segmentations.py``: min-max scaled, foreground above the map's mean). Both cut the
+#: patch grid here; the benchmark's code cuts pixels, after upsampling the map bilinearly.
 MASK_RULES = ("otsu", "mean")
 
 
@@ -414,7 +415,8 @@ def map_to_mask(maps, size: tuple[int, int], upsample: str = "bilinear", rule: s
     the reference's ``DETR/mask_generator.py`` makes them: each map min-max scaled to 0..255, cast
     to uint8, thresholded by Otsu on the patch grid (:func:`otsu_threshold`), then brought to the
     image size. ``rule="mean"``: each map min-max scaled to [0, 1] and the patches above its mean
-    kept (the ImageNet-segmentation benchmark's rule, :data:`MASK_RULES`). ``upsample="bilinear"``: as DETR's ``PostProcessSegm`` does it (bilinear
+    kept (the ImageNet-segmentation benchmark's rule, :data:`MASK_RULES`, which its code applies to
+    pixels after upsampling the map bilinearly; here to the patch grid, like Otsu). ``upsample="bilinear"``: as DETR's ``PostProcessSegm`` does it (bilinear
     interpolation of the grid mask, ``align_corners=False``, foreground where the value is
     > 0, i.e. its sigmoid > 0.5); ``"nearest"``: each patch's pixels take its value. A constant
     map gives an empty mask (nothing stands out)."""

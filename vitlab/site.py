@@ -203,15 +203,16 @@ CHAPTERS: tuple[Chapter, ...] = (
     Chapter("10_detr",
             "relevance for an encoder-decoder, the detector DETR: the rules for object queries that "
             "attend to an encoded image, one map per detected object, graded by pointing and, as the "
-            "paper does, as a segmentation of the object (mask IoU, mask AP) against its baselines",
+            "paper does, as a segmentation of the object (mask IoU, mask AP) against three of its five "
+            "baselines",
             (_CHEFER_GENERIC,
              Paper("Nicolas Carion et al. (ECCV 2020), *End-to-End Object Detection with Transformers* "
                    "(DETR)", "https://arxiv.org/abs/2005.12872", "Carion")),
             "solutions/10_detr_solutions.ipynb",
             code=("vitlab/relevance/detr.py",)),
     Chapter("11_clip",
-            "what a map of an image-text pair means, Chefer et al.'s rule on both of CLIP's towers, its "
-            "baselines, Grad-ECLIP, LeGrad and the decomposition of the image embedding, graded by "
+            "what a map of an image-text pair means, Chefer et al.'s rule on both of CLIP's towers, three "
+            "of its baselines, Grad-ECLIP, LeGrad and the decomposition of the image embedding, graded by "
             "pointing at the named shape, segmentation IoU, deletion curves, SaCo of the pair's score "
             "and the caption's words",
             (_CHEFER_GENERIC,
